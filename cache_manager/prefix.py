@@ -1,0 +1,149 @@
+"""Longest common token prefix and the reuse decision (pure functions, no torch).
+
+A session's cache holds the KV of its committed token ids. A new prompt can reuse the
+cache up to the longest common prefix of the two id sequences, compared token by token
+(never by a hash: two different prompts must never share KV). This module decides *how
+many* cached tokens a request reuses and, when it reuses none, *why*; `cache_manager/kv.py`
+then crops or grows the tensors accordingly and the engine prefills the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+__all__ = [
+    "DIVERGED",
+    "EVICTED",
+    "EXPIRED",
+    "MISS_REASONS",
+    "MissReason",
+    "NEW_SESSION",
+    "NOT_CROPPABLE",
+    "TOO_SHORT",
+    "ReuseDecision",
+    "common_prefix_len",
+    "decide_reuse",
+]
+
+MissReason = Literal["new_session", "evicted", "expired", "diverged", "not_croppable", "too_short"]
+"""Why a request reused no cached token (the `X-Cache-Miss-Reason` header and a metric label).
+
+* ``new_session``: no entry for the key and none was dropped recently (first turn).
+* ``evicted``: the key's entry was dropped to make room (LRU, byte budget).
+* ``expired``: the key's entry was idle longer than the TTL.
+* ``diverged``: an entry exists but its first token already differs from the prompt.
+* ``not_croppable``: the prompt shares a prefix with the entry but does not extend it, and
+  the cache has layers that cannot be cut back (sliding windows past their window,
+  recurrent state), so nothing is reusable.
+* ``too_short``: the prompt is empty, or one token long and matching the entry; that last
+  token must be recomputed anyway to get logits, so nothing is left to reuse.
+
+`decide_reuse` only sees token lists, so it returns ``new_session`` for an empty cache;
+the caller replaces it with `SessionStore.lookup_miss_reason` (``evicted``/``expired``).
+"""
+
+NEW_SESSION: Final = "new_session"
+EVICTED: Final = "evicted"
+EXPIRED: Final = "expired"
+DIVERGED: Final = "diverged"
+NOT_CROPPABLE: Final = "not_croppable"
+TOO_SHORT: Final = "too_short"
+MISS_REASONS: Final[tuple[str, ...]] = (
+    NEW_SESSION,
+    EVICTED,
+    EXPIRED,
+    DIVERGED,
+    NOT_CROPPABLE,
+    TOO_SHORT,
+)
+
+# NOTE: comparing slices runs in C; only the first differing chunk is scanned in Python.
+_CHUNK: Final = 256
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading positions where `a` and `b` hold the same token id.
+
+    Exact comparison of every id up to the first difference (or the shorter length).
+    Lists and tuples may be mixed.
+    """
+    n = min(len(a), len(b))
+    if type(a) is not type(b) or not isinstance(a, (list, tuple)):
+        # NOTE: a list slice never equals a tuple slice; normalise once so chunks compare.
+        a, b = list(a[:n]), list(b[:n])
+    start = 0
+    while start < n:
+        stop = min(start + _CHUNK, n)
+        if a[start:stop] != b[start:stop]:
+            for i in range(start, stop):
+                if a[i] != b[i]:
+                    return i
+        start = stop
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseDecision:
+    """How much of a session's cache one request reuses.
+
+    * `n_reused`: cached tokens kept; the engine prefills ``prompt[n_reused:]`` and reports
+      it as ``usage.prompt_tokens_details.cached_tokens``.
+    * `miss_reason`: None on a hit (``n_reused > 0``); one of `MissReason` on a miss
+      (``n_reused == 0``), never None then.
+    * `crop`: True on a hit that keeps fewer tokens than are cached, so the cache must be
+      cut back to `n_reused` before prefilling (an edited history, a regenerated turn, or
+      a fully cached prompt whose last token is recomputed). Always False on a miss: the
+      whole cache is discarded and the prompt recomputed from scratch. Metrics or headers
+      may call a cropping hit a partial "diverged" reuse.
+    """
+
+    n_reused: int
+    miss_reason: str | None
+    crop: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_reused < 0:
+            raise ValueError(f"n_reused must be >= 0, got {self.n_reused}")
+        if self.n_reused == 0 and self.miss_reason is None:
+            raise ValueError("a decision that reuses nothing must give a miss_reason")
+        if self.n_reused > 0 and self.miss_reason is not None:
+            raise ValueError("a hit (n_reused > 0) has no miss_reason")
+        if self.miss_reason is not None and self.miss_reason not in MISS_REASONS:
+            raise ValueError(f"unknown miss_reason {self.miss_reason!r}")
+        if self.crop and self.n_reused == 0:
+            raise ValueError("a miss never crops (the cache is recomputed)")
+
+    @property
+    def hit(self) -> bool:
+        """True when at least one cached token is reused."""
+        return self.n_reused > 0
+
+
+def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool) -> ReuseDecision:
+    """Decide how many of the `cached` tokens' KV a request for `prompt` reuses.
+
+    `cached` are the session's committed token ids (empty when it has no entry); `can_crop`
+    says whether every layer of its cache can be cut back to an earlier length (False once
+    a sliding-window layer has wrapped, or for recurrent layers).
+
+    Rules, in order:
+      1. ``n = common_prefix_len(cached, prompt)``, capped at ``len(prompt) - 1``: a fully
+         cached prompt still recomputes its last token to get the next-token logits.
+      2. ``n == 0``: miss ``new_session`` (nothing cached), ``too_short`` (the prompt is
+         empty, or a single token that matches) or ``diverged`` (the first id differs).
+      3. ``n < len(cached)`` and not `can_crop`: miss ``not_croppable``; such a cache is
+         reusable only when the prompt strictly extends every cached token.
+      4. Otherwise a hit of ``n`` tokens, with ``crop = n < len(cached)``.
+    """
+    if not cached:
+        return ReuseDecision(0, NEW_SESSION)
+    common = common_prefix_len(cached, prompt)
+    n = min(common, len(prompt) - 1)
+    if n <= 0:
+        return ReuseDecision(0, TOO_SHORT if common > 0 or not prompt else DIVERGED)
+    crop = n < len(cached)
+    if crop and not can_crop:
+        return ReuseDecision(0, NOT_CROPPABLE)
+    return ReuseDecision(n, None, crop=crop)

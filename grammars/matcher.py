@@ -1,0 +1,190 @@
+"""Per-request grammar state: token mask, accept, rollback, fast-forward, termination.
+
+One `Matcher` per sequence (n > 1 gives each choice its own), made by
+`CompiledGrammar.new_matcher()`. It is driven by one thread, the engine's; only the mask
+computation may run in the shared worker thread, and every state change waits for it first.
+
+Shapes: logits [vocab_size] float (a row of the engine's [batch, vocab_size] logits is fine);
+the mask is kept as an additive bias [vocab_size] float32 of 0 (allowed) / -inf (disallowed),
+so applying it is one vectorised add (a few µs on 49k tokens; masked_fill with a random mask
+is ~20x slower). No torch.compile kernel, so the first request does not stall.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+from llguidance import LLMatcher
+
+_LUT = np.array([-np.inf, 0.0], dtype=np.float32)  # bit -> additive bias
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _mask_executor() -> ThreadPoolExecutor:
+    """One worker for all matchers: masks are tens of µs, the forward pass they hide behind ms."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(1, "kvserve-grammar-mask")
+        return _executor
+
+
+class Matcher:
+    """Grammar state of one sequence.
+
+    Per decode step (see grammars/__init__.py for the loop):
+    `start_mask()` before the forward pass, `apply_mask(logits)` after it, `accept(token)` for the
+    sampled token, then `is_terminated` / `fast_forward_tokens()`.
+
+    A token the grammar refuses puts the matcher in an error state for good: `accept` returns
+    False and `error` says why. Its mask then allows only EOS, so the engine must fail the request
+    on a False `accept` rather than let it end as a normal "stop".
+    """
+
+    def __init__(
+        self,
+        ll_matcher: LLMatcher,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        *,
+        ll_vocab_size: int | None = None,
+        fast_forward: bool = True,
+    ) -> None:
+        self._ll = ll_matcher
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._fast_forward = fast_forward
+        # NOTE: llguidance's vocabulary may be wider than the logits (tokens the model cannot emit).
+        n_words = (max(vocab_size, ll_vocab_size or 0) + 31) // 32
+        self._words = np.zeros(n_words, dtype=np.int32)
+        self._bias: torch.Tensor | None = None
+        self._pending: Future | None = None
+        self._mask_ready = False
+        # True per accepted token that llguidance recorded (EOS after a stop is not recorded).
+        self._recorded: list[bool] = []
+        self.last_mask_s = 0.0  # seconds the last mask took to compute (metrics)
+
+    # ------------------------------------------------------------------ mask
+
+    def start_mask(self) -> None:
+        """Compute the next mask in the worker thread (returns at once). Idempotent."""
+        if not self._mask_ready and self._pending is None:
+            self._pending = _mask_executor().submit(self._compute_mask)
+
+    def fill_next_mask(self) -> None:
+        """Make the mask for the current state ready: wait for the worker or compute it here."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+        elif not self._mask_ready:
+            self._compute_mask()
+
+    def apply_mask(self, logits: torch.Tensor) -> None:
+        """Set the logits of disallowed tokens to -inf, in place (allowed ones are untouched)."""
+        if logits.shape[-1] != self.vocab_size:
+            raise ValueError(f"logits width {logits.shape[-1]} != vocab_size {self.vocab_size}")
+        self.fill_next_mask()
+        bias = self._bias
+        if logits.device != bias.device or logits.dtype != bias.dtype:
+            bias = bias.to(device=logits.device, dtype=logits.dtype, non_blocking=True)
+        logits.add_(bias)
+
+    def allowed_tokens(self) -> torch.Tensor:
+        """Bool [vocab_size]: which tokens the grammar allows next (debugging and tests)."""
+        self.fill_next_mask()
+        return self._bias == 0
+
+    def _compute_mask(self) -> None:
+        t0 = time.perf_counter()
+        # NOTE: llguidance writes the bitmask straight into our buffer and drops the GIL meanwhile.
+        self._ll.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        bits = np.unpackbits(self._words.view(np.uint8), count=self.vocab_size, bitorder="little")
+        if self._bias is None:
+            self._bias = torch.empty(self.vocab_size, dtype=torch.float32)
+        np.take(_LUT, bits, out=self._bias.numpy())
+        self._mask_ready = True
+        self.last_mask_s = time.perf_counter() - t0
+
+    def _settle(self) -> None:
+        """Wait for an in-flight mask, then mark it stale: the state is about to change."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+        self._mask_ready = False
+
+    # ------------------------------------------------------------------ state changes
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token. False = the grammar refused it (see `error`)."""
+        self._settle()
+        if token_id in self.eos_token_ids and self._ll.is_stopped() and not self._ll.is_error():
+            self._recorded.append(False)  # llguidance ignores EOS once stopped
+            return True
+        ok = self._ll.consume_token(token_id)
+        if ok:
+            self._recorded.append(True)
+        return ok
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Accept several tokens (e.g. fast-forwarded ones); stops at the first refused one."""
+        return all(self.accept(t) for t in token_ids)
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n accepted tokens (n <= tokens accepted). Cannot undo an error state."""
+        if n < 0 or n > len(self._recorded):
+            raise ValueError(f"cannot roll back {n} of {len(self._recorded)} tokens")
+        if n == 0:
+            return
+        self._settle()
+        undone = self._recorded[-n:]
+        del self._recorded[-n:]
+        k = sum(undone)
+        if k and not self._ll.rollback(k):
+            raise RuntimeError(f"llguidance rollback failed: {self.error}")
+
+    def fast_forward_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (not yet accepted: the engine accepts and feeds them).
+
+        Empty when nothing is forced, the sequence is finished, or the tokenizer is not
+        canonical (then forced tokens could differ from the model's own tokenization).
+        """
+        if not self._fast_forward or self._ll.is_stopped():
+            return []
+        self._settle()
+        return list(self._ll.compute_ff_tokens())
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete (or EOS was accepted): finish without another forward pass."""
+        return self._ll.is_stopped() and not self._ll.is_error()
+
+    @property
+    def is_accepting(self) -> bool:
+        """The output so far is a complete match: EOS is allowed now."""
+        return self._ll.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (one line), or None."""
+        err = self._ll.get_error()
+        if not err:
+            return None
+        return " ".join(err.replace("<non-verbose/>", "").split())
+
+    @property
+    def stop_reason(self) -> str:
+        """llguidance's stop reason: "NotStopped", "NoExtension", "EndOfSentence", ..."""
+        return self._ll.stop_reason()
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self._recorded)
+

@@ -1,0 +1,136 @@
+"""create_app(settings) -> FastAPI.
+
+The lifespan starts loading the model in the background, so the process answers /health at once
+and /ready turns 200 only after the model is loaded and one warm-up generation step has run.
+Routes that need the model answer 503 `model_loading` until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+
+from fastapi import FastAPI
+from prometheus_client import start_http_server
+
+from server import __version__ as VERSION
+from server.engine import Engine, EngineConfig
+from server.errors import APIError, install_handlers
+from server.metrics import Metrics
+from server.middleware import Auth, BodyLimit, RequestMetrics
+from server.model_loader import LoadedModel, load_model
+from server.routes import chat, completions, health, models
+from server.sampling import SamplingParams
+from server.sequence import GenerationRequest
+from server.serving import ServingContext
+from server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+
+class AppState:
+    """Lives on `app.state.kv`: the serving context once ready, and the lifecycle flags."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.ctx: ServingContext | None = None
+        self.load_error: str | None = None
+        self.draining = False
+
+    @property
+    def ready(self) -> bool:
+        return self.ctx is not None and not self.draining
+
+    def require_ctx(self) -> ServingContext:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+        if self.ctx is None:
+            raise APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
+        return self.ctx
+
+
+def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> ServingContext:
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(
+            max_context=loaded.max_context,
+            max_queue=settings.max_queue,
+            max_running=settings.max_running,
+        ),
+        metrics=metrics,
+    )
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    metrics.info.info({"model": loaded.model_id, "dtype": dtype, "device": loaded.device.type, "version": VERSION})
+    fingerprint = "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}".encode()).hexdigest()[:10]
+    return ServingContext(
+        engine=engine,
+        tokenizer=loaded.tokenizer,
+        metrics=metrics,
+        model_id=settings.served_model_name or loaded.model_id,
+        model_aliases=frozenset(settings.model_aliases) | {loaded.model_id},
+        max_context=loaded.max_context,
+        vocab_size=loaded.model.config.get_text_config(decoder=True).vocab_size,
+        max_tokens_default=settings.max_tokens_default,
+        request_timeout_s=settings.request_timeout_s,
+        fingerprint=fingerprint,
+    )
+
+
+async def warm_up(ctx: ServingContext) -> None:
+    """One real generation step through the engine, so the first request pays no warm-up."""
+    request = GenerationRequest("warmup", ctx.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0.0))
+    async for _ in ctx.engine.submit(request, asyncio.get_running_loop()):
+        pass
+
+
+async def _load(state: AppState, loaded: LoadedModel | None) -> None:
+    s = state.settings
+    try:
+        if loaded is None:
+            loaded = await asyncio.to_thread(
+                load_model, s.model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
+                trust_remote_code=s.trust_remote_code, max_model_len=s.max_model_len,
+            )
+        ctx = build_context(s, loaded, state.metrics)
+        ctx.engine.start()
+        await warm_up(ctx)
+        state.ctx = ctx
+        log.info("ready: %s on %s (%s)", ctx.model_id, loaded.device, loaded.dtype)
+    except Exception as exc:  # surfaced on /ready; the process stays up for inspection
+        state.load_error = str(exc)
+        log.exception("model load failed")
+
+
+def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI:
+    """The app; `loaded` lets tests share one already loaded model between apps."""
+    metrics = Metrics()
+    state = AppState(settings, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if settings.metrics_port is not None:
+            start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
+        loader = asyncio.create_task(_load(state, loaded))
+        try:
+            yield
+        finally:
+            state.draining = True
+            loader.cancel()
+            if state.ctx is not None:
+                await asyncio.to_thread(state.ctx.engine.stop)
+
+    app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
+    app.state.kv = state
+    install_handlers(app)
+    for module in (health, models, chat, completions):
+        app.include_router(module.router)
+    # The last added runs first: metrics see every request, auth runs before any body is read.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(Auth, keys=settings.api_keys(), metrics=metrics)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    return app

@@ -1,0 +1,83 @@
+"""Token ids -> text deltas that never split a UTF-8 character, with stop strings.
+
+`TextStream.push(token_id)` returns the text that is now safe to send: text that cannot still
+turn out to be the start of a stop string, and no trailing half of a multi-byte character
+(byte-level tokenizers decode those as U+FFFD until the rest arrives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    stopped: bool = False  # a stop string matched; `text` ends right before it
+
+
+class TextStream:
+    """Incremental detokenizer for one sequence's generated tokens."""
+
+    # NOTE: decoding a short window (prefix_offset..) instead of all tokens keeps each push
+    # O(window); the window starts a few tokens back so that tokenizers whose pieces depend on
+    # their left neighbour (leading-space handling) still decode the new piece correctly.
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stops = tuple(s for s in stops if s)
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._text = ""  # all decoded text so far
+        self._sent = 0  # how much of _text has been handed out
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _decode_new(self) -> str:
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full[len(prefix) :]
+
+    def push(self, token_id: int) -> Delta:
+        if self.stopped:
+            return Delta("", stopped=True)
+        self._ids.append(token_id)
+        self._text += self._decode_new()
+        if self._stops:
+            search_from = max(0, self._sent - max(len(s) for s in self._stops) + 1)
+            hits = [i for s in self._stops if (i := self._text.find(s, search_from)) >= 0]
+            if hits:
+                end = min(hits)
+                out = self._text[self._sent : end]
+                self._sent = len(self._text)
+                self.stopped = True
+                return Delta(out, stopped=True)
+        safe = len(self._text) - _held_back(self._text, self._stops)
+        out = self._text[self._sent : safe]
+        self._sent = max(self._sent, safe)
+        return Delta(out)
+
+    def flush(self) -> str:
+        """At the end of generation: whatever was held back (a stop-string prefix, say)."""
+        if self.stopped:
+            return ""
+        rest = self._text[self._sent :]
+        self._sent = len(self._text)
+        return rest

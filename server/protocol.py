@@ -1,0 +1,171 @@
+"""OpenAI wire models (requests) with their bounds; the engine never imports this module.
+
+Fields follow the order of OpenAI's API reference, extensions (top_k, structured outputs) last.
+Unknown fields are ignored, as OpenAI's own clients send fields a server may not know. Each
+request converts itself to the engine's `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from server.sampling import SamplingParams
+
+MAX_N = 16
+MAX_STOP = 4
+MAX_TOKENS_LIMIT = 1_000_000
+INT64 = 2**63
+
+StopString = Annotated[str, Field(min_length=1, max_length=1024)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=MAX_TOKENS_LIMIT)]
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: Annotated[str, Field(max_length=10_000_000)]
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, Field(max_length=10_000_000)] | Annotated[list[TextPart], Field(max_length=1024)] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The dict a chat template expects: role + plain-text content (+ tool fields)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        out["content"] = self.text()
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if (value := getattr(self, key)) is not None:
+                out[key] = value
+        return out
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by chat and completions requests."""
+
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    user: Annotated[str, Field(max_length=512)] | None = None
+    prompt_cache_key: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # extensions
+    top_k: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """logit_bias keys are token ids written as strings (OpenAI's wire format)."""
+        out: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            out[int(key)] = value
+        return out
+
+    def sampling_params(self, max_tokens: int, *, logprobs: bool, top_logprobs: int, seed_offset: int = 0) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            seed=None if self.seed is None else self.seed + seed_offset,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias_ids(),
+            stop=self.stop_strings(),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    logprobs: bool = False
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+        return self.sampling_params(
+            max_tokens,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            seed_offset=seed_offset,
+        )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        Annotated[str, Field(max_length=10_000_000)]
+        | Annotated[list[Annotated[str, Field(max_length=10_000_000)]], Field(min_length=1, max_length=64)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=64)]
+    )
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # NOTE: the legacy Completions API defaults to 16 tokens, and clients rely on it.
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] = 16
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    def to_sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+        return self.sampling_params(
+            max_tokens,
+            logprobs=self.logprobs is not None,
+            top_logprobs=self.logprobs or 0,
+            seed_offset=seed_offset,
+        )

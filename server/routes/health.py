@@ -1,0 +1,44 @@
+"""Liveness, readiness, version and Prometheus metrics."""
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from server import __version__
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> dict:
+    """200 while the process is alive (even while the model loads)."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """200 once the model is loaded and warmed up; 503 before, and again while shutting down."""
+    state = request.app.state.kv
+    if state.ready:
+        return JSONResponse({"status": "ready", "model": state.ctx.model_id})
+    if state.draining:
+        reason = "shutting down"
+    elif state.load_error:
+        reason = f"model failed to load: {state.load_error}"
+    else:
+        reason = "loading"
+    return JSONResponse(
+        {"error": {"message": reason, "type": "service_unavailable", "param": None, "code": "not_ready"}},
+        status_code=503,
+        headers={"Retry-After": "5"},
+    )
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": __version__}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    m = request.app.state.kv.metrics
+    return Response(m.render(), media_type=m.content_type)

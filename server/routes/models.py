@@ -1,0 +1,25 @@
+"""GET /v1/models: the one served model (aliases are accepted in requests, not listed)."""
+
+from fastapi import APIRouter, Request
+
+from server.errors import APIError
+
+router = APIRouter()
+
+
+def _card(model_id: str, ctx) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "kvserve", "max_model_len": ctx.max_context}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    ctx = request.app.state.kv.require_ctx()
+    return {"object": "list", "data": [_card(ctx.model_id, ctx)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict:
+    ctx = request.app.state.kv.require_ctx()
+    if model_id != ctx.model_id and model_id not in ctx.model_aliases:
+        raise APIError(404, f"The model '{model_id}' does not exist", code="model_not_found", param="model")
+    return _card(ctx.model_id, ctx)

@@ -1,0 +1,109 @@
+"""One request's generation state inside the engine, and the outputs it streams back.
+
+The HTTP side only ever sees `RequestOutput`s (plain data); the engine thread owns everything
+else here and is the only one to mutate it, except `cancelled`, which any thread may set.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from server.detokenizer import TextStream
+from server.sampling import SamplingParams, make_generator
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """What the HTTP layer asks of the engine: token ids in, tokens out."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+
+
+@dataclass(slots=True)
+class TokenInfo:
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A chunk of one request's result; the last one has `finish_reason` (or `error`) set."""
+
+    text: str = ""
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # "timeout" | "internal" | "out_of_memory"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt, generated tokens, KV cache and sampling state of one running request."""
+
+    def __init__(self, request: GenerationRequest, tokenizer) -> None:
+        self.request = request
+        self.params = request.params
+        self.prompt_ids = request.prompt_ids
+        self.generated: list[int] = []
+        self.status = Status.WAITING
+        self.cache = None  # a StaticCache once admitted
+        self.n_computed = 0  # prompt+generated tokens whose KV is in the cache
+        self.cached_tokens = 0  # tokens reused from an earlier request
+        self.text = TextStream(tokenizer, request.params.stop)
+        self.generator = make_generator(request.params.seed)
+        self.counts: torch.Tensor | None = None  # token counts, only when penalties are on
+        self.cancelled = False
+        self.submitted_at = time.monotonic()
+        self.deadline = (
+            self.submitted_at + request.timeout_s if request.timeout_s is not None else None
+        )
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def pending_ids(self) -> list[int]:
+        """Tokens not yet in the KV cache (the prompt suffix, or the last sampled token)."""
+        return self.all_ids[self.n_computed :]
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def final_output(self, finish_reason: str, error: str | None = None, text: str = "") -> RequestOutput:
+        return RequestOutput(
+            text=text,
+            finish_reason=finish_reason,
+            error=error,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.generated),
+            cached_tokens=self.cached_tokens,
+        )

@@ -1,0 +1,236 @@
+"""What chat and completions share: admission, collecting or streaming choices, usage, errors.
+
+A request with `n` choices becomes `n` engine sequences. Non-streaming requests watch for the
+client's disconnect and abort their sequences; streaming ones abort when the SSE generator is
+closed (sse-starlette closes it on disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+
+from server.engine import Engine, EngineStopped, QueueFull, RequestHandle
+from server.errors import APIError
+from server.metrics import Metrics
+from server.sequence import GenerationRequest, RequestOutput, TokenInfo
+
+RETRY_AFTER_S = "1"
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """Everything a route needs, built once by the app's lifespan."""
+
+    engine: Engine
+    tokenizer: object
+    metrics: Metrics
+    model_id: str
+    model_aliases: frozenset[str]
+    max_context: int
+    vocab_size: int
+    max_tokens_default: int
+    request_timeout_s: float
+    fingerprint: str
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id and model not in self.model_aliases:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_id}'.",
+                code="model_not_found",
+                param="model",
+            )
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        """max_tokens within the context, or 400 context_length_exceeded with the numbers."""
+        room = self.max_context - prompt_len
+        if requested is None:
+            if room >= 1:
+                return min(self.max_tokens_default, room)
+            requested = 1
+        if requested > room:
+            self.metrics.rejections.labels("too_long").inc()
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_context} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"{requested} for the completion). Please reduce the prompt or the completion length.",
+                code="context_length_exceeded",
+                param=param,
+            )
+        return requested
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if t >= self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", code="invalid_value", param=param)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+@dataclass(slots=True)
+class Choice:
+    """One choice's accumulated result (non-streaming)."""
+
+    index: int
+    text: str = ""
+    tokens: list[TokenInfo] = field(default_factory=list)
+    final: RequestOutput | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def submit_all(ctx: ServingContext, requests: list[GenerationRequest]) -> list[RequestHandle]:
+    """Admit all of a request's sequences or none (429 when the queue is full)."""
+    loop = asyncio.get_running_loop()
+    handles: list[RequestHandle] = []
+    try:
+        for request in requests:
+            handles.append(ctx.engine.submit(request, loop))
+    except QueueFull as exc:
+        for handle in handles:
+            handle.cancel()
+        ctx.metrics.rejections.labels("queue_full").inc()
+        raise APIError(429, f"server busy: {exc}; retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S}) from None
+    except EngineStopped:
+        for handle in handles:
+            handle.cancel()
+        raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": RETRY_AFTER_S}) from None
+    return handles
+
+
+def engine_error(output: RequestOutput, timeout_s: float) -> APIError:
+    if output.error == "timeout":
+        return APIError(504, f"the request ran longer than its {timeout_s:g} s deadline", code="timeout")
+    if output.error == "out_of_memory":
+        return APIError(503, "out of memory for this request; retry later", code="out_of_memory", headers={"Retry-After": RETRY_AFTER_S})
+    return APIError(500, "internal error while generating", code="internal_error")
+
+
+class Tracker:
+    """Latency metrics of one choice as its outputs arrive."""
+
+    def __init__(self, metrics: Metrics, arrived: float, handle: RequestHandle) -> None:
+        self.metrics, self.arrived, self.handle = metrics, arrived, handle
+        self.last: float | None = None
+
+    def saw(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        if output.tokens:
+            if self.last is None:
+                cache = "hit" if output.cached_tokens else "miss"
+                self.metrics.ttft.labels(cache).observe(now - self.arrived)
+                if self.handle.first_scheduled_at is not None:
+                    self.metrics.queue_time.observe(self.handle.first_scheduled_at - self.arrived)
+            else:
+                self.metrics.itl.observe(now - self.last)
+            self.last = now
+        if output.finished:
+            self.metrics.e2e.observe(now - self.arrived)
+            self.metrics.prompt_tokens.inc(output.prompt_tokens)
+            self.metrics.generation_tokens.inc(output.completion_tokens)
+            self.metrics.cached_prompt_tokens.inc(output.cached_tokens)
+            self.metrics.prompt_length.observe(output.prompt_tokens)
+            self.metrics.generation_length.observe(output.completion_tokens)
+
+
+async def _merge(handles: list[RequestHandle], ctx: ServingContext, arrived: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of all choices as they come, tagged with the choice index."""
+    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        tracker = Tracker(ctx.metrics, arrived, handle)
+        async for output in handle:
+            tracker.saw(output)
+            await queue.put((index, output))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        for _ in range(len(handles)):
+            while True:
+                index, output = await queue.get()
+                yield index, output
+                if output.finished:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+        for handle in handles:
+            handle.cancel()
+
+
+async def _watch_disconnect(request: Request, handles: list[RequestHandle]) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for handle in handles:
+        handle.cancel()
+
+
+async def collect(ctx: ServingContext, request: Request, handles: list[RequestHandle], route: str) -> list[Choice]:
+    """Run all choices to the end; raise the engine's error as an APIError."""
+    arrived = time.monotonic()
+    choices = [Choice(i) for i in range(len(handles))]
+    watcher = asyncio.create_task(_watch_disconnect(request, handles))
+    try:
+        async for index, output in _merge(handles, ctx, arrived):
+            choice = choices[index]
+            choice.text += output.text
+            choice.tokens += output.tokens
+            if output.finished:
+                choice.final = output
+                ctx.metrics.finished.labels(route, output.finish_reason).inc()
+    finally:
+        watcher.cancel()
+    for choice in choices:
+        if choice.final.error is not None:
+            raise engine_error(choice.final, ctx.request_timeout_s)
+    return choices
+
+
+async def stream(
+    ctx: ServingContext,
+    handles: list[RequestHandle],
+    route: str,
+    on_output: Callable[[int, RequestOutput], list[dict]],
+    on_end: Callable[[list[RequestOutput]], list[dict]],
+) -> AsyncIterator[str]:
+    """SSE `data:` payloads: chunks from `on_output`, closing chunks from `on_end`, `[DONE]`."""
+    arrived = time.monotonic()
+    finals: list[RequestOutput] = []
+    async for index, output in _merge(handles, ctx, arrived):
+        if output.finished:
+            ctx.metrics.finished.labels(route, output.finish_reason).inc()
+            if output.error is not None:
+                yield json.dumps(engine_error(output, ctx.request_timeout_s).body())
+                return
+            finals.append(output)
+        for chunk in on_output(index, output):
+            yield json.dumps(chunk, ensure_ascii=False)
+    for chunk in on_end(finals):
+        yield json.dumps(chunk, ensure_ascii=False)
+    yield "[DONE]"
+
+
+def usage(finals: list[RequestOutput], n: int) -> dict:
+    """Usage of a request: each prompt counted once (not once per choice), completions summed."""
+    prompt = sum(o.prompt_tokens for o in finals) // n
+    completion = sum(o.completion_tokens for o in finals)
+    cached = sum(o.cached_tokens for o in finals) // n
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+

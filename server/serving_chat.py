@@ -1,0 +1,121 @@
+"""POST /v1/chat/completions: messages -> chat template -> engine -> OpenAI chat objects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import Request
+from jinja2 import TemplateError
+from sse_starlette import EventSourceResponse
+
+from server import serving
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest
+from server.sequence import GenerationRequest, RequestOutput, TokenInfo
+from server.serving import ServingContext
+
+ROUTE = "/v1/chat/completions"
+
+
+def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """Chat template -> token ids (runs off the event loop: templates and tokenizers are slow)."""
+    messages = [m.for_template() for m in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=body.tools, add_generation_prompt=True, tokenize=False
+        )
+    except TemplateError as exc:
+        raise APIError(400, f"the chat template rejected the messages: {exc}", code="invalid_value", param="messages") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def logprobs_entry(ctx: ServingContext, token: TokenInfo) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        text = ctx.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    entry = item(token.token_id, token.logprob)
+    entry["top_logprobs"] = [item(t, lp) for t, lp in token.top]
+    return entry
+
+
+async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
+    ctx.check_model(body.model)
+    prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body)
+    max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens(), "max_tokens")
+    try:
+        params = [body.to_sampling_params(max_tokens, seed_offset=i) for i in range(body.n)]
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value", param="logit_bias") from None
+    ctx.check_token_ids(list(params[0].logit_bias), "logit_bias")
+    request_id = serving.new_id("chatcmpl")
+    requests = [
+        GenerationRequest(f"{request_id}-{i}", prompt_ids, p, timeout_s=ctx.request_timeout_s)
+        for i, p in enumerate(params)
+    ]
+    handles = serving.submit_all(ctx, requests)
+    created = int(time.time())
+    head = {
+        "id": request_id,
+        "created": created,
+        "model": body.model,
+        "system_fingerprint": ctx.fingerprint,
+    }
+    if body.stream:
+        return EventSourceResponse(
+            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head)),
+            ping=15,
+        )
+    choices = await serving.collect(ctx, request, handles, ROUTE)
+    return {
+        **head,
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "logprobs": {"content": [logprobs_entry(ctx, t) for t in c.tokens]} if body.logprobs else None,
+                "finish_reason": c.final.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": serving.usage([c.final for c in choices], body.n),
+    }
+
+
+def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict):
+    """The two callbacks that turn engine outputs into chat.completion.chunk objects."""
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    started: set[int] = set()
+
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
+        out = {
+            **head,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def on_output(index: int, output: RequestOutput) -> list[dict]:
+        chunks = []
+        if index not in started:
+            started.add(index)
+            chunks.append(chunk(index, {"role": "assistant", "content": ""}))
+        logprobs = None
+        if body.logprobs and output.tokens:
+            logprobs = {"content": [logprobs_entry(ctx, t) for t in output.tokens]}
+        if output.text or logprobs:
+            chunks.append(chunk(index, {"content": output.text}, logprobs=logprobs))
+        if output.finished:
+            chunks.append(chunk(index, {}, finish_reason=output.finish_reason))
+        return chunks
+
+    def on_end(finals: list[RequestOutput]) -> list[dict]:
+        if not include_usage:
+            return []
+        return [{**head, "object": "chat.completion.chunk", "choices": [], "usage": serving.usage(finals, body.n)}]
+
+    return on_output, on_end

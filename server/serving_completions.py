@@ -1,0 +1,109 @@
+"""POST /v1/completions: prompt text or token ids -> engine -> OpenAI text_completion objects.
+
+Choice indices follow OpenAI: prompt p's j-th choice has index p * n + j.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import Request
+from sse_starlette import EventSourceResponse
+
+from server import serving
+from server.errors import APIError
+from server.protocol import CompletionRequest
+from server.sequence import GenerationRequest, RequestOutput, TokenInfo
+from server.serving import ServingContext
+
+ROUTE = "/v1/completions"
+
+
+def tokenize_prompts(tokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
+    return [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in prompts]
+
+
+def logprobs_block(ctx: ServingContext, tokens: list[TokenInfo], offset: int) -> dict:
+    """The legacy logprobs object: parallel lists of tokens, logprobs, top maps, text offsets."""
+    texts = [ctx.token_text(t.token_id) for t in tokens]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{ctx.token_text(i): lp for i, lp in t.top} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+async def create(ctx: ServingContext, body: CompletionRequest, request: Request):
+    ctx.check_model(body.model)
+    prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompts())
+    requests: list[GenerationRequest] = []
+    request_id = serving.new_id("cmpl")
+    for p, prompt_ids in enumerate(prompts):
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", code="invalid_value", param="prompt")
+        ctx.check_token_ids(prompt_ids, "prompt")
+        max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.max_tokens, "max_tokens")
+        for j in range(body.n):
+            try:
+                params = body.to_sampling_params(max_tokens, seed_offset=j)
+            except ValueError as exc:
+                raise APIError(400, str(exc), code="invalid_value", param="logit_bias") from None
+            ctx.check_token_ids(list(params.logit_bias), "logit_bias")
+            requests.append(GenerationRequest(f"{request_id}-{p * body.n + j}", prompt_ids, params, timeout_s=ctx.request_timeout_s))
+    handles = serving.submit_all(ctx, requests)
+    head = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "system_fingerprint": ctx.fingerprint,
+    }
+    if body.stream:
+        return EventSourceResponse(serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head)), ping=15)
+    choices = await serving.collect(ctx, request, handles, ROUTE)
+    return {
+        **head,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": logprobs_block(ctx, c.tokens, 0) if body.logprobs is not None else None,
+                "finish_reason": c.final.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": serving.usage([c.final for c in choices], body.n),
+    }
+
+
+def _chunkers(ctx: ServingContext, body: CompletionRequest, head: dict):
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    offsets: dict[int, int] = {}
+
+    def on_output(index: int, output: RequestOutput) -> list[dict]:
+        logprobs = None
+        if body.logprobs is not None and output.tokens:
+            logprobs = logprobs_block(ctx, output.tokens, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(output.text)
+        if not (output.text or logprobs or output.finished):
+            return []
+        chunk = {
+            **head,
+            "choices": [{"index": index, "text": output.text, "logprobs": logprobs, "finish_reason": output.finish_reason}],
+        }
+        if include_usage:
+            chunk["usage"] = None
+        return [chunk]
+
+    def on_end(finals: list[RequestOutput]) -> list[dict]:
+        if not include_usage:
+            return []
+        return [{**head, "choices": [], "usage": serving.usage(finals, body.n)}]
+
+    return on_output, on_end

@@ -1,0 +1,329 @@
+"""The Helm chart, rendered by real Helm (the Go SDK inside `helm-python-sdk`, no cluster).
+
+`helm lint` and `helm template` run with the default values and with every option on
+(helm/kvserve/ci/all-options-values.yaml); every rendered manifest is validated against the
+Kubernetes OpenAPI schemas shipped by `kubernetes-validate` (offline), for the oldest
+Kubernetes the chart supports and the newest the package knows.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import latest_version
+
+from server.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm/kvserve"
+ALL_OPTIONS = yaml.safe_load((CHART / "ci/all-options-values.yaml").read_text())
+KUBE_VERSIONS = ["1.27.0", latest_version()]  # Chart.yaml: kubeVersion >=1.27
+SETTINGS_ENV = {f"KVSERVE_{name.upper()}" for name in Settings.model_fields}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "all-options": ALL_OPTIONS,
+    "cpu-existing-secret-new-pvcs": {
+        "gpu": {"enabled": False},
+        "kvserve": {"device": "cpu", "metricsPort": None},
+        "apiKey": {"enabled": True, "existingSecret": "my-keys", "secretKey": "keys.txt"},
+        "cache": {"seedFromImage": False, "persistence": {"enabled": True}},
+        "models": {"persistence": {"enabled": True, "size": "100Gi"}},
+        "podDisruptionBudget": {"enabled": True, "minAvailable": None, "maxUnavailable": "50%"},
+        "networkPolicy": {"enabled": True},
+        "ingress": {"enabled": True, "sessionHeader": "X-User-Session", "className": ""},
+    },
+    "no-auth-metrics-on-api-port": {
+        "kvserve": {"metricsPort": None},
+        "serviceMonitor": {"enabled": True},
+        "networkPolicy": {"enabled": True, "restrictEgress": True},
+        "terminationGracePeriodSeconds": 60,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    rendered = chart.render(values or {}, name="demo", namespace="llm", is_install=True)
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind}"
+    return found[0]
+
+
+def pod_spec(docs) -> dict[str, Any]:
+    return one(docs, "Deployment")["spec"]["template"]["spec"]
+
+
+def server_container(docs) -> dict[str, Any]:
+    (container,) = [c for c in pod_spec(docs)["containers"] if c["name"] == "kvserve"]
+    return container
+
+
+def env(container) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container["env"]}
+
+
+@pytest.mark.parametrize("variant", ["default", "all-options"])
+def test_helm_lint(variant: str) -> None:
+    report = helm.lint(CHART, VARIANTS[variant], strict=True, namespace="llm")
+    assert report["errors"] == [], report
+    # severity 1 = info ("icon is recommended"); warnings and errors fail
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_manifest_validates(chart, variant: str) -> None:
+    docs = render(chart, VARIANTS[variant])
+    assert docs
+    for doc in docs:
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            # A CRD (Prometheus Operator): no schema in kubernetes-validate; check its shape.
+            assert doc["kind"] == "ServiceMonitor"
+            assert doc["spec"]["selector"]["matchLabels"] and doc["spec"]["endpoints"]
+            continue
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_validation_catches_a_bad_manifest(chart) -> None:
+    deployment = copy.deepcopy(one(render(chart), "Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["pth"] = "/x"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSIONS[-1], strict=True)
+
+
+def test_all_options_renders_every_kind(chart) -> None:
+    kinds = sorted(d["kind"] for d in render(chart, ALL_OPTIONS))
+    assert kinds == sorted([
+        "Deployment", "Service", "ServiceAccount", "Secret", "PersistentVolumeClaim", "Ingress",
+        "ServiceMonitor", "PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler",
+    ])
+
+
+def test_default_renders_a_gpu_deployment_only(chart) -> None:
+    docs = render(chart)
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "Service", "ServiceAccount"]
+    container = server_container(docs)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000, "metrics": 9100}
+    cpu = server_container(render(chart, {"gpu": {"enabled": False}}))
+    assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_probes(chart, variant: str) -> None:
+    container = server_container(render(chart, VARIANTS[variant]))
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["path"] in ("/ready", "/health")
+    # Sized for loading (and on first start converting) a model: minutes, not seconds.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["port"] == "http"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_security_context(chart, variant: str) -> None:
+    spec = pod_spec(render(chart, VARIANTS[variant]))
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] != 0
+    assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert spec["automountServiceAccountToken"] is False
+    for container in spec["containers"] + spec.get("initContainers", []):
+        context = container["securityContext"]
+        assert context["runAsNonRoot"] is True
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["readOnlyRootFilesystem"] is True
+        assert context["capabilities"]["drop"] == ["ALL"]
+        assert not context.get("privileged")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_writable_paths_are_volumes(chart, variant: str) -> None:
+    docs = render(chart, VARIANTS[variant])
+    container = server_container(docs)
+    variables = env(container)
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    for path in (variables["KVSERVE_CACHE_DIR"], "/tmp", variables["HOME"]):
+        assert path in mounts and not mounts[path].get("readOnly"), path
+        volume = volumes[mounts[path]["name"]]
+        assert "emptyDir" in volume or "persistentVolumeClaim" in volume
+    assert variables["HF_HOME"].startswith(VARIANTS[variant].get("models", {}).get("mountPath", "/data/models"))
+    assert any(m["name"] == "models" for m in container["volumeMounts"])
+    init = pod_spec(docs).get("initContainers", [])
+    if init:  # the seed copies the image's baked cache into the cache volume
+        (seed,) = init
+        assert seed["image"] == container["image"]
+        assert seed["command"][-2] == "/opt/kvserve/cache"
+        (target,) = [m for m in seed["volumeMounts"] if m["mountPath"] == seed["command"][-1]]
+        assert target["name"] == mounts[variables["KVSERVE_CACHE_DIR"]]["name"]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_env_names_are_kvserve_settings(chart, variant: str) -> None:
+    names = {n for n in env(server_container(render(chart, VARIANTS[variant]))) if n.startswith("KVSERVE_")}
+    assert names <= SETTINGS_ENV, names - SETTINGS_ENV
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_termination_grace_lets_requests_drain(chart, variant: str) -> None:
+    docs = render(chart, VARIANTS[variant])
+    container = server_container(docs)
+    shutdown_grace = float(env(container)["KVSERVE_SHUTDOWN_GRACE_S"])
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] > shutdown_grace + float(pre_stop[1])
+
+
+def test_too_short_termination_grace_is_refused(chart) -> None:
+    values = {"kvserve": {"shutdownGraceSeconds": 60}, "terminationGracePeriodSeconds": 65}
+    with pytest.raises(helm.HelmError, match="terminationGracePeriodSeconds"):
+        render(chart, values)
+
+
+def test_ingress_routes_by_session_header(chart) -> None:
+    ingress = one(render(chart, ALL_OPTIONS), "Ingress")
+    annotations = ingress["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_session_id"
+    assert annotations["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"  # SSE
+    custom = one(render(chart, VARIANTS["cpu-existing-secret-new-pvcs"]), "Ingress")
+    assert custom["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"] == "$http_x_user_session"
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": one(render(chart, ALL_OPTIONS), "Service")["metadata"]["name"],
+                       "port": {"number": 8000}}
+
+
+def test_api_keys_from_a_created_secret_are_mounted_as_a_file(chart) -> None:
+    docs = render(chart, ALL_OPTIONS)
+    secret = one(docs, "Secret")
+    keys = base64.b64decode(secret["data"]["api-keys"]).decode().split()
+    assert keys == ALL_OPTIONS["apiKey"]["keys"]
+    container = server_container(docs)
+    (volume,) = [v for v in pod_spec(docs)["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    assert env(container)["KVSERVE_API_KEY_FILE"] == f"{mount['mountPath']}/api-keys"
+    assert "KVSERVE_API_KEY" not in env(container)  # never a plain env var
+    annotations = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert "checksum/api-keys" in annotations  # new keys roll the pods
+
+
+def test_api_keys_from_an_existing_secret(chart) -> None:
+    docs = render(chart, VARIANTS["cpu-existing-secret-new-pvcs"])
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    (volume,) = [v for v in pod_spec(docs)["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "my-keys"
+    assert volume["secret"]["items"] == [{"key": "keys.txt", "path": "keys.txt"}]
+    assert env(server_container(docs))["KVSERVE_API_KEY_FILE"] == "/etc/kvserve/secrets/keys.txt"
+
+
+def test_no_api_key_no_secret(chart) -> None:
+    docs = render(chart)
+    assert "KVSERVE_API_KEY_FILE" not in env(server_container(docs))
+    assert not [v for v in pod_spec(docs)["volumes"] if "secret" in v]
+    with pytest.raises(helm.HelmError, match="apiKey"):
+        render(chart, {"apiKey": {"enabled": True}})
+
+
+def test_hpa_owns_replicas_and_scales_the_deployment(chart) -> None:
+    docs = render(chart, ALL_OPTIONS)
+    assert "replicas" not in one(docs, "Deployment")["spec"]
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == one(docs, "Deployment")["metadata"]["name"]
+    assert one(render(chart), "Deployment")["spec"]["replicas"] == 1
+
+
+def test_service_monitor_scrapes_the_metrics_port(chart) -> None:
+    docs = render(chart, ALL_OPTIONS)
+    (endpoint,) = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert "metrics" in [p["name"] for p in one(docs, "Service")["spec"]["ports"]]
+    no_auth = render(chart, VARIANTS["no-auth-metrics-on-api-port"])
+    (endpoint,) = one(no_auth, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["port"] == "http"
+    assert [p["name"] for p in one(no_auth, "Service")["spec"]["ports"]] == ["http"]
+    assert "KVSERVE_METRICS_PORT" not in env(server_container(no_auth))
+    # API key on, no separate metrics port: /metrics would need the key, so refuse.
+    with pytest.raises(helm.HelmError, match="metricsPort"):
+        render(chart, {"serviceMonitor": {"enabled": True}, "kvserve": {"metricsPort": None},
+                       "apiKey": {"enabled": True, "keys": ["k"]}})
+
+
+def test_network_policy_and_pdb_select_the_pods(chart) -> None:
+    docs = render(chart, ALL_OPTIONS)
+    labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    for kind, selector in (("NetworkPolicy", lambda d: d["spec"]["podSelector"]),
+                           ("PodDisruptionBudget", lambda d: d["spec"]["selector"])):
+        assert selector(one(docs, kind))["matchLabels"].items() <= labels.items()
+    policy = one(docs, "NetworkPolicy")
+    assert {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]} == {"http", "metrics"}
+
+
+def test_pvcs(chart) -> None:
+    docs = render(chart, ALL_OPTIONS)
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]  # models: existingClaim
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert volumes["cache"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "shared-models", "readOnly": True}
+    both = render(chart, VARIANTS["cpu-existing-secret-new-pvcs"])
+    assert len([d for d in both if d["kind"] == "PersistentVolumeClaim"]) == 2
+
+
+@pytest.mark.parametrize("bad", [
+    {"no_such_option": 1},
+    {"gpu": {"enabled": True, "count": 0}},
+    {"kvserve": {"dtype": "fp8", "shutdownGraceSeconds": 30}},
+    {"probes": {"liveness": {"path": "health"}}},
+    {"ingress": {"sessionHeader": "X Session"}},
+])
+def test_schema_rejects_bad_values(chart, bad: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError, match="schema"):
+        render(chart, bad)
+
+
+def test_ci_values_pass_the_schema(chart) -> None:
+    for values in VARIANTS.values():
+        chart.validate_schema(chart.merge_values(values))
+
+
+def test_seed_init_container_copies_missing_files_only(chart, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (seed,) = pod_spec(render(chart))["initContainers"]
+    assert seed["command"][:2] == ["python", "-c"]
+    source, target = tmp_path / "baked", tmp_path / "volume"
+    (source / "converted/model-abc").mkdir(parents=True)
+    (source / "converted/model-abc/config.json").write_text("{}")
+    (source / "converted/model-abc/model.safetensors").write_text("weights")
+    (target / "converted/model-abc").mkdir(parents=True)
+    (target / "converted/model-abc/config.json").write_text("kept")
+    subprocess.run([sys.executable, "-c", seed["command"][2], str(source), str(target)],
+                   check=True, timeout=30)
+    assert (target / "converted/model-abc/config.json").read_text() == "kept"
+    assert (target / "converted/model-abc/model.safetensors").read_text() == "weights"
+    assert sorted(p.name for p in (target / "converted/model-abc").iterdir()) == [
+        "config.json", "model.safetensors"]
