@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import copy
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -310,9 +312,6 @@ def test_ci_values_pass_the_schema(chart) -> None:
 
 
 def test_seed_init_container_copies_missing_files_only(chart, tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     (seed,) = pod_spec(render(chart))["initContainers"]
     assert seed["command"][:2] == ["python", "-c"]
     source, target = tmp_path / "baked", tmp_path / "volume"
