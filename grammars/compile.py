@@ -74,11 +74,12 @@ class GrammarSpec:
 # ---------------------------------------------------------------- request fields -> spec
 
 
-def _as_dict(value: Any, param: str) -> dict[str, Any]:
+def _as_dict(value: Any, name: str) -> dict[str, Any]:
+    """A request object as a dict (pydantic models too); `name` may be dotted, the param is not."""
     if hasattr(value, "model_dump"):
         value = value.model_dump(by_alias=True, exclude_none=True)
     if not isinstance(value, Mapping):
-        raise GrammarError(f"{param} must be an object", param)
+        raise GrammarError(f"{name} must be an object", name.split(".")[0])
     return dict(value)
 
 
@@ -90,7 +91,12 @@ def _schema_spec(schema: Any, param: str, ws: bool | None = None) -> GrammarSpec
             raise GrammarError(f"{param} is not valid JSON", param) from None
     if not isinstance(schema, Mapping):
         raise GrammarError(f"{param}: the schema must be a JSON object", param)
-    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    try:
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except RecursionError:
+        raise GrammarError(f"{param}: the schema is nested too deeply", param) from None
+    except (TypeError, ValueError) as e:  # non-JSON values, circular containers
+        raise GrammarError(f"{param}: the schema is not JSON: {e}", param) from None
     return GrammarSpec("json_schema", text, ws, param)
 
 
@@ -217,7 +223,8 @@ def tool_call_spec(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> Gram
     if tool_choice == "required":
         chosen = functions
     else:
-        name = _as_dict(tool_choice, "tool_choice").get("function", {}).get("name")
+        fn = _as_dict(tool_choice, "tool_choice").get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else None
         chosen = [fn for fn in functions if fn["name"] == name]
         if not chosen:
             raise GrammarError(f"tool_choice names no function in tools: {name!r}", "tool_choice")
@@ -321,7 +328,9 @@ class GrammarCompiler:
 
         Raises GrammarError (param = spec.param) for anything invalid, unsupported or too slow.
         """
-        ws = self.flexible_whitespace if spec.whitespace_flexible is None else spec.whitespace_flexible
+        ws = spec.whitespace_flexible
+        if ws is None:
+            ws = self.flexible_whitespace
         key = (spec.kind, spec.payload, ws)
         with self._lock:
             entry = self._cache.get(key)
@@ -340,7 +349,7 @@ class GrammarCompiler:
             elif entry is None:
                 entry = pending.result(timeout=self.compile_timeout_s)
         except TimeoutError:
-            entry = f"grammar compilation exceeded the {self.compile_timeout_s:g} s time limit"
+            entry = self._timeout_message()
         if isinstance(entry, str):
             with self._lock:
                 self.rejected += 1
@@ -357,8 +366,7 @@ class GrammarCompiler:
         except GrammarError as e:
             entry = str(e)
         except TimeoutError:
-            entry = f"grammar compilation exceeded the {self.compile_timeout_s:g} s time limit"
-            cacheable = False
+            entry, cacheable = self._timeout_message(), False
         except BaseException as e:  # a bug, not the client's fault: nothing cached, waiters told
             with self._lock:
                 del self._inflight[key]
@@ -379,10 +387,14 @@ class GrammarCompiler:
             self.on_compile(dt)
         return entry
 
+    def _timeout_message(self) -> str:
+        return f"grammar compilation exceeded the {self.compile_timeout_s:g} s time limit"
+
     def _build(self, spec: GrammarSpec, ws: bool, t0: float) -> CompiledGrammar:
-        size = sum(len(p) for p in spec.payload) if isinstance(spec.payload, tuple) else len(spec.payload or "")
+        parts = spec.payload if isinstance(spec.payload, tuple) else (spec.payload or "",)
+        size = sum(len(p.encode()) for p in parts)
         if size > self.max_payload_bytes:
-            raise GrammarError(f"{spec.kind} is too large ({size} > {self.max_payload_bytes} bytes)")
+            raise GrammarError(f"{spec.kind} too large: {size} > {self.max_payload_bytes} bytes")
         grammar = self._to_llguidance(spec, ws)
         deadline = t0 + self.compile_timeout_s
         if not self._slots.acquire(timeout=max(0.0, deadline - time.perf_counter())):
@@ -413,14 +425,15 @@ class GrammarCompiler:
             # NOTE: overrides beat the schema's own "x-guidance", so clients cannot opt into
             # lenient mode or whitespace runs the operator did not allow.
             try:
-                return LLMatcher.grammar_from_json_schema(spec.payload or _ANY_OBJECT, overrides=opts)
+                schema = spec.payload or _ANY_OBJECT
+                return LLMatcher.grammar_from_json_schema(schema, overrides=opts)
             except ValueError as e:
                 raise GrammarError(f"JSON schema rejected: {_one_line(str(e))}") from None
         if spec.kind == "regex":
             return LLMatcher.grammar_from_regex(spec.payload)
         if spec.kind == "choice":
-            return LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in spec.payload))  # type: ignore[union-attr]
+            alternatives = " | ".join(json.dumps(c) for c in spec.payload)  # type: ignore[union-attr]
+            return LLMatcher.grammar_from_lark(f"start: {alternatives}")
         if spec.kind == "gbnf":
             try:
                 return LLMatcher.grammar_from_lark(any_to_lark(spec.payload))
@@ -443,24 +456,31 @@ def _explain(error: str, spec: GrammarSpec) -> str:
     reason = _one_line(error)
     regex = _regex_reason(error)
     if regex is not None and spec.kind == "json_schema":
-        where = _find_bad_pattern(json.loads(spec.payload))  # type: ignore[arg-type]
+        try:
+            where = _find_bad_pattern(json.loads(spec.payload))  # type: ignore[arg-type]
+        except RecursionError:
+            where = None
         reason = f"invalid regex{f' in {where}' if where else ''}: {regex}"
     elif regex is not None and spec.kind == "regex":
         reason = f"invalid regex: {regex}"
-    return f"{_LABELS[spec.kind]} rejected: {reason}"
+    return _clip(f"{_LABELS[spec.kind]} rejected: {reason}")
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= _MAX_MESSAGE else line[: _MAX_MESSAGE - 3] + "..."
 
 
 def _one_line(text: str) -> str:
     """Drop source excerpts, carets and state dumps; join the rest on one bounded line."""
     text = text.split("<state>")[0].replace("<non-verbose/>", "").replace("json-schema:///", "")
-    text = text.replace(". Enable 'coerce_one_of' option to approximate oneOf with anyOf",
-                        " (only when provably equivalent to anyOf)")
+    text = text.replace(
+        "oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate "
+        "oneOf with anyOf", "oneOf is only supported where it is provably equivalent to anyOf")
     text = re.sub(r"Resource '(.*?)' is not present in a registry.*",
                   r"$ref to '\1' is not supported (only local references are)", text)
     lines = [ln.strip() for ln in text.splitlines()]
     lines = [ln for ln in lines if ln and not re.fullmatch(r"\^+|\d+ \|.*", ln)]
-    line = re.sub(r"\s+", " ", "; ".join(lines)).strip()
-    return line if len(line) <= _MAX_MESSAGE else line[: _MAX_MESSAGE - 3] + "..."
+    return _clip(re.sub(r"\s+", " ", "; ".join(lines)).strip())
 
 
 def _regex_reason(error: str) -> str | None:
@@ -471,7 +491,7 @@ def _regex_reason(error: str) -> str | None:
 
 
 def _find_bad_pattern(schema: Any, path: str = "") -> str | None:
-    """JSON pointer + keyword of the first `pattern`/`patternProperties` regex llguidance rejects."""
+    """Keyword and JSON pointer of the first `pattern`/`patternProperties` regex that fails."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
             if (hit := _find_bad_pattern(item, f"{path}/{i}")) is not None:

@@ -79,10 +79,8 @@ class Matcher:
 
     def fill_next_mask(self) -> None:
         """Make the mask for the current state ready: wait for the worker or compute it here."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
-        elif not self._mask_ready:
+        self._wait()
+        if not self._mask_ready:
             self._compute_mask()
 
     def apply_mask(self, logits: torch.Tensor) -> None:
@@ -111,17 +109,22 @@ class Matcher:
         self._mask_ready = True
         self.last_mask_s = time.perf_counter() - t0
 
-    def _settle(self) -> None:
-        """Wait for an in-flight mask, then mark it stale: the state is about to change."""
+    def _wait(self) -> None:
+        """Wait for an in-flight mask: llguidance state must not be read while it is computed."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
+
+    def _settle(self) -> None:
+        """Wait for an in-flight mask, then mark it stale: the state is about to change."""
+        self._wait()
         self._mask_ready = False
 
     # ------------------------------------------------------------------ state changes
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token. False = the grammar refused it (see `error`)."""
+        token_id = int(token_id)
         self._settle()
         if token_id in self.eos_token_ids and self._ll.is_stopped() and not self._ll.is_error():
             self._recorded.append(False)  # llguidance ignores EOS once stopped
@@ -154,9 +157,9 @@ class Matcher:
         Empty when nothing is forced, the sequence is finished, or the tokenizer is not
         canonical (then forced tokens could differ from the model's own tokenization).
         """
+        self._wait()
         if not self._fast_forward or self._ll.is_stopped():
             return []
-        self._settle()
         return list(self._ll.compute_ff_tokens())
 
     # ------------------------------------------------------------------ queries
@@ -164,16 +167,19 @@ class Matcher:
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete (or EOS was accepted): finish without another forward pass."""
+        self._wait()
         return self._ll.is_stopped() and not self._ll.is_error()
 
     @property
     def is_accepting(self) -> bool:
         """The output so far is a complete match: EOS is allowed now."""
+        self._wait()
         return self._ll.is_accepting()
 
     @property
     def error(self) -> str | None:
         """Why the matcher failed (one line), or None."""
+        self._wait()
         err = self._ll.get_error()
         if not err:
             return None
@@ -182,6 +188,7 @@ class Matcher:
     @property
     def stop_reason(self) -> str:
         """llguidance's stop reason: "NotStopped", "NoExtension", "EndOfSentence", ..."""
+        self._wait()
         return self._ll.stop_reason()
 
     @property

@@ -54,11 +54,12 @@ class AppState:
 
 
 def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> ServingContext:
+    max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
     engine = Engine(
         loaded.model,
         loaded.tokenizer,
         EngineConfig(
-            max_context=loaded.max_context,
+            max_context=max_context,
             max_queue=settings.max_queue,
             max_running=settings.max_running,
         ),
@@ -73,7 +74,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> 
         metrics=metrics,
         model_id=settings.served_model_name or loaded.model_id,
         model_aliases=frozenset(settings.model_aliases) | {loaded.model_id},
-        max_context=loaded.max_context,
+        max_context=max_context,
         vocab_size=loaded.model.config.get_text_config(decoder=True).vocab_size,
         max_tokens_default=settings.max_tokens_default,
         request_timeout_s=settings.request_timeout_s,
@@ -94,7 +95,7 @@ async def _load(state: AppState, loaded: LoadedModel | None) -> None:
         if loaded is None:
             loaded = await asyncio.to_thread(
                 load_model, s.model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
-                trust_remote_code=s.trust_remote_code, max_model_len=s.max_model_len,
+                trust_remote_code=s.trust_remote_code,
             )
         ctx = build_context(s, loaded, state.metrics)
         ctx.engine.start()

@@ -221,11 +221,13 @@ class Engine:
         seq.status = Status.FINISHED
         seq.cache = None
         text = seq.text.flush() if reason in ("stop", "length") else ""
-        handle._put(seq.final_output(reason, error=error, text=text))
         with self._cond:
             if (seq, handle) in self._running:
                 self._running.remove((seq, handle))
             self._update_gauges()
+        # NOTE: the gauges are updated before the client hears the end, so a client that reads
+        # /metrics right after its response sees its request gone.
+        handle._put(seq.final_output(reason, error=error, text=text))
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -142,7 +142,6 @@ def load_model(
     dtype: str = "auto",
     trust_remote_code: bool = False,
     model_id: str | None = None,
-    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Load the model and tokenizer in eval mode on the chosen device (may convert a GGUF)."""
     torch_device, torch_dtype = resolve_device_dtype(device, dtype)
@@ -156,8 +155,6 @@ def load_model(
     model.to(torch_device).eval()
     config = model.config.get_text_config(decoder=True)
     context = getattr(config, "max_position_embeddings", None) or 2048
-    if max_model_len is not None:
-        context = min(context, max_model_len)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -27,3 +27,37 @@ def smollm2() -> LoadedModel:
 @pytest.fixture(scope="session")
 def tokenizer(smollm2: LoadedModel):
     return smollm2.tokenizer
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture
+def app_client(smollm2):
+    """`async with app_client(**settings) as client`: an in-process app on the shared model."""
+    import contextlib
+
+    import anyio
+    import httpx
+    from asgi_lifespan import LifespanManager
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    @contextlib.asynccontextmanager
+    async def make(**overrides):
+        app = create_app(Settings(**overrides), loaded=smollm2)
+        async with LifespanManager(app) as manager:
+            transport = httpx.ASGITransport(app=manager.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://kvserve") as client:
+                for _ in range(600):
+                    if (await client.get("/ready")).status_code == 200:
+                        break
+                    await anyio.sleep(0.05)
+                else:
+                    raise RuntimeError("app never became ready")
+                yield client
+
+    return make
