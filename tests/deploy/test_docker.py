@@ -203,7 +203,7 @@ def test_dockerignore_lets_in_what_install_needs() -> None:
         assert include.rstrip("*") in allowed, f"package {include} would be missing from the image"
     assert {"pyproject.toml", "scripts/install.sh", pyproject["project"]["readme"]} <= allowed
     for path in REPO.glob("*/__init__.py"):
-        if path.parent.name != "tests":
+        if path.parent.name not in ("tests", "bench"):  # not shipped: test and benchmark code
             assert path.parent.name in allowed, f"{path.parent.name}/ is not copied into the image"
 
 
