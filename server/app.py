@@ -11,17 +11,20 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 
+import torch
 from fastapi import FastAPI
 from prometheus_client import start_http_server
 
+from cache_manager.manager import CacheConfig, CacheManager
 from server import __version__ as VERSION
 from server.engine import Engine, EngineConfig
 from server.errors import APIError, install_handlers
 from server.metrics import Metrics
 from server.middleware import Auth, BodyLimit, RequestMetrics
 from server.model_loader import LoadedModel, load_model
-from server.routes import chat, completions, health, models
+from server.routes import chat, completions, health, models, sessions
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
 from server.serving import ServingContext
@@ -53,8 +56,32 @@ class AppState:
         return self.ctx
 
 
+def kv_budget(settings: Settings, device: torch.device) -> int:
+    """--kv-budget-bytes, else a share of the device's memory."""
+    if settings.kv_budget_bytes is not None:
+        return settings.kv_budget_bytes
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total * settings.kv_budget_fraction)
+
+
 def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> ServingContext:
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
+    cache_manager = CacheManager(
+        loaded.model.config,
+        loaded.device,
+        loaded.dtype,
+        max_context,
+        CacheConfig(
+            budget_bytes=kv_budget(settings, loaded.device),
+            ttl_s=settings.session_ttl_s,
+            anonymous_reuse=settings.anonymous_reuse,
+            reuse=settings.session_reuse,
+        ),
+        metrics=metrics,
+    )
     engine = Engine(
         loaded.model,
         loaded.tokenizer,
@@ -62,7 +89,9 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> 
             max_context=max_context,
             max_queue=settings.max_queue,
             max_running=settings.max_running,
+            reject_busy_sessions=settings.reject_busy_sessions,
         ),
+        cache_manager,
         metrics=metrics,
     )
     dtype = str(loaded.dtype).removeprefix("torch.")
@@ -70,6 +99,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> 
     fingerprint = "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}".encode()).hexdigest()[:10]
     return ServingContext(
         engine=engine,
+        cache_manager=cache_manager,
         tokenizer=loaded.tokenizer,
         metrics=metrics,
         model_id=settings.served_model_name or loaded.model_id,
@@ -84,7 +114,9 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> 
 
 async def warm_up(ctx: ServingContext) -> None:
     """One real generation step through the engine, so the first request pays no warm-up."""
-    request = GenerationRequest("warmup", ctx.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0.0))
+    request = GenerationRequest(
+        "warmup", ctx.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0.0), use_session=False
+    )
     async for _ in ctx.engine.submit(request, asyncio.get_running_loop()):
         pass
 
@@ -128,7 +160,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     app.state.kv = state
     install_handlers(app)
-    for module in (health, models, chat, completions):
+    for module in (health, models, chat, completions, sessions):
         app.include_router(module.router)
     # The last added runs first: metrics see every request, auth runs before any body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

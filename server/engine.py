@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import kv
+from cache_manager.manager import CacheManager, NoRoom
 from server import model_runner
 from server.sequence import GenerationRequest, RequestOutput, Sequence, Status
 
@@ -32,12 +33,18 @@ class EngineStopped(Exception):
     """The engine is draining or stopped and takes no new requests (503)."""
 
 
+class SessionBusy(Exception):
+    """The session already has a request in flight and the engine is set to refuse (409)."""
+
+
 @dataclass(slots=True)
 class EngineConfig:
     max_context: int
     max_queue: int = 64
     max_running: int = 16
     prefill_chunk: int = 512
+    reject_busy_sessions: bool = False  # False: a second request on a session waits its turn
+    expire_every_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -56,6 +63,7 @@ class RequestHandle:
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._admission: RequestOutput | None = None
         self.first_scheduled_at: float | None = None
 
     @property
@@ -74,7 +82,25 @@ class RequestHandle:
         self._seq.cancelled = True
         self._engine.wake()
 
+    @property
+    def admission(self) -> RequestOutput | None:
+        return self._admission
+
+    async def admitted(self) -> RequestOutput:
+        """Wait until the engine took the request: how much was reused, or why nothing was.
+
+        The result is finished (with an error or abort) when the request ended before that.
+        """
+        if self._admission is None:
+            self._admission = await self._queue.get()
+        return self._admission
+
     async def __aiter__(self):
+        """Outputs with text and tokens, the last one finished (the admission is not repeated)."""
+        admission = await self.admitted()
+        if admission.finished:
+            yield admission
+            return
         while True:
             output = await self._queue.get()
             yield output
@@ -85,11 +111,13 @@ class RequestHandle:
 class Engine:
     """Owns the model on one thread; `submit` from the event loop, outputs via handles."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig, metrics=None) -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig, cache_manager: CacheManager, metrics=None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
+        self.cache_manager = cache_manager
         self.metrics = metrics
+        self._last_expiry = 0.0
         self._eos_ids = _eos_ids(model, tokenizer)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
@@ -136,21 +164,75 @@ class Engine:
                 raise EngineStopped("the server is shutting down")
             if len(self._waiting) >= self.config.max_queue:
                 raise QueueFull(f"the queue holds {len(self._waiting)} requests, its maximum")
+            key = request.session_key
+            if key is not None and self.config.reject_busy_sessions and key in self._busy_keys():
+                raise SessionBusy(f"session {key[1]!r} already has a request in flight")
             self._waiting.append((seq, handle))
             self._update_gauges()
             self._cond.notify_all()
         return handle
 
+    def _busy_keys(self) -> set:
+        return {k for seq, _ in self._running + list(self._waiting) if (k := seq.request.session_key) is not None}
+
     def _admit(self) -> None:
+        """Move waiting sequences to running, in arrival order, while there is room.
+
+        A sequence whose session is busy stays waiting (one request at a time per session)
+        without blocking the ones behind it. A sequence whose cache does not fit the budget
+        waits for running ones to free memory, and blocks the queue behind it so it is not
+        starved; with nothing running it can never fit and fails.
+        """
         with self._cond:
-            while self._waiting and len(self._running) < self.config.max_running:
-                seq, handle = self._waiting.popleft()
-                if seq.cancelled:
-                    handle._put(seq.final_output("abort"))
-                    continue
+            busy = {k for seq, _ in self._running if (k := seq.request.session_key) is not None}
+            candidates = list(self._waiting)
+        for seq, handle in candidates:
+            if len(self._running) >= self.config.max_running:
+                break
+            key = seq.request.session_key
+            if seq.cancelled:
+                self._dequeue(seq, handle)
+                handle._put(seq.final_output("abort"))
+                continue
+            if key is not None and key in busy:
+                continue
+            try:
+                self._lease(seq)
+            except NoRoom:
+                if self._running:
+                    break
+                self._dequeue(seq, handle)
+                handle._put(seq.final_output("error", error="kv_budget"))
+                continue
+            if key is not None:
+                busy.add(key)
+            with self._cond:
+                self._waiting.remove((seq, handle))
                 self._running.append((seq, handle))
-                handle.first_scheduled_at = time.monotonic()
+                self._update_gauges()
+            handle.first_scheduled_at = time.monotonic()
+            handle._put(seq.admitted_output())
+
+    def _dequeue(self, seq: Sequence, handle: RequestHandle) -> None:
+        with self._cond:
+            self._waiting.remove((seq, handle))
             self._update_gauges()
+
+    def _lease(self, seq: Sequence) -> None:
+        """Get the sequence's cache from the cache manager (may crop, grow or evict)."""
+        request = seq.request
+        need = len(seq.prompt_ids) + seq.params.max_tokens
+        lease = self.cache_manager.acquire(
+            request.principal,
+            request.session_id if request.use_session else None,
+            seq.prompt_ids,
+            need,
+            private=not request.use_session,
+        )
+        seq.lease, seq.cache = lease, lease.cache
+        seq.n_computed = seq.cached_tokens = lease.n_reused
+        seq.miss_reason = lease.miss_reason
+        seq.status = Status.PREFILL
 
     def _update_gauges(self) -> None:
         if self.metrics is not None:
@@ -164,13 +246,23 @@ class Engine:
         while True:
             with self._cond:
                 while not self._stop and not self._waiting and not self._running:
-                    self._cond.wait()
+                    self._cond.wait(timeout=self.config.expire_every_s)
+                    self._maybe_expire()
                 if self._stop:
                     break
+            self._maybe_expire()
             self._admit()
             self.step()
-        for seq, handle in self._running + list(self._waiting):
+        for seq, handle in list(self._running):
             self._finish(seq, handle, "abort")
+        for seq, handle in list(self._waiting):
+            handle._put(seq.final_output("abort"))
+
+    def _maybe_expire(self) -> None:
+        now = time.monotonic()
+        if now - self._last_expiry >= self.config.expire_every_s:
+            self._last_expiry = now
+            self.cache_manager.expire()
 
     def step(self) -> None:
         """Advance every running sequence by one prefill chunk or one token."""
@@ -191,11 +283,6 @@ class Engine:
                     self._finish(seq, handle, "error", error="internal")
 
     def _advance(self, seq: Sequence, handle: RequestHandle) -> None:
-        if seq.cache is None:
-            need = len(seq.prompt_ids) + seq.params.max_tokens
-            capacity = kv.capacity_bucket(need, self.config.max_context)
-            seq.cache = kv.allocate(self.model.config, capacity, self.model.device, self.model.dtype)
-            seq.status = Status.PREFILL
         logits = model_runner.advance(self.model, seq, self.config.prefill_chunk)
         if logits is None:
             return  # still prefilling
@@ -217,8 +304,17 @@ class Engine:
     def _finish(
         self, seq: Sequence, handle: RequestHandle, reason: str, error: str | None = None
     ) -> None:
-        """Send the final output and free the sequence's KV."""
+        """Commit (or roll back) the sequence's KV, then send the final output."""
         seq.status = Status.FINISHED
+        if seq.lease is not None:
+            try:
+                if reason in ("stop", "length"):
+                    self.cache_manager.commit(seq.lease, seq.all_ids[: seq.n_computed])
+                else:
+                    self.cache_manager.release(seq.lease)
+            except Exception:
+                log.exception("cache bookkeeping failed for %s", seq.request_id)
+            seq.lease = None
         seq.cache = None
         text = seq.text.flush() if reason in ("stop", "length") else ""
         with self._cond:

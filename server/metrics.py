@@ -78,5 +78,32 @@ class Metrics:
             buckets=TOKEN_BUCKETS, registry=r,
         )
 
+        # -- session KV reuse ------------------------------------------------------------------
+        self.prefix_queries = Counter(
+            "kvserve_prefix_cache_queries_tokens", "Prompt tokens looked up in session caches.", registry=r
+        )
+        self.prefix_hits = Counter(
+            "kvserve_prefix_cache_hits_tokens", "Prompt tokens whose KV was reused.", registry=r
+        )
+        self.cache_misses = Counter(
+            "kvserve_prefix_cache_misses", "Requests that reused nothing, by reason.", ["reason"], registry=r
+        )
+        self.sessions_resident = Gauge(
+            "kvserve_sessions_resident", "Sessions holding a KV cache.", registry=r
+        )
+        self.kv_bytes_used = Gauge(
+            "kvserve_kv_cache_bytes_used", "Bytes of KV cache allocated (sessions and private).", registry=r
+        )
+        self.kv_bytes_budget = Gauge(
+            "kvserve_kv_cache_bytes_budget", "The KV cache byte budget.", registry=r
+        )
+        self.cache_evictions = Counter(
+            "kvserve_session_evictions", "Sessions dropped, by reason (evicted, expired, deleted).",
+            ["reason"], registry=r,
+        )
+        self.cache_grows = Counter(
+            "kvserve_kv_cache_grows", "Session caches moved to a larger capacity bucket.", registry=r
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

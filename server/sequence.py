@@ -24,6 +24,16 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     timeout_s: float | None = None
+    principal: str = "anonymous"
+    session_id: str | None = None  # None: may reuse the principal's anonymous entries
+    use_session: bool = True  # False: a private cache (the extra choices of n > 1)
+
+    @property
+    def session_key(self) -> tuple[str, str] | None:
+        """The key that must not run twice at once (anonymous requests never collide)."""
+        if not self.use_session or self.session_id is None:
+            return None
+        return (self.principal, self.session_id)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -48,6 +58,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    miss_reason: str | None = None  # why nothing was reused (None on a hit)
+    admitted: bool = False  # the first output: the engine took the request, cache decided
 
     @property
     def finished(self) -> bool:
@@ -70,9 +82,11 @@ class Sequence:
         self.prompt_ids = request.prompt_ids
         self.generated: list[int] = []
         self.status = Status.WAITING
-        self.cache = None  # a StaticCache once admitted
+        self.lease = None  # the cache manager's Lease once admitted
+        self.cache = None  # lease.cache, the StaticCache this sequence writes
         self.n_computed = 0  # prompt+generated tokens whose KV is in the cache
         self.cached_tokens = 0  # tokens reused from an earlier request
+        self.miss_reason: str | None = None
         self.text = TextStream(tokenizer, request.params.stop)
         self.generator = make_generator(request.params.seed)
         self.counts: torch.Tensor | None = None  # token counts, only when penalties are on
@@ -106,4 +120,8 @@ class Sequence:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.generated),
             cached_tokens=self.cached_tokens,
+            miss_reason=self.miss_reason,
         )
+
+    def admitted_output(self) -> RequestOutput:
+        return RequestOutput(admitted=True, cached_tokens=self.cached_tokens, miss_reason=self.miss_reason)

@@ -16,9 +16,12 @@ from typing import AsyncIterator, Callable
 
 from fastapi import Request
 
-from server.engine import Engine, EngineStopped, QueueFull, RequestHandle
+from cache_manager.sessions import is_anonymous
+from cache_manager.manager import CacheManager
+from server.engine import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
 from server.errors import APIError
 from server.metrics import Metrics
+from server.sampling import SamplingParams
 from server.sequence import GenerationRequest, RequestOutput, TokenInfo
 
 RETRY_AFTER_S = "1"
@@ -29,6 +32,7 @@ class ServingContext:
     """Everything a route needs, built once by the app's lifespan."""
 
     engine: Engine
+    cache_manager: CacheManager
     tokenizer: object
     metrics: Metrics
     model_id: str
@@ -102,6 +106,10 @@ def submit_all(ctx: ServingContext, requests: list[GenerationRequest]) -> list[R
             handle.cancel()
         ctx.metrics.rejections.labels("queue_full").inc()
         raise APIError(429, f"server busy: {exc}; retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S}) from None
+    except SessionBusy as exc:
+        for handle in handles:
+            handle.cancel()
+        raise APIError(409, f"{exc}; retry when it is done", code="session_busy", param="prompt_cache_key") from None
     except EngineStopped:
         for handle in handles:
             handle.cancel()
@@ -109,7 +117,79 @@ def submit_all(ctx: ServingContext, requests: list[GenerationRequest]) -> list[R
     return handles
 
 
+def choice_params(ctx: ServingContext, body, max_tokens: int) -> list[SamplingParams]:
+    """Sampling parameters of each of the n choices (seeded choices get seed, seed+1, ...)."""
+    try:
+        params = [body.to_sampling_params(max_tokens, seed_offset=j) for j in range(body.n)]
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value", param="logit_bias") from None
+    ctx.check_token_ids(list(params[0].logit_bias), "logit_bias")
+    return params
+
+
+def session_id(request: Request, prompt_cache_key: str | None) -> str | None:
+    """OpenAI's `prompt_cache_key` body field, else the `X-Session-ID` header."""
+    value = prompt_cache_key if prompt_cache_key is not None else request.headers.get("x-session-id")
+    if value is None:
+        return None
+    param = "prompt_cache_key" if prompt_cache_key is not None else "X-Session-ID"
+    if not value or len(value) > 256 or is_anonymous(value):
+        raise APIError(400, f"{param} must be 1-256 characters and not start with 'anon-'", code="invalid_value", param=param)
+    return value
+
+
+def generation_requests(
+    request: Request, body, request_id: str, prompts: list[list[int]], params: list, timeout_s: float
+) -> list[GenerationRequest]:
+    """One engine request per (prompt, choice). Only the first uses the session: the others
+    get private caches, so n > 1 neither serializes on the session nor races for its cache."""
+    principal = request.state.principal
+    session = session_id(request, body.prompt_cache_key)
+    out = []
+    for p, prompt_ids in enumerate(prompts):
+        for j, sampling in enumerate(params):
+            index = p * len(params) + j
+            out.append(GenerationRequest(
+                f"{request_id}-{index}", prompt_ids, sampling, timeout_s=timeout_s,
+                principal=principal, session_id=session, use_session=index == 0,
+            ))
+    return out
+
+
+async def admission_headers(ctx: ServingContext, request: Request, handles: list[RequestHandle]) -> dict[str, str]:
+    """Wait until the engine took the first choice; its cache decision as response headers.
+
+    Raises the engine's error if the request failed before admission. Watches for the client
+    leaving meanwhile.
+    """
+    watcher = asyncio.create_task(_watch_disconnect(request, handles))
+    try:
+        first = await handles[0].admitted()
+    finally:
+        watcher.cancel()
+    if first.error is not None:
+        for handle in handles:
+            handle.cancel()
+        raise engine_error(first, ctx.request_timeout_s)
+    return cache_headers(first)
+
+
+def cache_headers(output: RequestOutput) -> dict[str, str]:
+    """X-Cache-Reused-Tokens always; X-Cache-Miss-Reason when nothing was reused."""
+    headers = {"X-Cache-Reused-Tokens": str(output.cached_tokens)}
+    if output.miss_reason is not None:
+        headers["X-Cache-Miss-Reason"] = output.miss_reason
+    return headers
+
+
 def engine_error(output: RequestOutput, timeout_s: float) -> APIError:
+    if output.error == "kv_budget":
+        return APIError(
+            400,
+            "this request's KV cache (prompt + max_tokens) does not fit the server's KV budget; "
+            "reduce max_tokens or the prompt",
+            code="kv_budget_exceeded",
+        )
     if output.error == "timeout":
         return APIError(504, f"the request ran longer than its {timeout_s:g} s deadline", code="timeout")
     if output.error == "out_of_memory":
@@ -128,7 +208,8 @@ class Tracker:
         now = time.monotonic()
         if output.tokens:
             if self.last is None:
-                cache = "hit" if output.cached_tokens else "miss"
+                admission = self.handle.admission
+                cache = "hit" if admission is not None and admission.cached_tokens else "miss"
                 self.metrics.ttft.labels(cache).observe(now - self.arrived)
                 if self.handle.first_scheduled_at is not None:
                     self.metrics.queue_time.observe(self.handle.first_scheduled_at - self.arrived)
@@ -225,7 +306,7 @@ def usage(finals: list[RequestOutput], n: int) -> dict:
     """Usage of a request: each prompt counted once (not once per choice), completions summed."""
     prompt = sum(o.prompt_tokens for o in finals) // n
     completion = sum(o.completion_tokens for o in finals)
-    cached = sum(o.cached_tokens for o in finals) // n
+    cached = min(prompt, sum(o.cached_tokens for o in finals))  # only the first choice reuses
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,

@@ -6,13 +6,14 @@ import asyncio
 import time
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
 from server import serving
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
-from server.sequence import GenerationRequest, RequestOutput, TokenInfo
+from server.sequence import RequestOutput, TokenInfo
 from server.serving import ServingContext
 
 ROUTE = "/v1/chat/completions"
@@ -44,16 +45,9 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     ctx.check_model(body.model)
     prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body)
     max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens(), "max_tokens")
-    try:
-        params = [body.to_sampling_params(max_tokens, seed_offset=i) for i in range(body.n)]
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value", param="logit_bias") from None
-    ctx.check_token_ids(list(params[0].logit_bias), "logit_bias")
+    params = serving.choice_params(ctx, body, max_tokens)
     request_id = serving.new_id("chatcmpl")
-    requests = [
-        GenerationRequest(f"{request_id}-{i}", prompt_ids, p, timeout_s=ctx.request_timeout_s)
-        for i, p in enumerate(params)
-    ]
+    requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s)
     handles = serving.submit_all(ctx, requests)
     created = int(time.time())
     head = {
@@ -63,12 +57,14 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
         "system_fingerprint": ctx.fingerprint,
     }
     if body.stream:
+        headers = await serving.admission_headers(ctx, request, handles)
         return EventSourceResponse(
             serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head)),
             ping=15,
+            headers=headers,
         )
     choices = await serving.collect(ctx, request, handles, ROUTE)
-    return {
+    return JSONResponse(headers=serving.cache_headers(choices[0].final), content={
         **head,
         "object": "chat.completion",
         "choices": [
@@ -81,7 +77,7 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
             for c in choices
         ],
         "usage": serving.usage([c.final for c in choices], body.n),
-    }
+    })
 
 
 def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict):

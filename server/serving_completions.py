@@ -9,12 +9,13 @@ import asyncio
 import time
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from server import serving
 from server.errors import APIError
 from server.protocol import CompletionRequest
-from server.sequence import GenerationRequest, RequestOutput, TokenInfo
+from server.sequence import RequestOutput, TokenInfo
 from server.serving import ServingContext
 
 ROUTE = "/v1/completions"
@@ -42,20 +43,14 @@ def logprobs_block(ctx: ServingContext, tokens: list[TokenInfo], offset: int) ->
 async def create(ctx: ServingContext, body: CompletionRequest, request: Request):
     ctx.check_model(body.model)
     prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompts())
-    requests: list[GenerationRequest] = []
-    request_id = serving.new_id("cmpl")
-    for p, prompt_ids in enumerate(prompts):
+    for prompt_ids in prompts:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", code="invalid_value", param="prompt")
         ctx.check_token_ids(prompt_ids, "prompt")
-        max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.max_tokens, "max_tokens")
-        for j in range(body.n):
-            try:
-                params = body.to_sampling_params(max_tokens, seed_offset=j)
-            except ValueError as exc:
-                raise APIError(400, str(exc), code="invalid_value", param="logit_bias") from None
-            ctx.check_token_ids(list(params.logit_bias), "logit_bias")
-            requests.append(GenerationRequest(f"{request_id}-{p * body.n + j}", prompt_ids, params, timeout_s=ctx.request_timeout_s))
+        ctx.resolve_max_tokens(len(prompt_ids), body.max_tokens, "max_tokens")
+    params = serving.choice_params(ctx, body, body.max_tokens)
+    request_id = serving.new_id("cmpl")
+    requests = serving.generation_requests(request, body, request_id, prompts, params, ctx.request_timeout_s)
     handles = serving.submit_all(ctx, requests)
     head = {
         "id": request_id,
@@ -65,9 +60,10 @@ async def create(ctx: ServingContext, body: CompletionRequest, request: Request)
         "system_fingerprint": ctx.fingerprint,
     }
     if body.stream:
-        return EventSourceResponse(serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head)), ping=15)
+        headers = await serving.admission_headers(ctx, request, handles)
+        return EventSourceResponse(serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head)), ping=15, headers=headers)
     choices = await serving.collect(ctx, request, handles, ROUTE)
-    return {
+    return JSONResponse(headers=serving.cache_headers(choices[0].final), content={
         **head,
         "choices": [
             {
@@ -79,7 +75,7 @@ async def create(ctx: ServingContext, body: CompletionRequest, request: Request)
             for c in choices
         ],
         "usage": serving.usage([c.final for c in choices], body.n),
-    }
+    })
 
 
 def _chunkers(ctx: ServingContext, body: CompletionRequest, head: dict):

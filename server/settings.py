@@ -72,6 +72,26 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413."
     )
+    session_reuse: bool = Field(
+        True, description="Keep each session's KV cache between requests (off: every request prefills)."
+    )
+    anonymous_reuse: bool = Field(
+        True,
+        description="Requests without a session id may reuse the longest matching prefix "
+        "among the same API key's earlier anonymous requests.",
+    )
+    session_ttl_s: float = Field(1800.0, gt=0, description="Idle sessions expire after this long.")
+    kv_budget_bytes: int | None = Field(
+        None, ge=1, description="Bytes of KV cache for all sessions together; unset = --kv-budget-fraction."
+    )
+    kv_budget_fraction: float = Field(
+        0.25, gt=0, le=0.95,
+        description="Without --kv-budget-bytes: this share of device memory (GPU: total memory; "
+        "CPU: physical RAM).",
+    )
+    reject_busy_sessions: bool = Field(
+        False, description="A second concurrent request on a busy session gets 409 instead of waiting."
+    )
     metrics_port: int | None = Field(
         None, ge=0, le=65535,
         description="Serve /metrics on this separate port too, without auth (for scrapers).",

@@ -135,7 +135,12 @@ async def test_chat_stream_equals_non_stream_and_usage(app_client):
         assert text == choice["message"]["content"]
         finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
         assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == choice["finish_reason"]
-        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
+        streamed_usage = chunks[-1]["usage"]
+        assert chunks[-1]["choices"] == []
+        assert {k: v for k, v in streamed_usage.items() if k != "prompt_tokens_details"} == {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+        # the same prompt again, anonymously: everything but the last prompt token is reused
+        assert streamed_usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+        assert streamed.headers["x-cache-reused-tokens"] == str(usage["prompt_tokens"] - 1)
         assert all(c["usage"] is None for c in chunks[:-1])
 
 

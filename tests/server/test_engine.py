@@ -5,6 +5,7 @@ import asyncio
 import pytest
 import torch
 
+from cache_manager.manager import CacheConfig, CacheManager
 from server.engine import Engine, EngineConfig, QueueFull
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
@@ -27,7 +28,8 @@ def engine(smollm2):
 
     def make(**overrides):
         config = EngineConfig(max_context=smollm2.max_context, **overrides)
-        e = Engine(smollm2.model, smollm2.tokenizer, config)
+        cache = CacheManager(smollm2.model.config, smollm2.device, smollm2.dtype, smollm2.max_context, CacheConfig(budget_bytes=2**31))
+        e = Engine(smollm2.model, smollm2.tokenizer, config, cache)
         e.start()
         engines.append(e)
         return e

@@ -1,0 +1,221 @@
+"""What the engine asks of the cache manager: a cache for a prompt, then commit or roll back.
+
+`acquire` looks up the session, decides how much of its KV the new prompt reuses (exact token
+comparison), crops or grows the cache to fit, pins the session and hands back a `Lease`. The
+engine prefills only `prompt[lease.n_reused:]`. At the end, `commit` records the tokens now in
+the cache; `release` (abort, error, disconnect) keeps only what is known good: the tokens the
+session had committed before, up to what this request left untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from cache_manager import kv
+from cache_manager.prefix import decide_reuse
+from cache_manager.sessions import (
+    Entry,
+    Principal,
+    SessionId,
+    SessionKey,
+    SessionStore,
+    anonymous_session_id,
+)
+
+NO_SESSION = "no_session"  # reuse switched off, or a request that may not use a session
+
+
+class NoRoom(Exception):
+    """The cache does not fit the byte budget now: in-flight sessions hold the rest."""
+
+
+@dataclass(slots=True)
+class Lease:
+    """One request's hold on a cache; the engine's only view of the cache manager's work."""
+
+    key: SessionKey | None  # None: a private cache, freed at the end
+    cache: object  # a transformers StaticCache
+    n_reused: int
+    miss_reason: str | None  # None on a hit
+    base_tokens: list[int]  # the session's committed tokens when the request began
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    budget_bytes: int
+    ttl_s: float = 1800.0
+    anonymous_reuse: bool = True
+    reuse: bool = True
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0:
+            raise ValueError("budget_bytes must be > 0")
+        if self.ttl_s <= 0:
+            raise ValueError("ttl_s must be > 0")
+
+
+class CacheManager:
+    """Sessions' KV caches for one model: reuse, crop, grow, evict. Engine thread only, except
+    `list_sessions`/`delete_session`, which the admin routes call (the store is locked)."""
+
+    def __init__(self, model_config, device: torch.device, dtype: torch.dtype, max_context: int, config: CacheConfig, metrics=None) -> None:
+        self.model_config = model_config
+        self.device, self.dtype = device, dtype
+        self.max_context = max_context
+        self.config = config
+        self.metrics = metrics
+        self.store = SessionStore(config.budget_bytes, config.ttl_s, on_drop=self._dropped)
+        self._private_bytes = 0  # caches of requests without a session (not in the store)
+        self._lock = threading.Lock()
+
+    # -- the engine's verbs ------------------------------------------------------------------
+
+    def acquire(self, principal: str, session_id: str | None, prompt: list[int], capacity: int, *, private: bool = False) -> Lease:
+        """A cache for `prompt` with room for `capacity` tokens; pins the session.
+
+        May crop the session's cache (edited history), grow it (a larger bucket, KV copied),
+        or evict idle sessions to fit the budget. Raises NoRoom when it cannot fit now.
+        `private` (or reuse switched off): a fresh cache outside any session, freed at the end.
+        """
+        bucket = kv.capacity_bucket(capacity, self.max_context)
+        if private or not self.config.reuse:
+            return self._private(prompt, bucket)
+        key = self._choose_key(Principal(principal), session_id, prompt)
+        entry = self.store.get(key)
+        if entry is None:
+            miss = self.store.lookup_miss_reason(key)
+            cache = self._allocate(bucket)
+            self.store.put(Entry(key, [], cache, kv.nbytes(cache)))
+            self.store.pin(key)
+            self._observe(len(prompt), 0, miss)
+            return Lease(key, cache, 0, miss, [])
+        self.store.pin(key)
+        try:
+            return self._reuse(entry, prompt, bucket)
+        except BaseException:
+            self.store.unpin(key)
+            raise
+
+    def commit(self, lease: Lease, tokens: list[int]) -> None:
+        """The request succeeded: `tokens` (prompt + generated) are now in the cache."""
+        if lease.key is None:
+            return self._free_private(lease)
+        self.store.update(lease.key, tokens, lease.cache, kv.nbytes(lease.cache))
+        self.store.unpin(lease.key)
+        self._gauges()
+
+    def release(self, lease: Lease) -> None:
+        """The request ended early (abort, error, disconnect): roll back.
+
+        The session keeps the first `n_reused` tokens of what it had committed: those are
+        exactly what this request did not overwrite. (A rollback to a prefix of the last
+        committed state: the next turn recomputes the rest, same output, more latency.)
+        An entry left with nothing, or whose wrapped sliding window cannot be cut back, is
+        dropped.
+        """
+        if lease.key is None:
+            return self._free_private(lease)
+        keep = lease.n_reused
+        cache = lease.cache
+        self.store.unpin(lease.key)
+        if keep == 0 or (kv.length(cache) != keep and not kv.can_crop(cache)):
+            self.store.delete(lease.key)
+        else:
+            kv.crop(cache, keep)
+            self.store.update(lease.key, lease.base_tokens[:keep], cache, kv.nbytes(cache))
+        self._gauges()
+
+    def expire(self) -> None:
+        self.store.expire()
+        self._gauges()
+
+    # -- admin -------------------------------------------------------------------------------
+
+    def list_sessions(self, principal: str) -> list[Entry]:
+        return self.store.list(Principal(principal))
+
+    def delete_session(self, principal: str, session_id: str) -> bool:
+        """False when the caller has no such session; EntryPinnedError while it is in flight."""
+        deleted = self.store.delete((Principal(principal), SessionId(session_id)))
+        self._gauges()
+        return deleted
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _choose_key(self, principal: Principal, session_id: str | None, prompt: list[int]) -> SessionKey:
+        if session_id is not None:
+            return (principal, SessionId(session_id))
+        if self.config.anonymous_reuse:
+            match = self.store.best_prefix_match(principal, prompt, anonymous_only=True)
+            if match is not None:
+                return match[0]
+        return (principal, anonymous_session_id())
+
+    def _reuse(self, entry: Entry, prompt: list[int], bucket: int) -> Lease:
+        cache = entry.kv
+        decision: ReuseDecision = decide_reuse(entry.tokens, prompt, can_crop=kv.can_crop(cache))
+        n = decision.n_reused
+        if n == 0 and kv.length(cache) > 0 and not kv.can_crop(cache):
+            # A wrapped sliding window cannot be reset in place: start over in a new cache.
+            cache = self._replace(entry, self._allocate(bucket))
+        else:
+            kv.crop(cache, n)
+        if kv.capacity(cache) < bucket:
+            cache = self._grow(entry, cache, bucket)
+        self._observe(len(prompt), n, decision.miss_reason)
+        return Lease(entry.key, cache, n, decision.miss_reason, list(entry.tokens))
+
+    def _grow(self, entry: Entry, cache, bucket: int):
+        extra = kv.bytes_for(self.model_config, bucket, self.dtype) - kv.nbytes(cache)
+        if not self.store.make_room(extra):
+            raise NoRoom(f"growing a session's cache needs {extra} more bytes")
+        bigger = kv.grow(cache, self.model_config, bucket)
+        # NOTE: update() hands the old cache to on_drop ("replaced"); the tokens stay committed.
+        self.store.update(entry.key, entry.tokens[: kv.length(bigger)], bigger, kv.nbytes(bigger))
+        if self.metrics is not None:
+            self.metrics.cache_grows.inc()
+        return bigger
+
+    def _replace(self, entry: Entry, cache):
+        self.store.update(entry.key, [], cache, kv.nbytes(cache))
+        return cache
+
+    def _allocate(self, bucket: int):
+        need = kv.bytes_for(self.model_config, bucket, self.dtype)
+        if not self.store.make_room(need + self._private_bytes):
+            raise NoRoom(f"a cache of {bucket} tokens needs {need} bytes")
+        return kv.allocate(self.model_config, bucket, self.device, self.dtype)
+
+    def _private(self, prompt: list[int], bucket: int) -> Lease:
+        cache = self._allocate(bucket)
+        with self._lock:
+            self._private_bytes += kv.nbytes(cache)
+        self._observe(len(prompt), 0, NO_SESSION)
+        return Lease(None, cache, 0, NO_SESSION, [])
+
+    def _free_private(self, lease: Lease) -> None:
+        with self._lock:
+            self._private_bytes -= kv.nbytes(lease.cache)
+        lease.cache = None
+        self._gauges()
+
+    def _dropped(self, entry: Entry, reason: str) -> None:
+        if self.metrics is not None and reason in ("evicted", "expired", "deleted"):
+            self.metrics.cache_evictions.labels(reason).inc()
+
+    def _observe(self, prompt_len: int, n_reused: int, miss_reason: str | None) -> None:
+        if self.metrics is not None:
+            self.metrics.prefix_queries.inc(prompt_len)
+            self.metrics.prefix_hits.inc(n_reused)
+            if miss_reason is not None:
+                self.metrics.cache_misses.labels(miss_reason).inc()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.sessions_resident.set(len(self.store))
+            self.metrics.kv_bytes_used.set(self.store.used_bytes + self._private_bytes)
+            self.metrics.kv_bytes_budget.set(self.store.budget_bytes)
