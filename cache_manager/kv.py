@@ -41,6 +41,9 @@ def allocate(config: PretrainedConfig, capacity: int, device: torch.device, dtyp
     probe = torch.empty((1, heads, 0, head_dim), device=device, dtype=dtype)
     for layer in cache.layers:
         layer.lazy_initialization(probe, probe)
+    # NOTE: a sliding layer's own size is min(window, capacity), so the layers alone cannot
+    # tell how many positions the cache may take; the requested capacity is kept beside them.
+    cache.kvserve_capacity = capacity
     return cache
 
 
@@ -120,5 +123,6 @@ def nbytes(cache: StaticCache) -> int:
 
 
 def capacity(cache: StaticCache) -> int:
-    """How many positions the full-attention layers can hold."""
-    return max(layer.max_cache_len for layer in cache.layers)
+    """How many positions the cache may take before it must grow (sliding layers roll past
+    their window, but a layer smaller than its window must not roll: it would shrink it)."""
+    return cache.kvserve_capacity

@@ -33,7 +33,6 @@ from server.settings import Settings
 log = logging.getLogger(__name__)
 
 
-
 class AppState:
     """Lives on `app.state.kv`: the serving context once ready, and the lifecycle flags."""
 
@@ -47,6 +46,24 @@ class AppState:
     @property
     def ready(self) -> bool:
         return self.ctx is not None and not self.draining
+
+    def drain(self) -> bool:
+        """Refuse new requests (503 `shutting_down`, /ready 503); admitted ones run on.
+
+        True once the engine holds no request (also before the model is loaded).
+        """
+        self.draining = True
+        if self.ctx is None:
+            return True
+        self.ctx.engine.drain()
+        return self.ctx.engine.idle
+
+    def abort_in_flight(self) -> None:
+        """End every request still in the engine now (finish_reason `abort`); blocks until the
+        engine thread has stopped (at most one prefill chunk or decode step)."""
+        self.draining = True
+        if self.ctx is not None:
+            self.ctx.engine.stop()
 
     def require_ctx(self) -> ServingContext:
         if self.draining:
@@ -146,16 +163,18 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        metrics_server = None
         if settings.metrics_port is not None:
-            start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
+            metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
         loader = asyncio.create_task(_load(state, loaded))
         try:
             yield
         finally:
-            state.draining = True
             loader.cancel()
-            if state.ctx is not None:
-                await asyncio.to_thread(state.ctx.engine.stop)
+            await asyncio.to_thread(state.abort_in_flight)
+            if metrics_server is not None:
+                await asyncio.to_thread(metrics_server.shutdown)
+                metrics_server.server_close()
 
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
     app.state.kv = state

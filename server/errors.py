@@ -108,6 +108,9 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        state = getattr(request.app.state, "kv", None)  # server.app.AppState
+        if state is not None:
+            state.metrics.rejections.labels("bad_request").inc()
         return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)

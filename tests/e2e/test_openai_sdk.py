@@ -165,3 +165,19 @@ def test_queue_full_is_429_with_retry_after_and_deadline_is_504(guarded_server):
     key = {"Authorization": "Bearer key-a"}
     assert guarded_server.metric("kvserve_requests_running", key) == 0
     assert guarded_server.metric("kvserve_requests_waiting", key) == 0
+
+
+def test_sessions_through_the_sdk(client, server):
+    messages = [{"role": "user", "content": "Describe a lighthouse."}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8, prompt_cache_key="sdk-conv")
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And at night?"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=8, extra_headers={"X-Session-ID": "sdk-conv"},
+    )
+    second = raw.parse()
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert raw.headers["x-cache-reused-tokens"] == str(second.usage.prompt_tokens_details.cached_tokens)
+    fresh = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8, prompt_cache_key="sdk-other")
+    assert fresh.choices[0].message.content == second.choices[0].message.content
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "kvserve_prefix_cache_hits_tokens_total" in metrics and "kvserve_sessions_resident" in metrics
