@@ -109,7 +109,6 @@ def conversation_start(i: int) -> list[dict]:
 def test_twenty_interleaved_conversations_match_fresh_prefill(harness):
     h = harness(max_running=16)
     convs = {f"conv{i}": conversation_start(i) for i in range(20)}
-    grows_before = 0
 
     async def play():
         for turn in range(4):
@@ -126,7 +125,6 @@ def test_twenty_interleaved_conversations_match_fresh_prefill(harness):
     asyncio.run(play())
     long_session = h.cache.store.get(("alice", "conv0"))
     assert kv.capacity(long_session.kv) > 256  # grew past its first bucket mid-conversation
-    assert grows_before == 0
 
 
 def test_edit_regenerate_and_abort(harness):

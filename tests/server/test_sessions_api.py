@@ -94,3 +94,42 @@ async def test_reuse_can_be_switched_off(app_client):
             assert r.headers["x-cache-miss-reason"] == "no_session"
         metrics = (await client.get("/metrics")).text
         assert "kvserve_kv_cache_bytes_used 0.0" in metrics
+
+
+def metric(text: str, sample: str) -> float:
+    lines = [line for line in text.splitlines() if line.startswith(sample + " ")]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+async def test_byte_budget_evicts_idle_sessions_and_refuses_what_cannot_fit(app_client):
+    one_bucket = 256 * 2 * 30 * 3 * 64 * 4  # SmolLM2 fp32: a 256-token cache
+    async with app_client(kv_budget_bytes=int(one_bucket * 1.5)) as client:
+        short = [{"role": "user", "content": "Hi"}]
+        await client.post("/v1/chat/completions", json=chat(short, prompt_cache_key="a"))
+        await client.post("/v1/chat/completions", json=chat(short, prompt_cache_key="b"))  # evicts a
+        back = await client.post("/v1/chat/completions", json=chat(short, prompt_cache_key="a"))
+        assert back.status_code == 200 and back.headers["x-cache-miss-reason"] == "evicted"
+        assert [s["id"] for s in (await client.get("/v1/sessions")).json()["data"]] == ["a"]
+        too_big = await client.post("/v1/chat/completions", json=chat(short, prompt_cache_key="c", max_tokens=400))
+        assert_error_shape(too_big, 400, "kv_budget_exceeded")
+        text = (await client.get("/metrics")).text
+        assert metric(text, 'kvserve_session_evictions_total{reason="evicted"}') == 2
+        assert metric(text, "kvserve_kv_cache_bytes_budget") == int(one_bucket * 1.5)
+        assert metric(text, "kvserve_kv_cache_bytes_used") == one_bucket
+        assert metric(text, "kvserve_sessions_resident") == 1
+        assert metric(text, 'kvserve_prefix_cache_misses_total{reason="evicted"}') == 1
+        # the server keeps serving
+        assert (await client.post("/v1/chat/completions", json=chat(short, prompt_cache_key="a"))).status_code == 200
+
+
+async def test_growth_is_counted(app_client):
+    async with app_client() as client:
+        messages = [{"role": "user", "content": "Hi"}]
+        first = await client.post("/v1/chat/completions", json=chat(messages, prompt_cache_key="g"))
+        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "word " * 300}]
+        second = await client.post("/v1/chat/completions", json=chat(messages, prompt_cache_key="g"))
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        text = (await client.get("/metrics")).text
+        assert metric(text, "kvserve_kv_cache_grows_total") == 1
+        assert metric(text, "kvserve_kv_cache_bytes_used") == 512 * 2 * 30 * 3 * 64 * 4
