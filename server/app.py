@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from prometheus_client import start_http_server
 
 from cache_manager.manager import CacheConfig, CacheManager
+from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
 from server.engine import Engine, EngineConfig
 from server.errors import APIError, install_handlers
@@ -111,12 +112,23 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> 
         cache_manager,
         metrics=metrics,
     )
+    compiler = GrammarCompiler(
+        loaded.tokenizer,
+        loaded.model.config.get_text_config(decoder=True).vocab_size,
+        eos_token_ids=sorted(engine.eos_ids),
+        cache_size=settings.grammar_cache_size,
+        compile_timeout_s=settings.grammar_compile_timeout_s,
+        flexible_whitespace=settings.json_whitespace_flexible,
+        on_compile=metrics.grammar_compile_seconds.observe,
+    )
+    metrics.watch_grammar_cache(compiler)
     dtype = str(loaded.dtype).removeprefix("torch.")
     metrics.info.info({"model": loaded.model_id, "dtype": dtype, "device": loaded.device.type, "version": VERSION})
     fingerprint = "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}".encode()).hexdigest()[:10]
     return ServingContext(
         engine=engine,
         cache_manager=cache_manager,
+        compiler=compiler,
         tokenizer=loaded.tokenizer,
         metrics=metrics,
         model_id=settings.served_model_name or loaded.model_id,
@@ -130,12 +142,16 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> 
 
 
 async def warm_up(ctx: ServingContext) -> None:
-    """One real generation step through the engine, so the first request pays no warm-up."""
-    request = GenerationRequest(
-        "warmup", ctx.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0.0), use_session=False
-    )
-    async for _ in ctx.engine.submit(request, asyncio.get_running_loop()):
-        pass
+    """Real generation steps through the engine, plain and grammar-constrained, so the first
+    request pays for no lazy initialisation (mask buffers, worker threads, kernels)."""
+    grammar = await asyncio.to_thread(ctx.compiler.compile, GrammarSpec("json_object"))
+    for g in (None, grammar):
+        request = GenerationRequest(
+            "warmup", ctx.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0.0),
+            use_session=False, grammar=g,
+        )
+        async for _ in ctx.engine.submit(request, asyncio.get_running_loop()):
+            pass
 
 
 async def _load(state: AppState, loaded: LoadedModel | None) -> None:

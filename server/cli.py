@@ -94,7 +94,7 @@ class DrainingServer(uvicorn.Server):
             return True
         if not self._announced:
             self._announced = True
-            log.info("draining: waiting up to %g s for the requests in flight", self.grace_s)
+            log.info("draining: waiting up to %g s for the requests in flight (signal again to stop now)", self.grace_s)
         return False
 
     async def shutdown(self, sockets=None) -> None:
@@ -106,8 +106,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(settings: Settings) -> int:
+    from sse_starlette.sse import AppStatus
+
     from server.app import create_app
 
+    # NOTE: sse-starlette cancels every open stream once it sees uvicorn's should_exit, which
+    # races with the last chunks (or the abort chunk) of the streams our drain lets finish.
+    # DrainingServer ends them itself; uvicorn's FLUSH_S cancellation stays the backstop.
+    AppStatus.disable_automatic_graceful_drain()
     app = create_app(settings)
     config = uvicorn.Config(
         app,

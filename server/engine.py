@@ -20,7 +20,7 @@ import torch
 from cache_manager import kv
 from cache_manager.manager import CacheManager, NoRoom
 from server import model_runner
-from server.sequence import GenerationRequest, RequestOutput, Sequence, Status
+from server.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Engine:
         self.cache_manager = cache_manager
         self.metrics = metrics
         self._last_expiry = 0.0
-        self._eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = _eos_ids(model, tokenizer)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
         self._cond = threading.Condition()
@@ -212,6 +212,8 @@ class Engine:
                 self._update_gauges()
             handle.first_scheduled_at = time.monotonic()
             handle._put(seq.admitted_output())
+            if seq.matcher is not None:
+                self._fast_forward(seq, handle)  # a forced prefix rides along with the prefill
 
     def _dequeue(self, seq: Sequence, handle: RequestHandle) -> None:
         with self._cond:
@@ -242,7 +244,12 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        torch.set_grad_enabled(False)
+        # NOTE: logits are inference tensors; the grammar mask and penalties modify them in
+        # place, which torch allows only inside inference mode.
+        with torch.inference_mode():
+            self._run()
+
+    def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and not self._waiting and not self._running:
@@ -283,6 +290,9 @@ class Engine:
                     self._finish(seq, handle, "error", error="internal")
 
     def _advance(self, seq: Sequence, handle: RequestHandle) -> None:
+        matcher = seq.matcher
+        if matcher is not None:
+            matcher.start_mask()  # computed in a worker thread while the forward pass runs
         # NOTE: chunking keeps other sequences decoding during a long prefill but costs ~40%
         # prefill speed on CPU (each chunk attends over the whole static capacity); alone,
         # a sequence prefills in one pass.
@@ -291,19 +301,52 @@ class Engine:
         if logits is None:
             return  # still prefilling
         seq.status = Status.DECODE
+        if matcher is not None:
+            matcher.apply_mask(logits)
+            if self.metrics is not None:
+                self.metrics.grammar_mask_seconds.observe(matcher.last_mask_s)
         token = model_runner.choose(seq, logits)
-        if token.token_id in self._eos_ids:
+        if token.token_id in self.eos_ids:
+            # the mask allows end-of-turn only where the grammar accepts
             self._finish(seq, handle, "stop")
             return
-        seq.generated.append(token.token_id)
-        delta = seq.text.push(token.token_id)
-        if delta.stopped:
-            handle._put(RequestOutput(text=delta.text, tokens=[token]))
-            self._finish(seq, handle, "stop")
+        if matcher is not None and not matcher.accept(token.token_id):
+            log.error("grammar refused a masked token in %s: %s", seq.request_id, matcher.error)
+            self._finish(seq, handle, "error", error="internal")
             return
-        handle._put(RequestOutput(text=delta.text, tokens=[token]))
+        if self._emit(seq, handle, [token]):
+            return
+        if matcher is not None:
+            if matcher.is_terminated:
+                self._finish(seq, handle, "stop")  # complete: no further forward pass
+            else:
+                self._fast_forward(seq, handle)
+
+    def _fast_forward(self, seq: Sequence, handle: RequestHandle) -> None:
+        """Append the tokens the grammar forces; the next forward pass computes them all."""
+        room = seq.params.max_tokens - len(seq.generated)
+        forced = seq.matcher.fast_forward_tokens()[:room]
+        if forced and seq.matcher.accept_tokens(forced):
+            if not self._emit(seq, handle, [TokenInfo(t) for t in forced]) and seq.matcher.is_terminated:
+                self._finish(seq, handle, "stop")
+
+    def _emit(self, seq: Sequence, handle: RequestHandle, tokens: list[TokenInfo]) -> bool:
+        """Append sampled or forced tokens, send their text; True when that finished the request
+        (a stop string, max_tokens, or a full cache)."""
+        text = ""
+        for token in tokens:
+            seq.generated.append(token.token_id)
+            delta = seq.text.push(token.token_id)
+            text += delta.text
+            if delta.stopped:
+                handle._put(RequestOutput(text=text, tokens=tokens))
+                self._finish(seq, handle, "stop")
+                return True
+        handle._put(RequestOutput(text=text, tokens=tokens))
         if len(seq.generated) >= seq.params.max_tokens or seq.n_computed >= kv.capacity(seq.cache):
             self._finish(seq, handle, "length")
+            return True
+        return False
 
     def _finish(
         self, seq: Sequence, handle: RequestHandle, reason: str, error: str | None = None

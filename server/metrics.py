@@ -5,6 +5,7 @@ Each app gets its own registry, so several apps in one process (the tests) never
 
 from __future__ import annotations
 
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -105,5 +106,33 @@ class Metrics:
             "kvserve_kv_cache_grows", "Session caches moved to a larger capacity bucket.", registry=r
         )
 
+        # -- structured output -------------------------------------------------------------------
+        self.structured_requests = Counter(
+            "kvserve_structured_requests", "Requests constrained by a grammar, by kind.", ["kind"], registry=r
+        )
+        self.grammar_compile_seconds = Histogram(
+            "kvserve_grammar_compile_seconds", "Time to compile a grammar (cache misses only).",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
+        )
+        self.grammar_mask_seconds = Histogram(
+            "kvserve_grammar_mask_seconds", "Time to compute one token mask (in a worker thread).",
+            buckets=(0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01), registry=r,
+        )
+
+    def watch_grammar_cache(self, compiler) -> None:
+        """Export the compiler's own hit/miss counters (it counts under its lock)."""
+        self.registry.register(_GrammarCacheCollector(compiler))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GrammarCacheCollector:
+    def __init__(self, compiler) -> None:
+        self.compiler = compiler
+
+    def collect(self):
+        for name, value in (("hits", self.compiler.hits), ("misses", self.compiler.misses)):
+            family = CounterMetricFamily(f"kvserve_grammar_cache_{name}", f"Compiled-grammar cache {name}.")
+            family.add_metric([], value)
+            yield family

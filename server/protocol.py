@@ -75,8 +75,14 @@ class SamplingFields(OpenAIModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     user: Annotated[str, Field(max_length=512)] | None = None
     prompt_cache_key: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    response_format: dict[str, Any] | None = None
     # extensions
     top_k: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: one of json, regex, choice, grammar
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older spellings of the same
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(max_length=1024)] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -119,7 +125,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
-    response_format: dict[str, Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

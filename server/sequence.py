@@ -27,6 +27,7 @@ class GenerationRequest:
     principal: str = "anonymous"
     session_id: str | None = None  # None: may reuse the principal's anonymous entries
     use_session: bool = True  # False: a private cache (the extra choices of n > 1)
+    grammar: object | None = None  # a grammars.CompiledGrammar; each sequence gets a matcher
 
     @property
     def session_key(self) -> tuple[str, str] | None:
@@ -87,7 +88,10 @@ class Sequence:
         self.n_computed = 0  # prompt+generated tokens whose KV is in the cache
         self.cached_tokens = 0  # tokens reused from an earlier request
         self.miss_reason: str | None = None
-        self.text = TextStream(tokenizer, request.params.stop)
+        self.matcher = request.grammar.new_matcher() if request.grammar is not None else None
+        # NOTE: stop strings would cut a structured output short of validity: a grammar
+        # request ends when its grammar is complete (or at max_tokens) instead.
+        self.text = TextStream(tokenizer, () if self.matcher is not None else request.params.stop)
         self.generator = make_generator(request.params.seed)
         self.counts: torch.Tensor | None = None  # token counts, only when penalties are on
         self.cancelled = False

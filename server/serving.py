@@ -16,8 +16,9 @@ from typing import AsyncIterator, Callable
 
 from fastapi import Request
 
-from cache_manager.sessions import is_anonymous
 from cache_manager.manager import CacheManager
+from cache_manager.sessions import is_anonymous
+from grammars import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_spec
 from server.engine import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
 from server.errors import APIError
 from server.metrics import Metrics
@@ -33,6 +34,7 @@ class ServingContext:
 
     engine: Engine
     cache_manager: CacheManager
+    compiler: GrammarCompiler
     tokenizer: object
     metrics: Metrics
     model_id: str
@@ -127,6 +129,33 @@ def choice_params(ctx: ServingContext, body, max_tokens: int) -> list[SamplingPa
     return params
 
 
+async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, tool_choice=None) -> tuple[CompiledGrammar | None, bool]:
+    """The request's grammar, compiled (or from the LRU) off the event loop, before admission.
+
+    Returns (grammar, is_tool_call). An invalid, unsupported or too slow grammar is a 400 naming
+    the field; nothing is queued.
+    """
+    try:
+        spec: GrammarSpec | None = spec_from_request(
+            body.response_format, body.structured_outputs, body.guided_json, body.guided_regex,
+            body.guided_choice, body.guided_grammar,
+        )
+        tool_spec = tool_call_spec(tools, tool_choice) if tools else None
+        if tool_spec is None and tool_choice not in (None, "auto", "none") and not tools:
+            raise GrammarError("tool_choice needs tools", "tool_choice")
+        if spec is not None and tool_spec is not None:
+            raise GrammarError(f"a forced tool call and {spec.param} cannot be combined", "tool_choice")
+        spec = spec or tool_spec
+        if spec is None:
+            return None, False
+        compiled = await asyncio.to_thread(ctx.compiler.compile, spec)
+    except GrammarError as exc:
+        ctx.metrics.rejections.labels("bad_schema").inc()
+        raise APIError(400, str(exc), code="invalid_grammar", param=exc.param) from None
+    ctx.metrics.structured_requests.labels("tool_call" if tool_spec else spec.kind).inc()
+    return compiled, tool_spec is not None
+
+
 def session_id(request: Request, prompt_cache_key: str | None) -> str | None:
     """OpenAI's `prompt_cache_key` body field, else the `X-Session-ID` header."""
     value = prompt_cache_key if prompt_cache_key is not None else request.headers.get("x-session-id")
@@ -139,7 +168,8 @@ def session_id(request: Request, prompt_cache_key: str | None) -> str | None:
 
 
 def generation_requests(
-    request: Request, body, request_id: str, prompts: list[list[int]], params: list, timeout_s: float
+    request: Request, body, request_id: str, prompts: list[list[int]], params: list, timeout_s: float,
+    grammar: CompiledGrammar | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice). Only the first uses the session: the others
     get private caches, so n > 1 neither serializes on the session nor races for its cache."""
@@ -151,7 +181,7 @@ def generation_requests(
             index = p * len(params) + j
             out.append(GenerationRequest(
                 f"{request_id}-{index}", prompt_ids, sampling, timeout_s=timeout_s,
-                principal=principal, session_id=session, use_session=index == 0,
+                principal=principal, session_id=session, use_session=index == 0, grammar=grammar,
             ))
     return out
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -46,8 +48,9 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body)
     max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens(), "max_tokens")
     params = serving.choice_params(ctx, body, max_tokens)
+    grammar, tool_call = await serving.compile_grammar(ctx, body, body.tools, body.tool_choice)
     request_id = serving.new_id("chatcmpl")
-    requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s)
+    requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar)
     handles = serving.submit_all(ctx, requests)
     created = int(time.time())
     head = {
@@ -59,7 +62,7 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     if body.stream:
         headers = await serving.admission_headers(ctx, request, handles)
         return EventSourceResponse(
-            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head)),
+            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head, tool_call)),
             ping=15,
             headers=headers,
         )
@@ -70,20 +73,48 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "message": {"role": "assistant", **message},
                 "logprobs": {"content": [logprobs_entry(ctx, t) for t in c.tokens]} if body.logprobs else None,
-                "finish_reason": c.final.finish_reason,
+                "finish_reason": finish_reason,
             }
             for c in choices
+            for message, finish_reason in [assistant_message(c.text, c.final.finish_reason, tool_call)]
         ],
         "usage": serving.usage([c.final for c in choices], body.n),
     })
 
 
-def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict):
-    """The two callbacks that turn engine outputs into chat.completion.chunk objects."""
+def assistant_message(text: str, finish_reason: str, tool_call: bool) -> tuple[dict, str]:
+    """The message fields and finish reason; a completed forced tool call becomes `tool_calls`.
+
+    The tool grammar makes the model write `{"name": ..., "arguments": {...}}`; OpenAI's wire
+    format carries the arguments as a JSON string. A call cut by max_tokens stays text.
+    """
+    if not tool_call or finish_reason != "stop":
+        return {"content": text, "refusal": None}, finish_reason
+    call = json.loads(text)
+    return {
+        "content": None,
+        "refusal": None,
+        "tool_calls": [
+            {
+                "id": "call_" + uuid.uuid4().hex[:24],
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)},
+            }
+        ],
+    }, "tool_calls"
+
+
+def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool_call: bool = False):
+    """The two callbacks that turn engine outputs into chat.completion.chunk objects.
+
+    A forced tool call is sent whole in one `tool_calls` delta once it is complete (its text is
+    buffered, so a client never sees half a call as content).
+    """
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     started: set[int] = set()
+    buffered: dict[int, str] = {}
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
         out = {
@@ -103,6 +134,18 @@ def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict):
         logprobs = None
         if body.logprobs and output.tokens:
             logprobs = {"content": [logprobs_entry(ctx, t) for t in output.tokens]}
+        if tool_call:
+            buffered[index] = buffered.get(index, "") + output.text
+            if not output.finished:
+                return chunks
+            message, finish_reason = assistant_message(buffered.pop(index), output.finish_reason, True)
+            if "tool_calls" in message:
+                delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
+            else:
+                delta = {"content": message["content"]}
+            chunks.append(chunk(index, delta))
+            chunks.append(chunk(index, {}, finish_reason=finish_reason))
+            return chunks
         if output.text or logprobs:
             chunks.append(chunk(index, {"content": output.text}, logprobs=logprobs))
         if output.finished:

@@ -49,8 +49,9 @@ async def create(ctx: ServingContext, body: CompletionRequest, request: Request)
         ctx.check_token_ids(prompt_ids, "prompt")
         ctx.resolve_max_tokens(len(prompt_ids), body.max_tokens, "max_tokens")
     params = serving.choice_params(ctx, body, body.max_tokens)
+    grammar, _ = await serving.compile_grammar(ctx, body)
     request_id = serving.new_id("cmpl")
-    requests = serving.generation_requests(request, body, request_id, prompts, params, ctx.request_timeout_s)
+    requests = serving.generation_requests(request, body, request_id, prompts, params, ctx.request_timeout_s, grammar)
     handles = serving.submit_all(ctx, requests)
     head = {
         "id": request_id,

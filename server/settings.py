@@ -92,6 +92,13 @@ class Settings(BaseSettings):
     reject_busy_sessions: bool = Field(
         False, description="A second concurrent request on a busy session gets 409 instead of waiting."
     )
+    json_whitespace_flexible: bool = Field(
+        False, description="Structured JSON may contain free whitespace (default: compact JSON)."
+    )
+    grammar_compile_timeout_s: float = Field(
+        5.0, gt=0, description="A grammar that takes longer to compile is rejected (400)."
+    )
+    grammar_cache_size: int = Field(256, ge=1, description="Compiled grammars kept (LRU).")
     metrics_port: int | None = Field(
         None, ge=0, le=65535,
         description="Serve /metrics on this separate port too, without auth (for scrapers).",
