@@ -65,14 +65,14 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
     with launch(tmp_path, "--cache-dir", str(cache_dir()), "--shutdown-grace-s", "120") as server:
         streamed: dict = {}
         first_token = threading.Event()
-        stream_thread = threading.Thread(target=read_stream, args=(server.url, 40, streamed, first_token))
+        stream_thread = threading.Thread(target=read_stream, args=(server.url, 32, streamed, first_token))
         stream_thread.start()
         client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
         plain: dict = {}
 
         def non_stream() -> None:
             plain["out"] = client.chat.completions.create(
-                model=MODEL, messages=MESSAGES, max_tokens=30, temperature=0, logit_bias=NO_EOS)
+                model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, logit_bias=NO_EOS)
 
         plain_thread = threading.Thread(target=non_stream)
         plain_thread.start()
@@ -80,6 +80,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
         wait_running(server, 2)
 
         server.proc.send_signal(signal.SIGTERM)
+        seen_at_signal = list(streamed["events"])
         time.sleep(0.3)  # the signal handler runs at once; this is only for the event loop
         ready = httpx.get(server.url + "/ready", timeout=5)
         assert ready.status_code == 503
@@ -96,12 +97,13 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
         assert streamed.get("status") == 200 and "error" not in streamed, streamed
         assert streamed["events"][-1] == "[DONE]"
         assert finish_reasons(streamed["events"]) == ["length"]
+        assert not finish_reasons(seen_at_signal) and len(streamed["events"]) > len(seen_at_signal)
         assert "".join(content(e) for e in streamed["events"])
         assert plain["out"].choices[0].finish_reason == "length"
-        assert plain["out"].usage.completion_tokens == 30
+        assert plain["out"].usage.completion_tokens == 24
 
         assert server.proc.wait(timeout=30) == 0, server.log()
-        assert "drained" in server.log()
+        assert "draining: waiting up to 120 s" in server.log() and "drained" in server.log()
 
 
 def test_grace_period_over_aborts_in_flight_and_exits_0(tmp_path):
