@@ -22,16 +22,22 @@ One decode step, as the engine drives it::
 """
 
 from grammars.compile import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
     CompiledGrammar,
     GrammarCompiler,
     GrammarError,
     GrammarSpec,
+    auto_tool_spec,
     spec_from_request,
     tool_call_spec,
 )
 from grammars.matcher import Matcher
 
 __all__ = [
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "auto_tool_spec",
     "CompiledGrammar",
     "GrammarCompiler",
     "GrammarError",

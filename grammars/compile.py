@@ -205,21 +205,36 @@ def spec_from_request(
     return found[0][1] if found else None
 
 
-def tool_call_spec(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> GrammarSpec | None:
-    """A JSON-schema spec for one call `{"name": ..., "arguments": {...}}`.
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
 
-    `tool_choice` "required" allows any of `tools`; `{"type": "function", "function": {"name":
-    N}}` only N. "auto" and "none" return None (no forced call). Each tool's parameters get an
-    `$id`, so their local `#/$defs/...` references still resolve inside the combined schema.
-    """
-    if tool_choice in (None, "auto", "none"):
-        return None
+
+def _functions(tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     functions = []
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, Mapping) else None
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             raise GrammarError("each tool needs function.name", "tools")
         functions.append(fn)
+    return functions
+
+
+def _calls_schema(functions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    calls = [_call_schema(fn) for fn in functions]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def tool_call_spec(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> GrammarSpec | None:
+    """A JSON-schema spec for one call `{"name": ..., "arguments": {...}}`.
+
+    `tool_choice` "required" allows any of `tools`; `{"type": "function", "function": {"name":
+    N}}` only N. "auto" and "none" return None (no forced call; see `auto_tool_spec`). Each
+    tool's parameters get an `$id`, so their local `#/$defs/...` references still resolve
+    inside the combined schema.
+    """
+    if tool_choice in (None, "auto", "none"):
+        return None
+    functions = _functions(tools)
     if tool_choice == "required":
         chosen = functions
     else:
@@ -230,9 +245,23 @@ def tool_call_spec(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> Gram
             raise GrammarError(f"tool_choice names no function in tools: {name!r}", "tool_choice")
     if not chosen:
         raise GrammarError("tool_choice 'required' needs at least one tool", "tool_choice")
-    calls = [_call_schema(fn) for fn in chosen]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return _schema_spec(schema, "tools")
+    return _schema_spec(_calls_schema(chosen), "tools")
+
+
+def auto_tool_spec(tools: Sequence[Mapping[str, Any]]) -> GrammarSpec:
+    """`tool_choice: "auto"`: free text, or a call behind a trigger.
+
+    The output either starts with `<tool_call>`, then holds exactly one valid call as compact
+    JSON and ends with `</tool_call>`; or it is text that does not start with `<`. So the model
+    chooses with its first token, and a call it starts is always complete and valid.
+    """
+    schema = {**_calls_schema(_functions(tools)), "x-guidance": {"whitespace_flexible": False}}
+    grammar = (
+        f'start: free | "{TOOL_CALL_OPEN}" call "{TOOL_CALL_CLOSE}"\n'
+        'free: /[^<][\\s\\S]*/ | ""\n'
+        f"call: %json {json.dumps(schema)}\n"
+    )
+    return GrammarSpec("lark", grammar, param="tools")
 
 
 def _call_schema(fn: Mapping[str, Any]) -> dict[str, Any]:

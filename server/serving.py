@@ -18,7 +18,15 @@ from fastapi import Request
 
 from cache_manager.manager import CacheManager
 from cache_manager.sessions import is_anonymous
-from grammars import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_spec
+from grammars import (
+    CompiledGrammar,
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+    auto_tool_spec,
+    spec_from_request,
+    tool_call_spec,
+)
 from server.engine import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
 from server.errors import APIError
 from server.metrics import Metrics
@@ -129,31 +137,35 @@ def choice_params(ctx: ServingContext, body, max_tokens: int) -> list[SamplingPa
     return params
 
 
-async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, tool_choice=None) -> tuple[CompiledGrammar | None, bool]:
+async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, tool_choice=None) -> tuple[CompiledGrammar | None, str | None]:
     """The request's grammar, compiled (or from the LRU) off the event loop, before admission.
 
-    Returns (grammar, is_tool_call). An invalid, unsupported or too slow grammar is a 400 naming
-    the field; nothing is queued.
+    Returns (grammar, tool_mode): tool_mode "forced" (tool_choice required or named), "auto"
+    (tools offered: text or a call behind the `<tool_call>` trigger) or None. An invalid,
+    unsupported or too slow grammar is a 400 naming the field; nothing is queued.
     """
     try:
         spec: GrammarSpec | None = spec_from_request(
             body.response_format, body.structured_outputs, body.guided_json, body.guided_regex,
             body.guided_choice, body.guided_grammar,
         )
-        tool_spec = tool_call_spec(tools, tool_choice) if tools else None
-        if tool_spec is None and tool_choice not in (None, "auto", "none") and not tools:
+        if tool_choice not in (None, "auto", "none") and not tools:
             raise GrammarError("tool_choice needs tools", "tool_choice")
+        tool_spec = tool_call_spec(tools, tool_choice) if tools else None
         if spec is not None and tool_spec is not None:
             raise GrammarError(f"a forced tool call and {spec.param} cannot be combined", "tool_choice")
+        mode = "forced" if tool_spec is not None else None
+        if spec is None and tool_spec is None and tools and tool_choice in (None, "auto"):
+            tool_spec, mode = auto_tool_spec(tools), "auto"
         spec = spec or tool_spec
         if spec is None:
-            return None, False
+            return None, None
         compiled = await asyncio.to_thread(ctx.compiler.compile, spec)
     except GrammarError as exc:
         ctx.metrics.rejections.labels("bad_schema").inc()
         raise APIError(400, str(exc), code="invalid_grammar", param=exc.param) from None
-    ctx.metrics.structured_requests.labels("tool_call" if tool_spec else spec.kind).inc()
-    return compiled, tool_spec is not None
+    ctx.metrics.structured_requests.labels(f"tool_call_{mode}" if mode else spec.kind).inc()
+    return compiled, mode
 
 
 def session_id(request: Request, prompt_cache_key: str | None) -> str | None:

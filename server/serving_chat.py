@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
+from grammars import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from server import serving
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
@@ -21,14 +22,42 @@ from server.serving import ServingContext
 ROUTE = "/v1/chat/completions"
 
 
+TOOLS_PROMPT = (
+    "You can call these functions:\n{tools}\n"
+    "To call one, reply with only " + TOOL_CALL_OPEN + '{{"name": <function name>, "arguments": '
+    "<arguments object>}}" + TOOL_CALL_CLOSE + ". Otherwise reply normally."
+)
+
+
+def template_messages(tokenizer, body: ChatCompletionRequest) -> list[dict]:
+    """Messages for the chat template. A template that knows nothing of tools (no `tools` in
+    its source) gets them as a system note with the `<tool_call>` trigger, and earlier calls
+    written back in that form, so the model sees what the grammar allows."""
+    messages = [m.for_template() for m in body.messages]
+    if not body.tools or body.tool_choice == "none" or "tools" in (tokenizer.chat_template or ""):
+        return messages
+    for message in messages:
+        for call in message.pop("tool_calls", None) or []:
+            fn = call.get("function", {})
+            arguments = fn.get("arguments", "{}")
+            payload = json.dumps({"name": fn.get("name"), "arguments": json.loads(arguments) if isinstance(arguments, str) else arguments})
+            message["content"] += TOOL_CALL_OPEN + payload + TOOL_CALL_CLOSE
+    note = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.get("function", t)) for t in body.tools))
+    if messages[0]["role"] == "system":
+        messages[0]["content"] = messages[0]["content"] + "\n\n" + note
+    else:
+        messages.insert(0, {"role": "system", "content": note})
+    return messages
+
+
 def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
     """Chat template -> token ids (runs off the event loop: templates and tokenizers are slow)."""
-    messages = [m.for_template() for m in body.messages]
     try:
+        messages = template_messages(tokenizer, body)
         text = tokenizer.apply_chat_template(
             messages, tools=body.tools, add_generation_prompt=True, tokenize=False
         )
-    except TemplateError as exc:
+    except (TemplateError, ValueError, TypeError) as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}", code="invalid_value", param="messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -48,7 +77,7 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body)
     max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens(), "max_tokens")
     params = serving.choice_params(ctx, body, max_tokens)
-    grammar, tool_call = await serving.compile_grammar(ctx, body, body.tools, body.tool_choice)
+    grammar, tool_mode = await serving.compile_grammar(ctx, body, body.tools, body.tool_choice)
     request_id = serving.new_id("chatcmpl")
     requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar)
     handles = serving.submit_all(ctx, requests)
@@ -62,7 +91,7 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     if body.stream:
         headers = await serving.admission_headers(ctx, request, handles)
         return EventSourceResponse(
-            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head, tool_call)),
+            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head, tool_mode)),
             ping=15,
             headers=headers,
         )
@@ -78,21 +107,28 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
                 "finish_reason": finish_reason,
             }
             for c in choices
-            for message, finish_reason in [assistant_message(c.text, c.final.finish_reason, tool_call)]
+            for message, finish_reason in [assistant_message(c.text, c.final.finish_reason, tool_mode)]
         ],
         "usage": serving.usage([c.final for c in choices], body.n),
     })
 
 
-def assistant_message(text: str, finish_reason: str, tool_call: bool) -> tuple[dict, str]:
-    """The message fields and finish reason; a completed forced tool call becomes `tool_calls`.
+def assistant_message(text: str, finish_reason: str, tool_mode: str | None) -> tuple[dict, str]:
+    """The message fields and finish reason; a completed tool call becomes `tool_calls`.
 
-    The tool grammar makes the model write `{"name": ..., "arguments": {...}}`; OpenAI's wire
-    format carries the arguments as a JSON string. A call cut by max_tokens stays text.
+    Forced calls are the whole output, `{"name": ..., "arguments": {...}}`; under "auto" a call
+    is wrapped in `<tool_call>...</tool_call>`. OpenAI's wire format carries the arguments as a
+    JSON string. A call cut short by max_tokens stays text.
     """
-    if not tool_call or finish_reason != "stop":
+    if tool_mode == "auto" and text.startswith(TOOL_CALL_OPEN):
+        text_call = text.removeprefix(TOOL_CALL_OPEN).removesuffix(TOOL_CALL_CLOSE)
+    elif tool_mode == "forced":
+        text_call = text
+    else:
         return {"content": text, "refusal": None}, finish_reason
-    call = json.loads(text)
+    if finish_reason != "stop":
+        return {"content": text, "refusal": None}, finish_reason
+    call = json.loads(text_call)
     return {
         "content": None,
         "refusal": None,
@@ -106,15 +142,17 @@ def assistant_message(text: str, finish_reason: str, tool_call: bool) -> tuple[d
     }, "tool_calls"
 
 
-def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool_call: bool = False):
+def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool_mode: str | None = None):
     """The two callbacks that turn engine outputs into chat.completion.chunk objects.
 
-    A forced tool call is sent whole in one `tool_calls` delta once it is complete (its text is
-    buffered, so a client never sees half a call as content).
+    A tool call is sent whole in one `tool_calls` delta once it is complete (its text is
+    buffered, so a client never sees half a call as content). Under "auto" the first character
+    decides: `<` starts a call, anything else streams as text.
     """
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     started: set[int] = set()
-    buffered: dict[int, str] = {}
+    buffered: dict[int, str] = {}  # tool-call text held back until complete
+    streaming: set[int] = set()  # choices already streaming as text
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
         out = {
@@ -126,6 +164,11 @@ def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool
             out["usage"] = None
         return out
 
+    def holds_back(index: int, output: RequestOutput) -> bool:
+        if index in buffered or tool_mode == "forced":
+            return True
+        return tool_mode == "auto" and index not in streaming and output.text.startswith("<")
+
     def on_output(index: int, output: RequestOutput) -> list[dict]:
         chunks = []
         if index not in started:
@@ -134,11 +177,11 @@ def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool
         logprobs = None
         if body.logprobs and output.tokens:
             logprobs = {"content": [logprobs_entry(ctx, t) for t in output.tokens]}
-        if tool_call:
+        if holds_back(index, output):
             buffered[index] = buffered.get(index, "") + output.text
             if not output.finished:
                 return chunks
-            message, finish_reason = assistant_message(buffered.pop(index), output.finish_reason, True)
+            message, finish_reason = assistant_message(buffered.pop(index), output.finish_reason, tool_mode)
             if "tool_calls" in message:
                 delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
             else:
@@ -147,6 +190,7 @@ def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool
             chunks.append(chunk(index, {}, finish_reason=finish_reason))
             return chunks
         if output.text or logprobs:
+            streaming.add(index)
             chunks.append(chunk(index, {"content": output.text}, logprobs=logprobs))
         if output.finished:
             chunks.append(chunk(index, {}, finish_reason=output.finish_reason))

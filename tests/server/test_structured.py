@@ -191,3 +191,34 @@ async def test_grammar_with_sessions_and_metrics(app_client):
         assert "kvserve_grammar_compile_seconds_count" in metrics
         count = [line for line in metrics.splitlines() if line.startswith("kvserve_grammar_mask_seconds_count")]
         assert float(count[0].split()[-1]) > 10
+
+
+async def test_auto_tool_choice_text_or_triggered_call(app_client):
+    async with app_client() as client:
+        # the first token decides; steer it with logit_bias to get each branch deterministically
+        open_id = "44"  # "<" in SmolLM2's vocabulary (checked below)
+        call = (await client.post("/v1/chat/completions", json=body(
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER_TOOL],
+            logit_bias={open_id: 30}, max_tokens=60,
+        ))).json()
+        c = call["choices"][0]
+        assert c["finish_reason"] == "tool_calls", c
+        args = json.loads(c["message"]["tool_calls"][0]["function"]["arguments"])
+        jsonschema.validate(args, WEATHER_TOOL["function"]["parameters"])
+        text = (await client.post("/v1/chat/completions", json=body(
+            messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER_TOOL], logit_bias={open_id: -100}, max_tokens=8,
+        ))).json()
+        assert text["choices"][0]["finish_reason"] in ("stop", "length")
+        assert not text["choices"][0]["message"]["content"].startswith("<")
+        streamed = await client.post("/v1/chat/completions", json=body(
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER_TOOL],
+            logit_bias={open_id: 30}, max_tokens=60, stream=True,
+        ))
+        chunks = [c for c in sse_payloads(streamed.text) if c != "[DONE]"]
+        assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
+        assert [c for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_open_bracket_token_id(tokenizer):
+    assert tokenizer.decode([44]) == "<"
