@@ -204,6 +204,11 @@ class Engine:
                 self._dequeue(seq, handle)
                 handle._put(seq.final_output("error", error="kv_budget"))
                 continue
+            except Exception:  # a bug must fail this request, not the engine thread
+                log.exception("admitting %s failed", seq.request_id)
+                self._dequeue(seq, handle)
+                handle._put(seq.final_output("error", error="internal"))
+                continue
             if key is not None:
                 busy.add(key)
             with self._cond:
