@@ -186,15 +186,16 @@ class Engine:
         with self._cond:
             busy = {k for seq, _ in self._running if (k := seq.request.session_key) is not None}
             candidates = list(self._waiting)
+        now = time.monotonic()
+        for seq, handle in candidates:  # the cancelled and the expired leave the queue at once
+            if seq.cancelled or seq.expired(now):
+                self._dequeue(seq, handle)
+                handle._put(seq.final_output("abort") if seq.cancelled else seq.final_output("error", error="timeout"))
         for seq, handle in candidates:
             if len(self._running) >= self.config.max_running:
                 break
             key = seq.request.session_key
-            if seq.cancelled:
-                self._dequeue(seq, handle)
-                handle._put(seq.final_output("abort"))
-                continue
-            if key is not None and key in busy:
+            if seq.cancelled or seq.expired(now) or (key is not None and key in busy):
                 continue
             try:
                 self._lease(seq)

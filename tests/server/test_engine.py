@@ -167,3 +167,28 @@ def test_queue_bound(smollm2, engine):
 
     asyncio.run(go())
     assert eng.idle
+
+
+def test_deadline_and_cancel_also_apply_while_waiting(smollm2, engine):
+    eng = engine(max_running=1)
+    ids = chat_ids(smollm2.tokenizer, PROMPTS[0])
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        running = eng.submit(GenerationRequest("run", ids, greedy(300, logit_bias={2: -100.0})), loop)
+        waiting = eng.submit(GenerationRequest("wait", ids, greedy(10), timeout_s=0.3), loop)
+        cancelled = eng.submit(GenerationRequest("cancel", ids, greedy(10)), loop)
+        cancelled.cancel()
+        finals = {}
+        for name, handle in (("wait", waiting), ("cancel", cancelled)):
+            async for out in handle:
+                finals[name] = out
+        assert not running._seq.status.name == "FINISHED"  # both left the queue while it ran
+        running.cancel()
+        async for _ in running:
+            pass
+        return finals
+
+    finals = asyncio.run(go())
+    assert finals["wait"].error == "timeout" and finals["cancel"].finish_reason == "abort"
+    assert eng.idle
