@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import kv
-from cache_manager.prefix import decide_reuse
+from cache_manager.prefix import ReuseDecision, decide_reuse
 from cache_manager.sessions import (
     Entry,
     Principal,
@@ -163,6 +163,9 @@ class CacheManager:
             cache = self._replace(entry, self._allocate(bucket))
         else:
             kv.crop(cache, n)
+            # NOTE: recorded at once, so a failure below (NoRoom while growing) leaves the
+            # entry's tokens matching what its cache holds.
+            self.store.update(entry.key, entry.tokens[:n], cache, kv.nbytes(cache))
         if kv.capacity(cache) < bucket:
             cache = self._grow(entry, cache, bucket)
         self._observe(len(prompt), n, decision.miss_reason)

@@ -133,3 +133,19 @@ async def test_growth_is_counted(app_client):
         text = (await client.get("/metrics")).text
         assert metric(text, "kvserve_kv_cache_grows_total") == 1
         assert metric(text, "kvserve_kv_cache_bytes_used") == 512 * 2 * 30 * 3 * 64 * 4
+
+
+async def test_a_failed_grow_leaves_the_session_usable(app_client):
+    one_bucket = 256 * 2 * 30 * 3 * 64 * 4
+    async with app_client(kv_budget_bytes=int(one_bucket * 1.5)) as client:
+        first = [{"role": "user", "content": "Remember the word lighthouse."}]
+        ok = await client.post("/v1/chat/completions", json=chat(first, prompt_cache_key="s"))
+        history = first + [{"role": "assistant", "content": ok.json()["choices"][0]["message"]["content"]}]
+        # this turn needs a 512-token cache: more than the budget, so the grow fails
+        too_big = history + [{"role": "user", "content": "word " * 300}]
+        assert_error_shape(await client.post("/v1/chat/completions", json=chat(too_big, prompt_cache_key="s")), 400, "kv_budget_exceeded")
+        # the session still serves, from what its cache really holds
+        again = history + [{"role": "user", "content": "What was the word?"}]
+        r = await client.post("/v1/chat/completions", json=chat(again, prompt_cache_key="s"))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
