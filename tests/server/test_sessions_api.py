@@ -141,8 +141,8 @@ async def test_a_failed_grow_leaves_the_session_usable(app_client):
         first = [{"role": "user", "content": "Remember the word lighthouse."}]
         ok = await client.post("/v1/chat/completions", json=chat(first, prompt_cache_key="s"))
         history = first + [{"role": "assistant", "content": ok.json()["choices"][0]["message"]["content"]}]
-        # this turn needs a 512-token cache: more than the budget, so the grow fails
-        too_big = history + [{"role": "user", "content": "word " * 300}]
+        # an edited history that needs a 512-token cache: the crop happens, the grow fails
+        too_big = [{"role": "user", "content": "word " * 300}]
         assert_error_shape(await client.post("/v1/chat/completions", json=chat(too_big, prompt_cache_key="s")), 400, "kv_budget_exceeded")
         # the session still serves, from what its cache really holds
         again = history + [{"role": "user", "content": "What was the word?"}]
