@@ -65,3 +65,12 @@ def launch(log_dir: Path, *flags: str, env: dict | None = None, ready_timeout_s:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@contextlib.contextmanager
+def launch_with_metrics_port(log_dir: Path, *flags: str, env: dict | None = None):
+    """`launch` with a separate --metrics-port; the server gets a `metrics_url` attribute."""
+    metrics_port = free_port()
+    with launch(log_dir, *flags, "--metrics-port", str(metrics_port), env=env) as server:
+        server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        yield server

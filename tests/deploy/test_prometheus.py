@@ -31,7 +31,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from bench.common import free_port, launch
+from bench.common import free_port, launch_with_metrics_port
 from server.metrics import Metrics
 from tests.conftest import test_cache_dir as cache_dir
 
@@ -129,12 +129,9 @@ needs_prometheus = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def kvserve(tmp_path_factory):
     """API key on, metrics on a separate unauthenticated port, like docker/compose.yaml."""
-    metrics_port = free_port()
-    with launch(
-        tmp_path_factory.mktemp("kvserve"),
-        "--cache-dir", str(cache_dir()), "--api-key", KEY, "--metrics-port", str(metrics_port),
+    with launch_with_metrics_port(
+        tmp_path_factory.mktemp("kvserve"), "--cache-dir", str(cache_dir()), "--api-key", KEY,
     ) as server:
-        server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield server
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.common import free_port, launch
+from bench.common import launch_with_metrics_port
 from tests.conftest import test_cache_dir as cache_dir
 
 KEY = "metrics-port-key"
@@ -16,12 +16,9 @@ KEY = "metrics-port-key"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    metrics_port = free_port()
-    with launch(
-        tmp_path_factory.mktemp("server"),
-        "--cache-dir", str(cache_dir()), "--api-key", KEY, "--metrics-port", str(metrics_port),
+    with launch_with_metrics_port(
+        tmp_path_factory.mktemp("server"), "--cache-dir", str(cache_dir()), "--api-key", KEY,
     ) as s:
-        s.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield s
 
 
