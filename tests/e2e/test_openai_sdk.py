@@ -148,10 +148,14 @@ def test_queue_full_is_429_with_retry_after_and_deadline_is_504(guarded_server):
         except openai.APIStatusError as exc:
             results[name] = exc
 
+    key = {"Authorization": "Bearer key-a"}
     threads = [threading.Thread(target=long_request, args=(f"t{i}",)) for i in range(2)]
-    for t in threads:
-        t.start()
-        time.sleep(0.6)  # the first one is running, the second one waits
+    for t, (running, waiting) in zip(threads, [(1, 0), (1, 1)]):
+        t.start()  # the first one runs, then the second one waits
+        deadline = time.monotonic() + 30
+        while (guarded_server.metric("kvserve_requests_running", key), guarded_server.metric("kvserve_requests_waiting", key)) != (running, waiting):
+            assert time.monotonic() < deadline, f"never {running} running and {waiting} waiting"
+            time.sleep(0.02)
     with pytest.raises(openai.RateLimitError) as err:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     assert err.value.code == "queue_full"
@@ -162,7 +166,6 @@ def test_queue_full_is_429_with_retry_after_and_deadline_is_504(guarded_server):
     for result in results.values():
         assert isinstance(result, openai.InternalServerError) and result.status_code == 504
         assert result.code == "timeout"
-    key = {"Authorization": "Bearer key-a"}
     assert guarded_server.metric("kvserve_requests_running", key) == 0
     assert guarded_server.metric("kvserve_requests_waiting", key) == 0
 

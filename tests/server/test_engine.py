@@ -155,7 +155,7 @@ def test_queue_bound(smollm2, engine):
     async def go():
         loop = asyncio.get_running_loop()
         first = eng.submit(GenerationRequest("1", ids, greedy(200)), loop)
-        await asyncio.sleep(0.5)  # the engine takes the first one off the queue
+        await first.admitted()  # the engine took the first one off the queue
         second = eng.submit(GenerationRequest("2", ids, greedy(200)), loop)
         with pytest.raises(QueueFull):
             eng.submit(GenerationRequest("3", ids, greedy(200)), loop)
