@@ -76,7 +76,11 @@ async def test_bad_session_ids_and_busy_sessions(app_client):
         assert_error_shape(await client.post("/v1/chat/completions", json=chat(messages), headers={"X-Session-ID": "x" * 300}), 400, param="X-Session-ID")
         long = chat(messages, prompt_cache_key="busy", max_tokens=60, logit_bias={"2": -100})
         first = asyncio.create_task(client.post("/v1/chat/completions", json=long))
-        await asyncio.sleep(0.3)
+        for _ in range(500):  # until the first request holds the session
+            sessions = (await client.get("/v1/sessions")).json()["data"]
+            if any(s["id"] == "busy" and s["in_flight"] for s in sessions):
+                break
+            await asyncio.sleep(0.02)
         second = await client.post("/v1/chat/completions", json=chat(messages, prompt_cache_key="busy"))
         assert_error_shape(second, 409, "session_busy")
         listed = (await client.get("/v1/sessions")).json()["data"]
