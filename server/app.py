@@ -41,7 +41,7 @@ class AppState:
         self.settings = settings
         self.metrics = metrics
         self.ctx: ServingContext | None = None
-        self.load_error: str | None = None
+        self.load_error: str | None = None  # for the log and the process, never sent to clients
         self.draining = False
 
     @property
@@ -69,6 +69,8 @@ class AppState:
     def require_ctx(self) -> ServingContext:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
+        if self.ctx is None and self.load_error is not None:
+            raise APIError(503, "the model failed to load; see the server log", code="model_unavailable")
         if self.ctx is None:
             raise APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
         return self.ctx

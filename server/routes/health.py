@@ -23,7 +23,7 @@ async def ready(request: Request) -> JSONResponse:
     if state.draining:
         reason = "shutting down"
     elif state.load_error:
-        reason = f"model failed to load: {state.load_error}"
+        reason = "the model failed to load; the server log says why"  # no paths in responses
     else:
         reason = "loading"
     return JSONResponse(

@@ -2,6 +2,8 @@
 
 import json
 
+import anyio
+
 import pytest
 
 pytestmark = pytest.mark.anyio
@@ -182,3 +184,24 @@ async def test_metrics_count_requests_and_tokens(app_client):
         assert 'kvserve_time_to_first_token_seconds_count{cache="miss"} 1.0' in text
         assert "kvserve_requests_running 0.0" in text and "kvserve_requests_waiting 0.0" in text
         assert 'kvserve_info{device="cpu",dtype="float32",model="SmolLM2-135M-Instruct"' in text
+
+
+async def test_a_failed_load_is_503_without_paths(tmp_path):
+    import httpx
+    from asgi_lifespan import LifespanManager
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    app = create_app(Settings(model=str(tmp_path / "missing.gguf"), cache_dir=tmp_path))
+    async with LifespanManager(app) as manager:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url="http://kvserve") as client:
+            for _ in range(200):
+                if app.state.kv.load_error:
+                    break
+                await anyio.sleep(0.05)
+            ready = await client.get("/ready")
+            assert ready.status_code == 503 and "failed to load" in ready.text
+            assert str(tmp_path) not in ready.text
+            assert_error_shape(await client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO}), 503, "model_unavailable")
+            assert (await client.get("/health")).status_code == 200
