@@ -1,23 +1,57 @@
-"""The only code that touches KV cache tensors (transformers `StaticCache` internals).
+"""Every sequence's KV tensors, and the attention that reads them in a batched forward pass.
 
-Verified against transformers 5.23 (see DESIGN.md, "cache facts"): each `StaticLayer` writes at
-its `cumulative_length`, and the attention mask follows the `cache_position`s the caller passes.
-Keep every touch of those internals in this module so a transformers upgrade breaks one file.
+This is the only module that touches transformers internals about caches and attention: the
+per-layer layout (`get_layer_types_and_kwargs`), the attention-function registry and the
+signature of an attention function. A transformers upgrade breaks this file and its tests.
+
+Layout (DESIGN, issue "batched engine"):
+
+* Each sequence owns a `SequenceKV`: per layer, keys and values [1, kv_heads, size, head_dim].
+  A full-attention layer has `size = capacity` (a power-of-two bucket); a sliding-window layer
+  has `size = min(window, capacity)` and is a ring: position p lives in slot p % size.
+* One engine step packs the new tokens of every row (decode rows: 1 token, or the tokens a
+  grammar forced; prefill rows: a chunk) into ONE flattened sequence: input_ids [1, N],
+  position_ids [1, N] holding each token's position in its own sequence. Every linear layer,
+  the embeddings and the norms run once over the N tokens; there is no padding.
+* Attention is our function, registered with transformers' `AttentionInterface` as
+  "kvserve". Our calls pass a dummy 4D mask, which transformers passes through untouched
+  (it builds no mask); the masks each row needs are built here. For each layer and each row it writes the row's new keys/values into that row's own
+  tensors, then attends over a view `[:, :, :length]` of them. So (1) no sequence's KV is
+  copied per step (only on growth), (2) attention work per row follows the row's own length,
+  not the longest row or its capacity, (3) it is plain `scaled_dot_product_attention` (or the
+  eager formula for soft-capped models), on CPU or CUDA, fp32 or bf16.
+* A sliding layer attends over its ring as it is while it decodes (the ring holds exactly the
+  window). A prefill chunk that wraps the ring reads the window's old keys in order, followed
+  by the chunk's own (a copy of at most `window` positions per chunk, not per token), and
+  then stores the chunk's last `size` tokens.
+* A row's attention output depends only on its own query, keys and values, whatever else is
+  in the batch; only the matmuls of the linear layers see the batch's shape.
+
+Grouped-query attention: the query heads of one KV head are folded into the query length
+([1, kv_heads, groups * T, head_dim]), so keys are never repeated (copied) per query head.
 """
 
 from __future__ import annotations
 
+import math
+import sys
+from dataclasses import dataclass
+
 import torch
-from transformers import PretrainedConfig, StaticCache
+import torch.nn.functional as F
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 MIN_BUCKET = 256
+ATTN_IMPLEMENTATION = "kvserve"
+_SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
 
 def capacity_bucket(n_tokens: int, max_context: int, min_bucket: int = MIN_BUCKET) -> int:
     """Smallest power-of-two capacity >= n_tokens (at least `min_bucket`), capped at the context.
 
-    NOTE: a StaticCache attends over its whole capacity every step, so capacities follow need
-    instead of always being the full context.
+    NOTE: capacities follow need (and grow by doubling) so memory follows the sessions' lengths.
     """
     capacity = min_bucket
     while capacity < n_tokens:
@@ -25,104 +59,258 @@ def capacity_bucket(n_tokens: int, max_context: int, min_bucket: int = MIN_BUCKE
     return min(capacity, max_context)
 
 
-def _kv_shape(text_config) -> tuple[int, int]:
-    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or (
-        text_config.hidden_size // text_config.num_attention_heads
-    )
-    return heads, head_dim
+# -- layout ------------------------------------------------------------------------------------
 
 
-def allocate(config: PretrainedConfig, capacity: int, device: torch.device, dtype: torch.dtype) -> StaticCache:
-    """A StaticCache for one sequence, its tensors allocated now (not on the first forward)."""
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """What a model's KV looks like: per layer its window (None: full attention)."""
+
+    windows: tuple[int | None, ...]
+    kv_heads: int
+    head_dim: int
+
+    def sizes(self, capacity: int) -> list[int]:
+        return [capacity if w is None else min(w, capacity) for w in self.windows]
+
+
+def layout(config: PretrainedConfig) -> Layout:
+    """The KV layout of `config`; ValueError for layer kinds this engine cannot batch."""
     text_config = config.get_text_config(decoder=True)
-    cache = StaticCache(config=text_config, max_cache_len=capacity)
-    heads, head_dim = _kv_shape(text_config)
-    probe = torch.empty((1, heads, 0, head_dim), device=device, dtype=dtype)
-    for layer in cache.layers:
-        layer.lazy_initialization(probe, probe)
-    # NOTE: a sliding layer's own size is min(window, capacity), so the layers alone cannot
-    # tell how many positions the cache may take; the requested capacity is kept beside them.
-    cache.kvserve_capacity = capacity
-    return cache
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYERS))
+    if unsupported:
+        raise ValueError(f"kvserve cannot batch attention layers of type {unsupported}")
+    windows = tuple(kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(layer_types, layer_kwargs))
+    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return Layout(windows, heads, head_dim)
 
 
-def length(cache: StaticCache) -> int:
-    """Tokens written so far (the same on every layer)."""
-    layer = cache.layers[0]
-    return int(layer.cumulative_length_int if layer.is_sliding else layer.cumulative_length)
+# -- one sequence's KV -------------------------------------------------------------------------
 
 
-def _set_length(layer, n: int) -> None:
-    layer.cumulative_length.fill_(n)
-    if layer.is_sliding:
-        layer.cumulative_length_int = n
+class SequenceKV:
+    """Keys and values of one sequence, per layer [1, kv_heads, size, head_dim]; `length` tokens
+    written so far (positions 0..length-1). Only this module reads or writes the tensors."""
+
+    __slots__ = ("keys", "values", "windows", "length", "capacity")
+
+    def __init__(self, lay: Layout, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = lambda size: (1, lay.kv_heads, size, lay.head_dim)  # noqa: E731
+        self.keys = [torch.zeros(shape(s), device=device, dtype=dtype) for s in lay.sizes(capacity)]
+        self.values = [torch.zeros(shape(s), device=device, dtype=dtype) for s in lay.sizes(capacity)]
+        self.windows = lay.windows
+        self.length = 0
+        self.capacity = capacity
 
 
-def can_crop(cache: StaticCache) -> bool:
+def allocate(config: PretrainedConfig, capacity: int, device: torch.device, dtype: torch.dtype) -> SequenceKV:
+    """An empty KV for one sequence of up to `capacity` tokens, its tensors allocated now."""
+    return SequenceKV(layout(config), capacity, device, dtype)
+
+
+def length(cache: SequenceKV) -> int:
+    """Tokens written so far."""
+    return cache.length
+
+
+def capacity(cache: SequenceKV) -> int:
+    """How many positions the sequence may take before it must grow."""
+    return cache.capacity
+
+
+def can_crop(cache: SequenceKV) -> bool:
     """Whether the cache can be cut back to any shorter length.
 
     Full-attention layers always can. A sliding-window layer can while it has not wrapped
-    (length <= its window): past that, the oldest positions were overwritten.
+    (length <= its size): past that, the oldest positions were overwritten.
     """
-    n = length(cache)
-    return all(not layer.is_sliding or n <= layer.max_cache_len for layer in cache.layers)
+    return all(w is None or cache.length <= k.shape[2] for w, k in zip(cache.windows, cache.keys))
 
 
-def crop(cache: StaticCache, n: int) -> None:
-    """Cut the cache back to its first `n` tokens, in place.
-
-    NOTE: StaticLayer has no crop(); each layer writes at its `cumulative_length` and the mask
-    follows the `cache_position`s the caller passes, so lowering the lengths is the crop. The
-    stale positions past `n` are masked out, then overwritten by the next writes.
-    """
-    current = length(cache)
-    if not 0 <= n <= current:
-        raise ValueError(f"cannot crop a cache of {current} tokens to {n}")
-    if n < current and not can_crop(cache):
+def crop(cache: SequenceKV, n: int) -> None:
+    """Cut the cache back to its first `n` tokens, in place: attention reads only
+    `[:length]`, and the next writes overwrite the stale positions."""
+    if not 0 <= n <= cache.length:
+        raise ValueError(f"cannot crop a cache of {cache.length} tokens to {n}")
+    if n < cache.length and not can_crop(cache):
         raise ValueError("a sliding-window layer has wrapped: this cache cannot be cropped")
-    for layer in cache.layers:
-        _set_length(layer, n)
+    cache.length = n
 
 
-def grow(cache: StaticCache, config: PretrainedConfig, new_capacity: int) -> StaticCache:
-    """A larger cache holding the same tokens: allocate, copy the KV, copy the lengths.
+def grow(cache: SequenceKV, config: PretrainedConfig, new_capacity: int) -> SequenceKV:
+    """A larger cache holding the same tokens: allocate, copy the KV (bit-identical).
 
-    The old cache is left as it was (the caller drops it). A sliding layer that has wrapped is
-    already at its window size, so it is copied whole.
+    The old cache is left as it was (the caller drops it). A sliding layer that has wrapped
+    is already at its window size, so its ring is copied whole, slots unchanged.
     """
-    n = length(cache)
+    n = cache.length
     if new_capacity < n:
         raise ValueError(f"new capacity {new_capacity} < {n} cached tokens")
-    first = cache.layers[0]
-    bigger = allocate(config, new_capacity, first.keys.device, first.keys.dtype)
-    for old, new in zip(cache.layers, bigger.layers):
-        kept = min(n, old.max_cache_len)
-        new.keys[:, :, :kept].copy_(old.keys[:, :, :kept])
-        new.values[:, :, :kept].copy_(old.values[:, :, :kept])
-        _set_length(new, n)
+    first = cache.keys[0]
+    bigger = allocate(config, new_capacity, first.device, first.dtype)
+    for old, new in zip(cache.keys + cache.values, bigger.keys + bigger.values):
+        kept = min(n, old.shape[2])
+        new[:, :, :kept].copy_(old[:, :, :kept])
+    bigger.length = n
     return bigger
 
 
 def bytes_for(config: PretrainedConfig, capacity: int, dtype: torch.dtype) -> int:
     """Bytes `allocate(config, capacity, ...)` will take, without allocating."""
-    text_config = config.get_text_config(decoder=True)
-    layers = StaticCache(config=text_config, max_cache_len=capacity).layers  # tensors are lazy
-    heads, head_dim = _kv_shape(text_config)
-    per_position = 2 * heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    return sum(layer.max_cache_len for layer in layers) * per_position
+    lay = layout(config)
+    per_position = 2 * lay.kv_heads * lay.head_dim * torch.empty((), dtype=dtype).element_size()
+    return sum(lay.sizes(capacity)) * per_position
 
 
-def nbytes(cache: StaticCache) -> int:
+def nbytes(cache: SequenceKV) -> int:
     """Bytes held by the cache's key and value tensors."""
-    return sum(
-        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        for layer in cache.layers
-        if layer.is_initialized
+    return sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
+
+
+# -- a batched forward pass --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Row:
+    """One sequence's part of a step: `n` new tokens at positions kv.length.. (offset: where
+    they start in the flattened batch)."""
+
+    kv: SequenceKV
+    n: int
+    offset: int = 0
+
+
+def enable(model) -> None:
+    """Switch `model` to kvserve's attention. Calls without `kvserve_rows` (transformers'
+    own `generate`, say) still run the model's original attention."""
+    original = model.config._attn_implementation
+    if original == ATTN_IMPLEMENTATION:
+        return
+    layout(model.config)  # refuse unsupported layer kinds up front
+    for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
+        _ORIGINAL[id(config)] = original
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+_ORIGINAL: dict[int, str] = {}  # id(config) -> the attention implementation it had
+
+
+def _fallback(module):
+    """The attention the model had before `enable` (its own eager function for "eager")."""
+    name = _ORIGINAL.get(id(module.config), "sdpa")
+    function = AttentionInterface._global_mapping.get(name)
+    return function or sys.modules[type(module).__module__].eager_attention_forward
+
+
+@torch.inference_mode()
+def forward(model, rows: list[Row], token_ids: list[int], logits_rows: list[int]) -> torch.Tensor:
+    """Run the step's tokens through the model; each row's KV is written into its own cache
+    and its `length` moves forward. `token_ids`: the rows' new tokens, concatenated in row
+    order. Returns float32 logits [len(logits_rows), vocab] at the last token of each listed
+    row (by index into `rows`). Switches the model to kvserve's attention on first use.
+    """
+    enable(model)
+    device = model.device
+    positions = []
+    offset = 0
+    for row in rows:
+        row.offset = offset
+        positions.extend(range(row.kv.length, row.kv.length + row.n))
+        offset += row.n
+    if offset != len(token_ids):
+        raise ValueError(f"{len(token_ids)} tokens for rows of {offset}")
+    keep = torch.tensor([rows[i].offset + rows[i].n - 1 for i in logits_rows], dtype=torch.long, device=device)
+    out = model(
+        input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
+        attention_mask=_NO_MASK.to(device),  # 4D: transformers' mask building steps aside
+        position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+        use_cache=False,
+        logits_to_keep=keep,
+        kvserve_rows=rows,
     )
+    for row in rows:
+        row.kv.length += row.n
+    return out.logits[0].float()
 
 
-def capacity(cache: StaticCache) -> int:
-    """How many positions the cache may take before it must grow (sliding layers roll past
-    their window, but a layer smaller than its window must not roll: it would shrink it)."""
-    return cache.kvserve_capacity
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, kvserve_rows=None, **kwargs):
+    """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] (the
+    step's new tokens) -> ([1, N, H, D], None)."""
+    if kvserve_rows is None:
+        return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)
+    layer = module.layer_idx
+    heads, kv_heads = query.shape[1], key.shape[1]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = query.new_empty(1, query.shape[2], heads, query.shape[3])
+    for row in kvserve_rows:
+        lo, hi = row.offset, row.offset + row.n
+        keys, values, mask = _write_and_read(row.kv, layer, key[:, :, lo:hi], value[:, :, lo:hi])
+        # [1, H, T, D] -> [1, Hkv, groups * T, D]: a KV head's query heads side by side
+        q = query[:, :, lo:hi].reshape(1, kv_heads, groups * row.n, query.shape[3])
+        if mask is not None:
+            mask = mask.repeat(groups, 1)
+        o = _attend(q, keys, values, mask, scale, softcap)
+        out[:, lo:hi] = o.reshape(1, heads, row.n, -1).transpose(1, 2)
+    return out, None
+
+
+def _write_and_read(kv: SequenceKV, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+    """Store the row's new keys/values in its layer tensors; return what its queries attend
+    over (views, except for a wrapping prefill chunk of a sliding layer) and a bool mask
+    [T, L] (None: every query sees every key)."""
+    keys, values, window = kv.keys[layer], kv.values[layer], kv.windows[layer]
+    start, n, size = kv.length, k_new.shape[2], keys.shape[2]
+    end = start + n
+    if end <= size:  # no wrap: positions are slots
+        keys[:, :, start:end] = k_new
+        values[:, :, start:end] = v_new
+        mask = None if n == 1 else _causal(start, n, torch.arange(end, device=keys.device), window)
+        return keys[:, :, :end], values[:, :, :end], mask
+    if size < window:
+        raise ValueError(f"{end} tokens exceed the cache's capacity {size}")
+    if n == 1:  # a decode step of a wrapped ring: it holds exactly the window
+        slot = start % size
+        keys[:, :, slot] = k_new[:, :, 0]
+        values[:, :, slot] = v_new[:, :, 0]
+        return keys, values, None
+    # A prefill chunk past the ring: the old window in position order, then the chunk.
+    first = max(0, start - window + 1)
+    old = torch.arange(first, start, device=keys.device)
+    k_all = torch.cat([keys.index_select(2, old % size), k_new], dim=2)
+    v_all = torch.cat([values.index_select(2, old % size), v_new], dim=2)
+    kept = torch.arange(max(start, end - size), end, device=keys.device)
+    keys.index_copy_(2, kept % size, k_new[:, :, kept - start])
+    values.index_copy_(2, kept % size, v_new[:, :, kept - start])
+    return k_all, v_all, _causal(start, n, torch.arange(first, end, device=keys.device), window)
+
+
+def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool [n, L]: query at position start+i sees keys at positions <= its own (and, with a
+    window, > its own - window: transformers' sliding-window rule)."""
+    q = torch.arange(start, start + n, device=key_positions.device)[:, None]
+    mask = key_positions[None, :] <= q
+    if window is not None:
+        mask &= key_positions[None, :] > q - window
+    return mask
+
+
+def _attend(q, keys, values, mask, scale, softcap):
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    # NOTE: sdpa has no soft-capping (Gemma 2): the eager formula, softmax in float32.
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
+
+
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+# NOTE: calls without kvserve_rows (the fallback) still need transformers' own masks (causal,
+# sliding window); the eager (additive float) mask suits both eager and sdpa fallbacks.
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)

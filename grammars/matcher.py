@@ -19,10 +19,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
-from llguidance import LLMatcher
+from llguidance import LLExecutor, LLMatcher
 
 _LUT = np.array([-np.inf, 0.0], dtype=np.float32)  # bit -> additive bias
 _executor: ThreadPoolExecutor | None = None
+_ll_executor: LLExecutor | None = None
 _executor_lock = threading.Lock()
 
 
@@ -33,6 +34,40 @@ def _mask_executor() -> ThreadPoolExecutor:
         if _executor is None:
             _executor = ThreadPoolExecutor(1, "kvserve-grammar-mask")
         return _executor
+
+
+def _batch_executor() -> LLExecutor:
+    """llguidance's own thread pool, which fills a batch of masks in parallel."""
+    global _ll_executor
+    with _executor_lock:
+        if _ll_executor is None:
+            _ll_executor = LLExecutor()
+        return _ll_executor
+
+
+def start_masks(matchers: Sequence["Matcher"]) -> None:
+    """Compute the next masks of a step's constrained rows, in parallel (llguidance's pool),
+    in the worker thread: returns at once, so the masks are filled during the forward pass."""
+    todo = [m for m in matchers if not m._mask_ready and m._pending is None]
+    if len(todo) == 1:
+        todo[0].start_mask()
+    elif todo:
+        pending = _mask_executor().submit(_compute_masks, todo)
+        for m in todo:
+            m._pending = pending
+
+
+def _compute_masks(matchers: list["Matcher"]) -> None:
+    t0 = time.perf_counter()
+    words = np.zeros((len(matchers), matchers[0]._words.size), dtype=np.int32)
+    # NOTE: llguidance writes row K of the batch at pointer + K * row bytes, GIL released.
+    _batch_executor().unsafe_compute_mask_ptr(
+        [(m._ll, k) for k, m in enumerate(matchers)], words.ctypes.data, words.shape[1] * 4, len(matchers)
+    )
+    for m, row in zip(matchers, words):
+        m._words[:] = row
+        m._bias_from_words()
+        m.last_mask_s = (time.perf_counter() - t0) / len(matchers)
 
 
 class Matcher:
@@ -102,12 +137,15 @@ class Matcher:
         t0 = time.perf_counter()
         # NOTE: llguidance writes the bitmask straight into our buffer and drops the GIL meanwhile.
         self._ll.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
+        self._bias_from_words()
+        self.last_mask_s = time.perf_counter() - t0
+
+    def _bias_from_words(self) -> None:
         bits = np.unpackbits(self._words.view(np.uint8), count=self.vocab_size, bitorder="little")
         if self._bias is None:
             self._bias = torch.empty(self.vocab_size, dtype=torch.float32)
         np.take(_LUT, bits, out=self._bias.numpy())
         self._mask_ready = True
-        self.last_mask_s = time.perf_counter() - t0
 
     def _wait(self) -> None:
         """Wait for an in-flight mask: llguidance state must not be read while it is computed."""

@@ -109,6 +109,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> 
             max_context=max_context,
             max_queue=settings.max_queue,
             max_running=settings.max_running,
+            max_batch_tokens=settings.max_batch_tokens,
             reject_busy_sessions=settings.reject_busy_sessions,
         ),
         cache_manager,

@@ -1,9 +1,11 @@
-"""The engine thread: admission queue, scheduler loop, cancellation and deadlines.
+"""The engine thread: admission queue, the step loop, cancellation and deadlines.
 
-One thread owns the model; the asyncio event loop never waits on torch. Each scheduler step
-advances every running sequence by one unit of work (a prefill chunk or one decoded token), so
-no request waits for another to finish. Outputs cross back to the event loop through
-`loop.call_soon_threadsafe` onto the request's own asyncio queue.
+One thread owns the model; the asyncio event loop never waits on torch. Each step is three verbs
+with a plain-data plan between them: `Scheduler.schedule()` picks the rows (every decoding
+sequence, then prefill chunks under the token budget), `model_runner.run(plan)` does ONE forward
+pass for all of them, and `_postprocess(plan, logits)` samples, appends, emits and finishes.
+Outputs cross back to the event loop through `loop.call_soon_threadsafe` onto the request's own
+asyncio queue.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 
 from cache_manager import kv
 from cache_manager.manager import CacheManager, NoRoom
+from grammars.matcher import start_masks
 from server import model_runner
+from server.scheduler import Plan, Scheduler
 from server.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
 
 log = logging.getLogger(__name__)
@@ -42,7 +46,7 @@ class EngineConfig:
     max_context: int
     max_queue: int = 64
     max_running: int = 16
-    prefill_chunk: int = 512
+    max_batch_tokens: int = 512  # tokens one forward pass computes (decode rows + prefill chunks)
     reject_busy_sessions: bool = False  # False: a second request on a session waits its turn
     expire_every_s: float = 1.0
 
@@ -51,8 +55,8 @@ class EngineConfig:
             raise ValueError("max_context must be >= 2")
         if self.max_queue < 1 or self.max_running < 1:
             raise ValueError("max_queue and max_running must be >= 1")
-        if self.prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1")
+        if self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
 
 
 class RequestHandle:
@@ -119,6 +123,8 @@ class Engine:
         self.metrics = metrics
         self._last_expiry = 0.0
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.scheduler = Scheduler(config.max_batch_tokens)
+        kv.enable(model)  # kvserve's batched attention over each sequence's own KV
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
         self._cond = threading.Condition()
@@ -278,40 +284,68 @@ class Engine:
             self.cache_manager.expire()
 
     def step(self) -> None:
-        """Advance every running sequence by one prefill chunk or one token."""
+        """One forward pass for every running sequence: schedule -> run -> postprocess."""
+        t0 = time.perf_counter()
         now = time.monotonic()
         for seq, handle in list(self._running):
             if seq.cancelled:
                 self._finish(seq, handle, "abort")
             elif seq.expired(now):
                 self._finish(seq, handle, "error", error="timeout")
-            else:
-                try:
-                    self._advance(seq, handle)
-                except torch.OutOfMemoryError:
-                    log.warning("out of memory in request %s", seq.request_id)
-                    self._finish(seq, handle, "error", error="out_of_memory")
-                except Exception:
-                    log.exception("request %s failed", seq.request_id)
-                    self._finish(seq, handle, "error", error="internal")
+        plan = self.scheduler.schedule([seq for seq, _ in self._running])
+        if not plan.rows:
+            return
+        start_masks([r.seq.matcher for r in plan.rows if r.completes and r.seq.matcher is not None])
+        try:
+            logits = model_runner.run(self.model, plan)
+        except torch.OutOfMemoryError:
+            log.warning("out of memory in a step of %d rows", len(plan.rows))
+            self._fail(plan, "out_of_memory")
+        except Exception:
+            log.exception("a step of %d rows failed", len(plan.rows))
+            self._fail(plan, "internal")
+        else:
+            self._postprocess(plan, logits)
+        if self.metrics is not None:
+            self.metrics.batch_rows.observe(len(plan.rows))
+            self.metrics.batch_tokens.observe(plan.num_tokens)
+            self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
-    def _advance(self, seq: Sequence, handle: RequestHandle) -> None:
+    def _postprocess(self, plan: Plan, logits: torch.Tensor) -> None:
+        """Advance the rows' computed counts; sample, emit and finish the rows that completed."""
+        completed = []
+        for row in plan.rows:
+            if row.completes:
+                completed.append(row.seq)
+            row.seq.n_computed += row.n_tokens
+        if not completed:
+            return
+        handles = dict(self._running)
+        try:
+            tokens = model_runner.choose(completed, logits)
+        except Exception:
+            log.exception("sampling failed in a step of %d rows", len(completed))
+            for seq in completed:
+                self._finish(seq, handles[seq], "error", error="internal")
+            return
+        for seq, token in zip(completed, tokens):
+            seq.status = Status.DECODE
+            if seq.matcher is not None and self.metrics is not None:
+                self.metrics.grammar_mask_seconds.observe(seq.matcher.last_mask_s)
+            try:
+                self._take(seq, handles[seq], token)
+            except Exception:
+                log.exception("request %s failed", seq.request_id)
+                self._finish(seq, handles[seq], "error", error="internal")
+
+    def _fail(self, plan: Plan, error: str) -> None:
+        handles = dict(self._running)
+        for row in plan.rows:
+            self._finish(row.seq, handles[row.seq], "error", error=error)
+
+    def _take(self, seq: Sequence, handle: RequestHandle, token: TokenInfo) -> None:
+        """Append the sampled token (and what the grammar forces after it), or finish."""
         matcher = seq.matcher
-        if matcher is not None:
-            matcher.start_mask()  # computed in a worker thread while the forward pass runs
-        # NOTE: chunking keeps other sequences decoding during a long prefill but costs ~40%
-        # prefill speed on CPU (each chunk attends over the whole static capacity); alone,
-        # a sequence prefills in one pass.
-        chunk = self.config.prefill_chunk if len(self._running) > 1 else len(seq.pending_ids)
-        logits = model_runner.advance(self.model, seq, chunk)
-        if logits is None:
-            return  # still prefilling
-        seq.status = Status.DECODE
-        if matcher is not None:
-            matcher.apply_mask(logits)
-            if self.metrics is not None:
-                self.metrics.grammar_mask_seconds.observe(matcher.last_mask_s)
-        token = model_runner.choose(seq, logits)
         if token.token_id in self.eos_ids:
             # the mask allows end-of-turn only where the grammar accepts
             self._finish(seq, handle, "stop")
@@ -341,7 +375,7 @@ class Engine:
         (a stop string, max_tokens, or a full cache)."""
         text = ""
         for token in tokens:
-            seq.generated.append(token.token_id)
+            seq.append(token.token_id)
             delta = seq.text.push(token.token_id)
             text += delta.text
             if delta.stopped:

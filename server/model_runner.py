@@ -1,60 +1,65 @@
-"""The forward pass around one sequence's StaticCache, and token choice from its logits.
+"""One batched forward pass for a step's plan, and token choice from its logits.
 
-Shapes: input_ids [1, T] (T = a prefill chunk, or 1 when decoding); cache_position [T], the
-absolute positions of those tokens; the model returns logits [1, 1, V] for the last position only
-(`logits_to_keep=1`), handed back as a float32 [V] tensor.
+Shapes: the plan's rows are packed into one flattened batch of N tokens (see cache_manager/kv.py
+for the layout); `run` returns float32 logits [R, vocab], one row per plan row that `completes`
+(its last pending token was computed), in plan order.
 """
 
 from __future__ import annotations
 
 import torch
 
-from server.sampling import process_logits, sample, top_logprobs
+from cache_manager import kv
+from server.sampling import process_logits, sample_rows, top_logprobs
+from server.scheduler import Plan
 from server.sequence import Sequence, TokenInfo
 
 
-@torch.inference_mode()
-def forward(model, cache, token_ids: list[int], start: int) -> torch.Tensor:
-    """Run `token_ids` at positions start.. through the model, writing their KV into `cache`."""
-    device = model.device
-    input_ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-    positions = torch.arange(start, start + len(token_ids), device=device)
-    out = model(
-        input_ids=input_ids,
-        past_key_values=cache,
-        cache_position=positions,
-        position_ids=positions.unsqueeze(0),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return out.logits[0, -1].float()
+def run(model, plan: Plan) -> torch.Tensor:
+    """Compute every row's scheduled tokens in one forward pass.
 
-
-def advance(model, seq: Sequence, chunk: int) -> torch.Tensor | None:
-    """Compute up to `chunk` pending tokens of `seq`; logits once nothing is pending, else None.
-
-    Side effect: writes their KV into `seq.cache` and moves `seq.n_computed` forward.
+    Side effect: writes their KV into each sequence's cache (its length moves forward).
     """
-    pending = seq.pending_ids[:chunk]
-    logits = forward(model, seq.cache, pending, seq.n_computed)
-    seq.n_computed += len(pending)
-    return None if seq.pending_ids else logits
+    rows, token_ids, logits_rows = [], [], []
+    for i, row in enumerate(plan.rows):
+        rows.append(kv.Row(row.seq.cache, row.n_tokens))
+        token_ids += row.seq.pending_ids(row.n_tokens)
+        if row.completes:
+            logits_rows.append(i)
+    return kv.forward(model, rows, token_ids, logits_rows)
 
 
-def choose(seq: Sequence, logits: torch.Tensor) -> TokenInfo:
-    """Pick the next token of `seq` from raw logits; logprobs are the model's own (unbiased)."""
-    params = seq.params
-    if params.uses_penalties and seq.counts is None:
-        seq.counts = torch.zeros(logits.shape[-1], dtype=torch.int32)
-    processed = process_logits(logits, params, seq.counts)
-    token_id = sample(processed, params, seq.generator)
-    if seq.counts is not None:
-        seq.counts[token_id] += 1
-    if not params.logprobs:
-        return TokenInfo(token_id)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return TokenInfo(
-        token_id,
-        logprob=float(logprobs[token_id]),
-        top=top_logprobs(logprobs, params.top_logprobs),
-    )
+def forward(model, cache, token_ids: list[int], start: int) -> torch.Tensor:
+    """One sequence alone: `token_ids` at positions start.. (= the cache's length), written into
+    `cache`; float32 logits [vocab] at the last one."""
+    if start != kv.length(cache):
+        raise ValueError(f"the cache holds {kv.length(cache)} tokens, not {start}")
+    return kv.forward(model, [kv.Row(cache, len(token_ids))], token_ids, [0])[0]
+
+
+def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
+    """The next token of each sequence from its row of raw logits [R, vocab].
+
+    Logprobs are the model's own distribution (before grammar masks, bias and penalties).
+    Side effects: grammar masks are added to `logits` in place; penalty counts move forward.
+    """
+    logprobs = {i: torch.log_softmax(logits[i], dim=-1) for i, s in enumerate(seqs) if s.params.logprobs}
+    for i, seq in enumerate(seqs):
+        if seq.matcher is not None:
+            seq.matcher.apply_mask(logits[i])
+        params = seq.params
+        if params.uses_penalties and seq.counts is None:
+            seq.counts = torch.zeros(logits.shape[-1], dtype=torch.int32, device=logits.device)
+        if params.logit_bias or seq.counts is not None:
+            logits[i] = process_logits(logits[i], params, seq.counts)
+    token_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    chosen = []
+    for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
+        if seq.counts is not None:
+            seq.counts[token_id] += 1
+        if i not in logprobs:
+            chosen.append(TokenInfo(token_id))
+            continue
+        lp = logprobs[i]
+        chosen.append(TokenInfo(token_id, logprob=float(lp[token_id]), top=top_logprobs(lp, seq.params.top_logprobs)))
+    return chosen

@@ -1,7 +1,8 @@
-"""Sampling as small pure functions over one sequence's logits.
+"""Sampling as small pure functions over a step's logits.
 
-Shapes: `logits` is a float32 tensor [vocab]; `counts` is an int tensor [vocab] with how often
-each token was generated so far (for the penalties). Every function returns a new tensor or
+Shapes: `logits` is a float32 tensor [rows, vocab] (one row per sequence; the per-sequence helpers
+take a [vocab] row); `counts` is an int tensor [vocab] with how often each token was generated
+so far (for the penalties), on the logits' device. Every function returns a new tensor or
 modifies only what it is documented to modify.
 """
 
@@ -78,25 +79,6 @@ def apply_penalties(
     return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
 
 
-def filter_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    if top_k <= 0 or top_k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, top_k).values[-1]
-    return logits.masked_fill(logits < kth, -math.inf)
-
-
-def filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability mass reaches top_p (at least one)."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    # A token is dropped when the mass before it already reaches top_p.
-    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-    return logits.masked_fill(drop, -math.inf)
-
-
 def process_logits(
     logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None
 ) -> torch.Tensor:
@@ -108,14 +90,49 @@ def process_logits(
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick the next token from processed logits: argmax when greedy, else a seeded draw."""
-    if params.greedy:
-        return int(torch.argmax(logits).item())
-    logits = logits / params.temperature
-    logits = filter_top_k(logits, params.top_k)
-    logits = filter_top_p(logits, params.top_p)
-    probs = torch.softmax(logits.float(), dim=-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """Pick the next token from processed logits [vocab]: argmax when greedy, else a seeded draw."""
+    return sample_rows(logits[None], [params], [generator])[0]
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+) -> list[int]:
+    """One token per row of processed logits [rows, vocab]: argmax for greedy rows; for the
+    others temperature, top-k and top-p per row, vectorised, then a draw from each row's own
+    generator (a seeded row draws the same whatever else is in the batch)."""
+    tokens = [0] * len(params)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        picked = torch.argmax(logits[greedy], dim=-1).tolist()
+        for i, token in zip(greedy, picked):
+            tokens[i] = token
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        probs = filtered_probs(logits[drawn], [params[i] for i in drawn]).cpu()
+        for j, i in enumerate(drawn):
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+    return tokens
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Probabilities [rows, vocab] after temperature, top-k, then top-p (each per row)."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    if any(0 < p.top_k < vocab for p in params):
+        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits.float(), dim=-1)
+        # A token is dropped when the mass before it already reaches top_p.
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    return torch.softmax(logits.float(), dim=-1)
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:

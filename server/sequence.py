@@ -82,9 +82,10 @@ class Sequence:
         self.params = request.params
         self.prompt_ids = request.prompt_ids
         self.generated: list[int] = []
+        self.all_ids = list(request.prompt_ids)  # prompt + generated, kept by append()
         self.status = Status.WAITING
         self.lease = None  # the cache manager's Lease once admitted
-        self.cache = None  # lease.cache, the StaticCache this sequence writes
+        self.cache = None  # lease.cache, the kv.SequenceKV this sequence writes
         self.n_computed = 0  # prompt+generated tokens whose KV is in the cache
         self.cached_tokens = 0  # tokens reused from an earlier request
         self.miss_reason: str | None = None
@@ -104,14 +105,19 @@ class Sequence:
     def request_id(self) -> str:
         return self.request.request_id
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.generated
+    def append(self, token_id: int) -> None:
+        """A generated (sampled or forced) token: part of the output, pending until computed."""
+        self.generated.append(token_id)
+        self.all_ids.append(token_id)
 
     @property
-    def pending_ids(self) -> list[int]:
-        """Tokens not yet in the KV cache (the prompt suffix, or the last sampled token)."""
-        return self.all_ids[self.n_computed :]
+    def num_pending(self) -> int:
+        """Tokens not yet in the KV cache (the prompt suffix, or the last sampled or forced ones)."""
+        return len(self.all_ids) - self.n_computed
+
+    def pending_ids(self, n: int) -> list[int]:
+        """The next `n` tokens to compute."""
+        return self.all_ids[self.n_computed : self.n_computed + n]
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline

@@ -63,6 +63,12 @@ class Settings(BaseSettings):
     max_running: int = Field(
         16, ge=1, le=1024, description="Sequences decoding at once; the rest wait in the queue."
     )
+    max_batch_tokens: int = Field(
+        512, ge=1, le=1_000_000,
+        description="Tokens one engine step computes in its single forward pass: one per decoding "
+        "sequence, the rest prefill chunks (first come, first served). A sequence alone prefills "
+        "its whole prompt in one pass.",
+    )
     max_tokens_default: int = Field(
         512, ge=1, description="max_tokens when a request sets none (capped by the context)."
     )
