@@ -102,3 +102,61 @@ def test_wrapped_sliding_window_cannot_crop(models):
     cache = kv.allocate(full.config, 64, CPU, torch.float32)
     forward(full, cache, IDS[:40], 0)
     assert kv.can_crop(cache)
+
+
+def stock_logits(model, ids):
+    """transformers' own attention (the fallback kv keeps for calls outside the engine)."""
+    return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
+def test_a_batch_of_rows_equals_each_sequence_alone(models, name):
+    """One forward pass over rows of different lengths, prefill chunks and decode tokens mixed,
+    past the sliding window: every row's logits match transformers' own full-sequence pass."""
+    model = models[name]
+    seqs = [IDS[:40], IDS[5:25][::-1], IDS[10:47]]
+    caches = [kv.allocate(model.config, 64, CPU, torch.float32) for _ in seqs]
+    done = [0, 0, 0]
+
+    def step(counts):
+        rows = [kv.Row(c, n) for c, n in zip(caches, counts) if n]
+        ids = [t for s, d, n in zip(seqs, done, counts) for t in s[d : d + n]]
+        logits = kv.forward(model, rows, ids, list(range(len(rows))))
+        for i, n in enumerate(counts):
+            done[i] += n
+        return logits
+
+    step([17, 3, 0])  # prefills of different lengths
+    step([1, 9, 30])  # a decode token, a chunk, a whole prompt (wraps the 16-token window)
+    for _ in range(3):
+        step([1, 1, 1])  # decode, all past the window
+    logits = step([19, 5, 4])  # chunks that wrap the ring again
+    assert [kv.length(c) for c in caches] == done == [40, 20, 37]
+    for row, s in enumerate(seqs):
+        assert (logits[row] - stock_logits(model, s)).abs().max() < 1e-4
+
+
+def test_fallback_attention_is_untouched_outside_the_engine(models):
+    model = models["mistral-sliding"]
+    kv.forward(model, [kv.Row(kv.allocate(model.config, 64, CPU, torch.float32), 4)], IDS[:4], [0])
+    assert model.config._attn_implementation == kv.ATTN_IMPLEMENTATION
+    fresh = tiny(MistralConfig, sliding_window=16)  # same seed, same weights, never switched
+    assert torch.equal(stock_logits(model, IDS[:40]), stock_logits(fresh, IDS[:40]))
+
+
+def test_bfloat16_batches_like_float32():
+    model = tiny(MistralConfig, sliding_window=16).to(torch.bfloat16)
+    caches = [kv.allocate(model.config, 64, CPU, torch.bfloat16) for _ in range(2)]
+    kv.forward(model, [kv.Row(caches[0], 20), kv.Row(caches[1], 6)], IDS[:20] + IDS[:6], [])
+    logits = kv.forward(model, [kv.Row(caches[0], 1), kv.Row(caches[1], 1)], IDS[20:21] + IDS[6:7], [0, 1])
+    assert caches[0].keys[0].dtype == torch.bfloat16 and logits.dtype == torch.float32
+    for row, n in enumerate((21, 7)):
+        ref = stock_logits(model, IDS[:n])
+        assert (logits[row] - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_layer_kinds_it_cannot_batch_are_refused():
+    config = MistralConfig(num_hidden_layers=2, sliding_window=16)
+    config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="linear_attention"):
+        kv.layout(config)

@@ -7,10 +7,10 @@ from server.sampling import (
     SamplingParams,
     apply_logit_bias,
     apply_penalties,
-    filter_top_k,
-    filter_top_p,
+    filtered_probs,
     make_generator,
     sample,
+    sample_rows,
     top_logprobs,
 )
 
@@ -43,19 +43,40 @@ def test_penalties_follow_openai_definition():
     assert out.tolist() == pytest.approx([1.0, 1.0 - 0.5 - 0.25, 1.0 - 0.5 - 0.75])
 
 
+def kept(logits, **params):
+    probs = filtered_probs(torch.as_tensor(logits)[None], [SamplingParams(max_tokens=1, **params)])[0]
+    return [p > 0 for p in probs.tolist()]
+
+
 def test_top_k_keeps_k_largest():
-    out = filter_top_k(torch.tensor([1.0, 5.0, 3.0, 4.0]), 2)
-    assert out[1] == 5 and out[3] == 4
-    assert math.isinf(out[0]) and math.isinf(out[2])
+    assert kept([1.0, 5.0, 3.0, 4.0], top_k=2) == [False, True, False, True]
 
 
 def test_top_p_keeps_smallest_set_reaching_mass():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    out = filter_top_p(probs.log(), 0.75)
-    kept = [not math.isinf(v) for v in out.tolist()]
-    assert kept == [True, True, False, False]
+    assert kept(probs.log(), top_p=0.75) == [True, True, False, False]
     # the most likely token always survives
-    assert not math.isinf(filter_top_p(probs.log(), 0.1)[0])
+    assert kept(probs.log(), top_p=0.1) == [True, False, False, False]
+
+
+def test_each_row_filters_with_its_own_parameters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    params = [SamplingParams(max_tokens=1, top_k=1, temperature=1), SamplingParams(max_tokens=1, top_p=0.75), SamplingParams(max_tokens=1)]
+    probs = filtered_probs(logits, params)
+    assert [[p > 0 for p in row] for row in probs.tolist()] == [
+        [True, False, False, False], [True, True, False, False], [True] * 4,
+    ]
+    # a row's probabilities do not depend on the other rows
+    assert torch.equal(probs[1], filtered_probs(logits[1:2], params[1:2])[0])
+
+
+def test_rows_draw_from_their_own_generators():
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=1, top_p=0.9), SamplingParams(max_tokens=1)]
+    together = sample_rows(logits, params, [make_generator(s) for s in (1, 2, 3, 4)])
+    alone = [sample_rows(logits[i : i + 1], params[i : i + 1], [make_generator(s)])[0] for i, s in enumerate((1, 2, 3, 4))]
+    assert together == alone
+    assert together[1] == int(logits[1].argmax())
 
 
 def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
