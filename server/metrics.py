@@ -79,6 +79,21 @@ class Metrics:
             buckets=TOKEN_BUCKETS, registry=r,
         )
 
+        # -- batched engine ----------------------------------------------------------------------
+        self.batch_rows = Histogram(
+            "kvserve_batch_rows", "Sequences (rows) in one engine step's forward pass.",
+            buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256), registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "kvserve_batch_tokens",
+            "Tokens computed in one engine step's forward pass (decode rows + prefill chunks).",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), registry=r,
+        )
+        self.step_seconds = Histogram(
+            "kvserve_engine_step_seconds", "Wall time of one engine step (schedule, forward pass, sampling).",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r,
+        )
+
         # -- session KV reuse ------------------------------------------------------------------
         self.prefix_queries = Counter(
             "kvserve_prefix_cache_queries_tokens", "Prompt tokens looked up in session caches.", registry=r
