@@ -11,6 +11,10 @@ usage.completion_tokens / the wave's wall time (first request sent to last strea
 prefill is included). A story may end before --max-tokens (there is no ignore_eos); only the
 tokens generated are counted. TTFT = request start to the first content chunk.
 
+Baseline: transformers' own continuous batching (`generate_batch`, paged attention) on the same
+default model, greedy, the same prompts and max_tokens, run in-process after the server stopped
+(`--no-transformers-baseline` skips it; it is skipped anyway when a --model flag is passed).
+
 Session TTFT: a ~1k-token document as system prompt under `prompt_cache_key`, turn 1 done on the
 idle server; turn 2 (one more user message) is timed on the idle server, then for a second
 session while --load-streams other streams are decoding (each past its first chunk).
@@ -46,6 +50,30 @@ SESSION_MAX_TOKENS = 16
 def story_prompt(i: int) -> str:
     part = f" (part {i // len(TOPICS) + 1})" if i >= len(TOPICS) else ""
     return f"Write a long, detailed story about {TOPICS[i % len(TOPICS)]}{part}."
+
+
+def transformers_batch(levels: list[int], max_tokens: int) -> dict[int, float]:
+    """Aggregate tok/s of transformers' continuous batching per level (wall time includes prefill)."""
+    from transformers import GenerationConfig
+
+    from server.model_loader import load_model
+    from server.settings import default_cache_dir
+
+    loaded = load_model(None, cache_dir=default_cache_dir(), device="cpu", dtype="float32")
+    tokenizer = loaded.tokenizer
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    rates = {}
+    warm = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    loaded.model.generate_batch(inputs=[[1, 2, 3]], generation_config=warm, progress_bar=False)
+    for n in levels:
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": story_prompt(i)}], add_generation_prompt=True, tokenize=True, return_dict=False)
+            for i in range(n)
+        ]
+        start = time.perf_counter()
+        outputs = loaded.model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        rates[n] = sum(len(o.generated_tokens) for o in outputs.values()) / (time.perf_counter() - start)
+    return rates
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -154,19 +182,22 @@ async def run(base_url: str, args: argparse.Namespace) -> tuple[list[Wave], Turn
     return waves, idle, loaded, still
 
 
-def report(args: argparse.Namespace, waves: list[Wave], idle: Turn, loaded: Turn, still: int) -> None:
+def report(args: argparse.Namespace, waves: list[Wave], idle: Turn, loaded: Turn, still: int,
+           baseline: dict[int, float]) -> None:
     base = waves[0]
     ratios = ", ".join(f"{w.streams} streams {w.tok_s / base.tok_s:.2f}x" for w in waves[1:])
     print(f"aggregate decode against {base.streams} stream(s): {ratios or '(one level only)'}")
     print(f"session turn-2 TTFT with {args.load_streams} streams decoding / idle: {loaded.ttft / idle.ttft:.2f}x\n")
     print(f"concurrent greedy streams, max_tokens {args.max_tokens}, one wave per level (SmolLM2-135M fp32, CPU)\n")
-    print(f"| streams | aggregate tok/s | ratio to {base.streams} | TTFT p50 (s) | TTFT p99 (s) | TTFT p50 ratio to {base.streams} |")
-    print("|---|---|---|---|---|---|")
+    extra = " transformers generate_batch tok/s | kvserve / transformers |" if baseline else ""
+    print(f"| streams | aggregate tok/s | ratio to {base.streams} | TTFT p50 (s) | TTFT p99 (s) | TTFT p50 ratio to {base.streams} |{extra}")
+    print("|---|---|---|---|---|---|" + ("---|---|" if baseline else ""))
     base_p50 = percentile(base.ttfts, 0.5)
     for w in waves:
         p50 = percentile(w.ttfts, 0.5)
+        cells = f" {baseline[w.streams]:.1f} | {w.tok_s / baseline[w.streams]:.2f} |" if baseline else ""
         print(f"| {w.streams} | {w.tok_s:.1f} | **{w.tok_s / base.tok_s:.2f}** | {p50:.3f} | "
-              f"{percentile(w.ttfts, 0.99):.3f} | {p50 / base_p50:.2f} |")
+              f"{percentile(w.ttfts, 0.99):.3f} | {p50 / base_p50:.2f} |{cells}")
     print("\ncompletion tokens per wave (streams x max_tokens unless a story ended early): "
           + ", ".join(f"{w.tokens} of {w.streams * args.max_tokens}" for w in waves))
     print(f"\nsession turn 2 (~{loaded.prompt_tokens} prompt tokens), {still} of {args.load_streams} load streams "
@@ -187,13 +218,18 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=1000)
     parser.add_argument("--load-streams", type=int, default=8)
     parser.add_argument("--load-max-tokens", type=int, default=512)
+    parser.add_argument("--transformers-baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run transformers' generate_batch at each level (default model only)")
     parser.add_argument("--server-flag", action="append", default=[], metavar="FLAG",
                         help="passed to `kvserve serve`, e.g. --server-flag=--max-running=16 (repeatable)")
     args = parser.parse_args()
     flags = [part for flag in args.server_flag for part in shlex.split(flag)]
     with tempfile.TemporaryDirectory() as logs, launch(logs, *flags) as server:
         results = asyncio.run(run(server.base_url, args))
-    report(args, *results)
+    baseline = {}
+    if args.transformers_baseline and not any(f.startswith("--model") for f in flags):
+        baseline = transformers_batch(args.streams, args.max_tokens)
+    report(args, *results, baseline)
 
 
 if __name__ == "__main__":
