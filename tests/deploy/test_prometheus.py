@@ -104,13 +104,18 @@ def test_dashboard_queries_only_metrics_kvserve_exposes() -> None:
 
 def test_dashboard_answers_the_operators_questions() -> None:
     titles = [p["title"] for p in dashboard()["panels"] if p["type"] == "row"]
-    assert titles == ["Traffic and latency", "Is the queue growing?", "Is reuse working?",
-                      "Are sessions being evicted?", "Structured output"]
+    assert titles == ["Traffic and latency", "Is the queue growing?", "Batching: is the GPU kept busy?",
+                      "Is reuse working?", "Are sessions being evicted?", "Structured output"]
     exprs = "\n".join(expr for _, expr in queries())
     for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):
             assert f"histogram_quantile({q}, sum by (le) (rate(kvserve_{metric}_bucket" in exprs
     assert "sum by (le, cache) (rate(kvserve_time_to_first_token_seconds_bucket" in exprs
+    for metric in ("batch_rows", "batch_tokens", "engine_step_seconds"):
+        assert f"histogram_quantile(0.99, sum by (le) (rate(kvserve_{metric}_bucket" in exprs
+    for metric in ("batch_rows", "batch_tokens"):  # mean rows and tokens per step
+        assert re.search(rf"rate\(kvserve_{metric}_sum[^)]*\)\) / sum\(rate\(kvserve_{metric}_count", exprs)
+    assert "sum(rate(kvserve_engine_step_seconds_count" in exprs  # steps / s
     assert re.search(r"rate\(kvserve_prefix_cache_hits_tokens_total[^)]*\)\) / sum\(rate\(kvserve_prefix_cache_queries_tokens_total", exprs)
     assert "sum by (reason) (rate(kvserve_session_evictions_total" in exprs
     assert "sum by (reason) (rate(kvserve_prefix_cache_misses_total" in exprs
