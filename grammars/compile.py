@@ -436,9 +436,11 @@ class GrammarCompiler:
         matcher = fut.result(timeout=max(0.0, deadline - time.perf_counter()))
         if matcher.is_error():
             raise GrammarError(_explain(matcher.get_error(), spec))
-        return CompiledGrammar(spec, time.perf_counter() - t0, matcher, self.vocab_size,
-                               self.ll_tokenizer.vocab_size, self.eos_token_ids,
-                               self.ll_tokenizer.is_canonical)
+        compiled = CompiledGrammar(spec, time.perf_counter() - t0, matcher, self.vocab_size,
+                                   self.ll_tokenizer.vocab_size, self.eos_token_ids,
+                                   self.ll_tokenizer.is_canonical)
+        _check_not_empty(compiled)
+        return compiled
 
     def _construct(self, grammar: str) -> LLMatcher:
         try:  # NOTE: runs in the pool; LLMatcher() drops the GIL and never raises on bad grammars
@@ -541,3 +543,30 @@ def _find_bad_pattern(schema: Any, path: str = "") -> str | None:
             if (hit := _find_bad_pattern(value, f"{path}/{key}")) is not None:
                 return hit
     return None
+
+
+def _check_not_empty(compiled: CompiledGrammar) -> None:
+    """Refuse a grammar whose first mask llguidance cannot compute: its language is empty (a
+    rule that only refers to itself) or beyond llguidance's limits (`a{1000000}`), so no output
+    could ever complete it.
+
+    NOTE: a grammar that fails later (a dead end llguidance finds mid-output) ends the request
+    with an error (the engine's "grammar" error), never as a valid "stop".
+    """
+    # NOTE: copies of one grammar share llguidance's lexer and its expression budget; a grammar
+    # that only just fits the first mask (`a{1000000}`) fails on the next copy: probe twice.
+    for probe in (compiled.new_matcher(), compiled.new_matcher()):
+        probe.fill_next_mask()
+        # a grammar that forces an endless nesting fails on its second forced run
+        forced = probe.fast_forward_tokens()
+        if forced and probe.accept_tokens(forced):
+            probe.fast_forward_tokens()
+        if probe.error is not None:
+            break
+    if probe.error is not None:
+        raise GrammarError(
+            f"{compiled.spec.kind}: no output can ever complete this grammar (llguidance: "
+            f"{probe.error}); look for a rule or $ref that only refers to itself, or a repetition "
+            "too large to enforce",
+            compiled.spec.param,
+        )

@@ -347,8 +347,12 @@ class Engine:
         """Append the sampled token (and what the grammar forces after it), or finish."""
         matcher = seq.matcher
         if token.token_id in self.eos_ids:
-            # the mask allows end-of-turn only where the grammar accepts
-            self._finish(seq, handle, "stop")
+            if matcher is not None and not matcher.is_accepting:
+                # a matcher in error allows only end-of-turn: never report that as a valid "stop"
+                log.warning("grammar dead end in %s: %s", seq.request_id, matcher.error)
+                self._finish(seq, handle, "error", error="grammar")
+                return
+            self._finish(seq, handle, "stop")  # the mask allows end-of-turn only where it accepts
             return
         if matcher is not None and not matcher.accept(token.token_id):
             log.error("grammar refused a masked token in %s: %s", seq.request_id, matcher.error)
@@ -363,7 +367,13 @@ class Engine:
                 self._fast_forward(seq, handle)
 
     def _fast_forward(self, seq: Sequence, handle: RequestHandle) -> None:
-        """Append the tokens the grammar forces; the next forward pass computes them all."""
+        """Append the tokens the grammar forces; the next forward pass computes them all.
+
+        NOTE: not when logprobs are asked for: a forced token has no logits of its own, so it
+        is sampled (under a one-token mask) like any other to report the model's logprob.
+        """
+        if seq.params.logprobs:
+            return
         room = seq.params.max_tokens - len(seq.generated)
         forced = seq.matcher.fast_forward_tokens()[:room]
         if forced and seq.matcher.accept_tokens(forced):

@@ -5,6 +5,8 @@ Each app gets its own registry, so several apps in one process (the tests) never
 
 from __future__ import annotations
 
+from typing import get_args
+
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -15,6 +17,19 @@ from prometheus_client import (
     Info,
     generate_latest,
 )
+
+from cache_manager.manager import NO_SESSION
+from cache_manager.prefix import MISS_REASONS as PREFIX_MISS_REASONS
+from grammars.compile import GrammarKind
+
+# Every label value the code uses, created at start so each series exists (at 0) on a fresh
+# server and no dashboard panel shows "No data".
+ROUTES = ("/v1/chat/completions", "/v1/completions")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECTION_REASONS = ("auth", "bad_request", "too_long", "too_large", "bad_schema", "kv_budget", "queue_full")
+EVICTION_REASONS = ("evicted", "expired", "deleted")
+STRUCTURED_KINDS = (*get_args(GrammarKind), "tool_call_forced", "tool_call_auto")
+MISS_REASONS = (*PREFIX_MISS_REASONS, NO_SESSION)
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
@@ -133,6 +148,21 @@ class Metrics:
             "kvserve_grammar_mask_seconds", "Time to compute one token mask (in a worker thread).",
             buckets=(0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01), registry=r,
         )
+
+        self._preset()
+
+    def _preset(self) -> None:
+        for route in ROUTES:
+            for reason in FINISH_REASONS:
+                self.finished.labels(route, reason)
+        for counter, values in (
+            (self.rejections, REJECTION_REASONS),
+            (self.cache_evictions, EVICTION_REASONS),
+            (self.structured_requests, STRUCTURED_KINDS),
+            (self.cache_misses, MISS_REASONS),
+        ):
+            for value in values:
+                counter.labels(value)
 
     def watch_grammar_cache(self, compiler) -> None:
         """Export the compiler's own hit/miss counters (it counts under its lock)."""

@@ -55,7 +55,7 @@ class RequestOutput:
     text: str = ""
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None  # "timeout" | "internal" | "out_of_memory"
+    error: str | None = None  # "timeout" | "internal" | "out_of_memory" | "kv_budget" | "grammar"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

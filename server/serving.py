@@ -104,8 +104,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def submit_all(ctx: ServingContext, requests: list[GenerationRequest]) -> list[RequestHandle]:
-    """Admit all of a request's sequences or none (429 when the queue is full)."""
+def submit_all(ctx: ServingContext, requests: list[GenerationRequest], n: int) -> list[RequestHandle]:
+    """Admit all of a request's sequences (prompts x `n` choices) or none: 429 when the queue is
+    full now, 400 when the request could never fit."""
+    check_capacity(ctx, len(requests), n)
     loop = asyncio.get_running_loop()
     handles: list[RequestHandle] = []
     try:
@@ -125,6 +127,28 @@ def submit_all(ctx: ServingContext, requests: list[GenerationRequest]) -> list[R
             handle.cancel()
         raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": RETRY_AFTER_S}) from None
     return handles
+
+
+def check_capacity(ctx: ServingContext, sequences: int, n: int) -> None:
+    """A request larger than the server's queue, or with more choices than decode at once, can
+    never run: 400 naming the limit (a 429 would have clients retry in vain)."""
+    config = ctx.engine.config
+    if sequences > config.max_queue:
+        ctx.metrics.rejections.labels("too_large").inc()
+        raise APIError(
+            400,
+            f"this request needs {sequences} sequences (prompts x n) but the server queues at most "
+            f"{config.max_queue} (--max-queue); send fewer prompts or choices per request",
+            code="too_many_sequences", param="n" if n > 1 else "prompt",
+        )
+    if n > config.max_running:
+        ctx.metrics.rejections.labels("too_large").inc()
+        raise APIError(
+            400,
+            f"n={n} choices decode together, but the server runs at most {config.max_running} "
+            "sequences at once (--max-running)",
+            code="too_many_sequences", param="n",
+        )
 
 
 def choice_params(ctx: ServingContext, body, max_tokens: int) -> list[SamplingParams]:
@@ -234,6 +258,15 @@ def engine_error(output: RequestOutput, timeout_s: float) -> APIError:
         )
     if output.error == "timeout":
         return APIError(504, f"the request ran longer than its {timeout_s:g} s deadline", code="timeout")
+    if output.error == "grammar":
+        return APIError(
+            400,
+            "the output constraint reached a dead end: no output that satisfies it can be completed "
+            "from here (no partial output is returned); simplify the schema or grammar",
+            code="grammar_dead_end",
+        )
+    if output.finish_reason == "abort":
+        return APIError(503, "the request was aborted before it finished (the server is shutting down)", code="aborted", headers={"Retry-After": RETRY_AFTER_S})
     if output.error == "out_of_memory":
         return APIError(503, "out of memory for this request; retry later", code="out_of_memory", headers={"Retry-After": RETRY_AFTER_S})
     return APIError(500, "internal error while generating", code="internal_error")
@@ -315,7 +348,7 @@ async def collect(ctx: ServingContext, request: Request, handles: list[RequestHa
     finally:
         watcher.cancel()
     for choice in choices:
-        if choice.final.error is not None:
+        if choice.final.error is not None or choice.final.finish_reason == "abort":
             raise engine_error(choice.final, ctx.request_timeout_s)
     return choices
 
@@ -327,21 +360,33 @@ async def stream(
     on_output: Callable[[int, RequestOutput], list[dict]],
     on_end: Callable[[list[RequestOutput]], list[dict]],
 ) -> AsyncIterator[str]:
-    """SSE `data:` payloads: chunks from `on_output`, closing chunks from `on_end`, `[DONE]`."""
+    """SSE `data:` payloads: chunks from `on_output`, closing chunks from `on_end`, `[DONE]`.
+
+    A choice that fails or is aborted ends the stream with an error event (OpenAI has no
+    "abort" finish reason). Choices cut off by the client leaving count as aborted in the
+    finished and end-to-end metrics.
+    """
     arrived = time.monotonic()
     finals: list[RequestOutput] = []
-    async for index, output in _merge(handles, ctx, arrived):
-        if output.finished:
-            ctx.metrics.finished.labels(route, output.finish_reason).inc()
-            if output.error is not None:
-                yield json.dumps(engine_error(output, ctx.request_timeout_s).body())
-                return
-            finals.append(output)
-        for chunk in on_output(index, output):
+    ended = 0  # choices whose final output arrived, whatever its reason
+    try:
+        async for index, output in _merge(handles, ctx, arrived):
+            if output.finished:
+                ended += 1
+                ctx.metrics.finished.labels(route, output.finish_reason).inc()
+                if output.error is not None or output.finish_reason == "abort":
+                    yield json.dumps(engine_error(output, ctx.request_timeout_s).body())
+                    return
+                finals.append(output)
+            for chunk in on_output(index, output):
+                yield json.dumps(chunk, ensure_ascii=False)
+        for chunk in on_end(finals):
             yield json.dumps(chunk, ensure_ascii=False)
-    for chunk in on_end(finals):
-        yield json.dumps(chunk, ensure_ascii=False)
-    yield "[DONE]"
+        yield "[DONE]"
+    finally:
+        for _ in range(len(handles) - ended):  # cut off by the client, or by another choice's error
+            ctx.metrics.finished.labels(route, "abort").inc()
+            ctx.metrics.e2e.observe(time.monotonic() - arrived)
 
 
 def usage(finals: list[RequestOutput], n: int) -> dict:

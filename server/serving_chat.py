@@ -80,7 +80,7 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     grammar, tool_mode = await serving.compile_grammar(ctx, body, body.tools, body.tool_choice)
     request_id = serving.new_id("chatcmpl")
     requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar)
-    handles = serving.submit_all(ctx, requests)
+    handles = serving.submit_all(ctx, requests, len(params))
     created = int(time.time())
     head = {
         "id": request_id,

@@ -52,7 +52,7 @@ async def create(ctx: ServingContext, body: CompletionRequest, request: Request)
     grammar, _ = await serving.compile_grammar(ctx, body)
     request_id = serving.new_id("cmpl")
     requests = serving.generation_requests(request, body, request_id, prompts, params, ctx.request_timeout_s, grammar)
-    handles = serving.submit_all(ctx, requests)
+    handles = serving.submit_all(ctx, requests, len(params))
     head = {
         "id": request_id,
         "object": "text_completion",

@@ -89,11 +89,16 @@ def test_errors_raise_matching_sdk_exceptions(client):
 
 def test_stream_disconnect_aborts_and_frees(server):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "temperature": 0, "stream": True, "logit_bias": NO_EOS}
+    aborted_before = _aborted(server)
     with httpx.stream("POST", server.base_url + "/chat/completions", json=body, timeout=30) as response:
         for i, _ in enumerate(response.iter_lines()):
             if i > 6:
                 break  # leaving the block closes the connection
     _wait_idle(server)
+    deadline = time.monotonic() + 10  # the server notices the closed stream at its next write
+    while _aborted(server) <= aborted_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _aborted(server) == aborted_before + 1  # the cut-off stream is in the finished metrics
 
 
 def test_non_stream_disconnect_aborts_and_frees(server):
@@ -101,8 +106,15 @@ def test_non_stream_disconnect_aborts_and_frees(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/chat/completions", json=body, timeout=1.5)
     _wait_idle(server)
-    aborted = [line for line in httpx.get(server.url + "/metrics").text.splitlines() if 'finish_reason="abort"' in line and "_total" in line]
-    assert aborted and float(aborted[0].split()[-1]) >= 1
+    assert _aborted(server) >= 1
+
+
+def _aborted(server) -> float:
+    """kvserve_request_finished_total for aborted chat requests."""
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith("kvserve_request_finished_total") and 'finish_reason="abort"' in line and '"/v1/chat/completions"' in line:
+            return float(line.split()[-1])
+    raise AssertionError("no aborted-requests series")
 
 
 def _wait_idle(server, timeout=10.0):
