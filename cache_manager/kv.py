@@ -4,7 +4,7 @@ This is the only module that touches transformers internals about caches and att
 per-layer layout (`get_layer_types_and_kwargs`), the attention-function registry and the
 signature of an attention function. A transformers upgrade breaks this file and its tests.
 
-Layout (DESIGN, issue "batched engine"):
+Layout (docs/architecture.md, "KV layout"):
 
 * Each sequence owns a `SequenceKV`: per layer, keys and values [1, kv_heads, size, head_dim].
   A full-attention layer has `size = capacity` (a power-of-two bucket); a sliding-window layer

@@ -31,12 +31,21 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         origin = typing.get_origin(field.annotation)
         args = typing.get_args(field.annotation)
+        help_text = _help(name, field)
         if field.annotation is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         elif origin is list or (args and typing.get_origin(args[0]) is list):
-            parser.add_argument(flag, dest=name, action="append", default=None, metavar="VALUE", help=field.description + " (repeatable)")
+            parser.add_argument(flag, dest=name, action="append", default=None, metavar="VALUE", help=help_text + " Repeatable.")
         else:
-            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=field.description)
+            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+
+
+def _help(name: str, field) -> str:
+    """The field's description, its default and its env var (the parser's own defaults stay
+    None so that an unset flag never overrides the env var)."""
+    default = field.get_default(call_default_factory=True)
+    shown = "unset" if default in (None, [], "") else default
+    return f"{field.description} [default: {shown}; env KVSERVE_{name.upper()}]"
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -53,7 +53,7 @@ def test_bytes_for_matches_allocation(models, name):
 
 
 def test_smollm2_bytes_per_token():
-    # DESIGN.md: 2 x 30 layers x 3 heads x 64 dims x 4 bytes = 45 KiB of fp32 KV per token
+    # docs/architecture.md: 2 x 30 layers x 3 heads x 64 dims x 4 bytes = 45 KiB of fp32 KV per token
     from transformers import AutoConfig
     from tests.conftest import test_cache_dir
 

@@ -1,5 +1,5 @@
 """The batched engine on the real model: many concurrent requests, one forward pass per step,
-and every output equals the same request run alone (DESIGN.md's rule: token-identical, or the
+and every output equals the same request run alone (docs/architecture.md's rule: token-identical, or the
 first differing step is a near-tie, logit gap < 1e-4)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Session KV reuse on the real model: every turn's greedy output with reuse is token-identical
-to a fresh prefill of the same prompt (DESIGN.md "Equivalence"), and cached_tokens is exactly
+to a fresh prefill of the same prompt (docs/architecture.md, "Equivalence"), and cached_tokens is exactly
 the common prefix of the session's committed tokens and the new prompt."""
 
 from __future__ import annotations
