@@ -97,9 +97,9 @@ class SequenceKV:
     __slots__ = ("keys", "values", "windows", "length", "capacity")
 
     def __init__(self, lay: Layout, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
-        shape = lambda size: (1, lay.kv_heads, size, lay.head_dim)  # noqa: E731
-        self.keys = [torch.zeros(shape(s), device=device, dtype=dtype) for s in lay.sizes(capacity)]
-        self.values = [torch.zeros(shape(s), device=device, dtype=dtype) for s in lay.sizes(capacity)]
+        shapes = [(1, lay.kv_heads, size, lay.head_dim) for size in lay.sizes(capacity)]
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
         self.windows = lay.windows
         self.length = 0
         self.capacity = capacity
