@@ -23,8 +23,9 @@ from server import __version__ as VERSION
 from server.engine import Engine, EngineConfig
 from server.errors import APIError, install_handlers
 from server.metrics import Metrics
-from server.middleware import Auth, BodyLimit, RequestMetrics
+from server.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.model_loader import LoadedModel, load_model
+from server.openapi import install_openapi
 from server.routes import chat, completions, health, models, sessions
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
@@ -195,12 +196,16 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI
                 await asyncio.to_thread(metrics_server.shutdown)
                 metrics_server.server_close()
 
-    app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan)
+    # NOTE: no trailing-slash redirects: Starlette's 307 has no body and a Location built from
+    # the client's Host header. A trailing slash is a 404 in the error shape instead.
+    app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan, redirect_slashes=False)
     app.state.kv = state
     install_handlers(app)
     for module in (health, models, chat, completions, sessions):
         app.include_router(module.router)
+    install_openapi(app)
     # The last added runs first: metrics see every request, auth runs before any body is read.
+    app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(Auth, keys=settings.api_keys(), metrics=metrics)
     app.add_middleware(RequestMetrics, metrics=metrics)

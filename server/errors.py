@@ -24,6 +24,7 @@ _TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -85,6 +86,32 @@ def _param_path(loc: tuple) -> str | None:
     return out or None
 
 
+_OBJECT_TYPES = frozenset({"model_type", "model_attributes_type", "dict_type"})
+_NOT_AN_OBJECT = _OBJECT_TYPES | {"missing"}
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI parses a body as JSON when the type is absent, application/json or +json."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def body_error(exc: RequestValidationError, headers) -> APIError | None:
+    """The error for a body that is not a JSON object at all (empty, `null`, a list, text/plain),
+    said in words instead of pydantic's "'None' is a required property"; None otherwise."""
+    root = [e for e in exc.errors() if tuple(e.get("loc", ())) == ("body",) and e.get("type") in _NOT_AN_OBJECT]
+    if not root:
+        return None
+    content_type = headers.get("content-type")
+    if not _is_json(content_type):
+        return APIError(415, f"Content-Type must be application/json, got {content_type!r}", code="unsupported_media_type")
+    if root[0].get("type") == "missing" and headers.get("content-length", "0") == "0":
+        return APIError(400, "request body is empty: send a JSON object", code="invalid_request")
+    return APIError(400, "request body must be a JSON object", code="invalid_request")
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     # NOTE: a union field reports one error per branch; the deepest one is the informative one
@@ -96,6 +123,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         message, param = "the request body is not valid JSON", None
     elif first.get("type") == "missing":
         message = f"'{param}' is a required property"
+    elif first.get("type") in _OBJECT_TYPES and param:
+        message = f"{param}: must be a JSON object"
     elif param:
         message = f"{param}: {message}"
     return APIError(400, message, code="invalid_value" if param else "invalid_request", param=param)
@@ -111,7 +140,7 @@ def install_handlers(app: FastAPI) -> None:
         state = getattr(request.app.state, "kv", None)  # server.app.AppState
         if state is not None:
             state.metrics.rejections.labels("bad_request").inc()
-        return validation_error(exc).response()
+        return (body_error(exc, request.headers) or validation_error(exc)).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: body size limit, API-key auth, request metrics.
+"""Pure ASGI middleware: body size limit, API-key auth, HEAD as GET, request metrics.
 
 Pure ASGI (not Starlette's BaseHTTPMiddleware) so that streaming responses and the client's
 `http.disconnect` message pass through untouched.
@@ -75,9 +75,11 @@ class Auth:
         self.metrics = metrics
 
     def _principal(self, header: bytes | None) -> str | None:
-        if header is None or not header.startswith(b"Bearer "):
+        # NOTE: the auth scheme is case-insensitive (RFC 9110 11.1): "bearer sk-a" is valid.
+        scheme, _, given = (header or b"").strip().partition(b" ")
+        if scheme.lower() != b"bearer":
             return None
-        given = header[len(b"Bearer ") :].strip()
+        given = given.strip()
         # NOTE: compare against every key, without stopping early, so timing says nothing
         # about which key (or how much of one) matched.
         matched = None
@@ -102,6 +104,29 @@ class Auth:
             ))
         state["principal"] = principal
         await self.app(scope, receive, send)
+
+
+class HeadAsGet:
+    """HEAD answers as GET would, without the body (RFC 9110 9.3.2: GET routes support HEAD).
+
+    NOTE: the route runs as GET, so a HEAD on a POST-only route is a 405 like a GET would be.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(message):
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return  # drop the body; the last message ends the response
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)
 
 
 class RequestMetrics:

@@ -7,14 +7,16 @@ request converts itself to the engine's `SamplingParams`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from server.sampling import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 4
+MAX_PROMPTS = 64
 MAX_TOKENS_LIMIT = 1_000_000
 INT64 = 2**63
 
@@ -31,12 +33,67 @@ class TextPart(OpenAIModel):
     text: Annotated[str, Field(max_length=10_000_000)]
 
 
+class FunctionCall(OpenAIModel):
+    """A function call in an earlier assistant turn; `arguments` is a JSON string (OpenAI's
+    wire format) or, leniently, an already parsed object."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    arguments: Annotated[str, Field(max_length=10_000_000)] | dict[str, Any] = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_are_json(cls, value):
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except ValueError:
+                raise ValueError("must be a JSON string") from None
+        return value
+
+
+class ToolCall(OpenAIModel):
+    id: Annotated[str, Field(max_length=256)] | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
+    """One message. Role rules (OpenAI's): only assistant messages carry `tool_calls`, only
+    tool messages carry `tool_call_id` and must; every role but assistant needs `content`."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, Field(max_length=10_000_000)] | Annotated[list[TextPart], Field(max_length=1024)] | None = None
+    content: Annotated[str, Field(max_length=10_000_000)] | Annotated[list[TextPart], Field(max_length=1024)] | None = Field(
+        None, validate_default=True
+    )
     name: Annotated[str, Field(max_length=256)] | None = None
-    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
-    tool_call_id: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, value, info: ValidationInfo):
+        role = info.data.get("role")
+        if value is None and role not in (None, "assistant"):
+            raise ValueError(f"required for role {role!r}")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls_only_for_assistant(cls, value, info: ValidationInfo):
+        role = info.data.get("role")
+        if value is not None and role not in (None, "assistant"):
+            raise ValueError(f"only assistant messages may have tool_calls, not role {role!r}")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_for_tool(cls, value, info: ValidationInfo):
+        role = info.data.get("role")
+        if value is None and role == "tool":
+            raise ValueError("required for role 'tool'")
+        if value is not None and role not in (None, "tool"):
+            raise ValueError(f"only tool messages may have tool_call_id, not role {role!r}")
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -49,9 +106,11 @@ class ChatMessage(OpenAIModel):
         """The dict a chat template expects: role + plain-text content (+ tool fields)."""
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
         out["content"] = self.text()
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if (value := getattr(self, key)) is not None:
                 out[key] = value
+        if self.tool_calls is not None:
+            out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
         return out
 
 
@@ -84,6 +143,23 @@ class SamplingFields(OpenAIModel):
     guided_choice: Annotated[list[str], Field(max_length=1024)] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _at_most_max_stop(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(value)}")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_keys_are_token_ids(cls, value):
+        for key in value if isinstance(value, dict) else ():
+            digits = key.strip() if isinstance(key, str) else ""
+            # NOTE: str.isdigit() alone accepts '²' and other Unicode digits int() refuses.
+            if not (digits.isascii() and digits.isdigit()):
+                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+        return value
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
@@ -97,12 +173,7 @@ class SamplingFields(OpenAIModel):
 
     def logit_bias_ids(self) -> dict[int, float]:
         """logit_bias keys are token ids written as strings (OpenAI's wire format)."""
-        out: dict[int, float] = {}
-        for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
-                raise ValueError(f"logit_bias key {key!r} is not a token id")
-            out[int(key)] = value
-        return out
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
     def sampling_params(self, max_tokens: int, *, logprobs: bool, top_logprobs: int, seed_offset: int = 0) -> SamplingParams:
         return SamplingParams(
@@ -150,13 +221,30 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: (
         Annotated[str, Field(max_length=10_000_000)]
-        | Annotated[list[Annotated[str, Field(max_length=10_000_000)]], Field(min_length=1, max_length=64)]
+        | Annotated[list[Annotated[str, Field(max_length=10_000_000)]], Field(min_length=1, max_length=MAX_PROMPTS)]
         | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=64)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # NOTE: the legacy Completions API defaults to 16 tokens, and clients rely on it.
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] = 16
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        """Names the shape rule that failed; pydantic's union would report one branch at random
+        ("prompt[0]: should be a valid integer" for 65 strings)."""
+        if not isinstance(value, list):
+            return value
+        if not value:
+            raise ValueError("must not be an empty list")
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+            return value  # one prompt of token ids
+        if not (all(isinstance(p, str) for p in value) or all(isinstance(p, list) for p in value)):
+            raise ValueError("a list must hold only strings, only token ids, or only lists of token ids")
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""

@@ -1,0 +1,106 @@
+"""/openapi.json as the server really answers: 400 (not FastAPI's 422) for invalid input, 204 for
+DELETE, and every documented non-2xx in OpenAI's error shape.
+
+One table, `OPERATIONS`, says for each route what it answers besides its success; a route the
+table does not know fails the document (and the test that fetches it), so a new route cannot go
+undocumented.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "additionalProperties": False,
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "additionalProperties": False,
+            "properties": {
+                "message": {"type": "string", "minLength": 1},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+ERRORS = {
+    400: "Invalid request; `param` names the offending field",
+    401: "Missing or wrong API key (only when the server has keys)",
+    404: "No such model or session",
+    409: "The session has a request in flight",
+    413: "Request body too large",
+    415: "Content-Type is not application/json",
+    429: "Queue full; retry after `Retry-After` seconds",
+    503: "Model loading or server shutting down",
+    504: "The request ran past its deadline",
+}
+_GENERATION = (400, 401, 404, 409, 413, 415, 429, 503, 504)
+
+
+class Operation(NamedTuple):
+    """What one route answers: its success status and media types, and its error statuses."""
+
+    errors: tuple[int, ...]
+    success: int = 200
+    media: tuple[str, ...] = ("application/json",)
+
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("get", "/health"): Operation(()),
+    ("get", "/ready"): Operation((503,)),
+    ("get", "/version"): Operation((401,)),
+    ("get", "/metrics"): Operation((401,), media=("text/plain",)),
+    ("get", "/v1/models"): Operation((401, 503)),
+    ("get", "/v1/models/{model_id}"): Operation((401, 404, 503)),
+    ("post", "/v1/chat/completions"): Operation(_GENERATION, media=("application/json", "text/event-stream")),
+    ("post", "/v1/completions"): Operation(_GENERATION, media=("application/json", "text/event-stream")),
+    ("get", "/v1/sessions"): Operation((401, 503)),
+    ("delete", "/v1/sessions/{session_id}"): Operation((401, 404, 409, 503), success=204, media=()),
+}
+
+
+def describe(operation: dict, spec: Operation) -> None:
+    """Replaces FastAPI's guessed responses of one operation with what the server sends."""
+    generated = operation.get("responses", {}).get("200", {}).get("content", {}).get("application/json", {})
+    content = {media: generated if media == "application/json" else {"schema": {"type": "string"}} for media in spec.media}
+    success = {"description": "Success"} | ({"content": content} if content else {})
+    operation["responses"] = {str(spec.success): success} | {
+        str(status): {"description": ERRORS[status], "content": {"application/json": {"schema": ERROR_REF}}}
+        for status in spec.errors
+    }
+
+
+def document(app: FastAPI) -> dict:
+    """The OpenAPI document of `app`; raises if a route is missing from `OPERATIONS`."""
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for path, methods in schema["paths"].items():
+        for method, operation in methods.items():
+            spec = OPERATIONS.get((method, path))
+            if spec is None:
+                raise KeyError(f"{method.upper()} {path} is not described in server.openapi.OPERATIONS")
+            describe(operation, spec)
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    schemas.pop("HTTPValidationError", None)
+    schemas.pop("ValidationError", None)
+    schemas["ErrorResponse"] = ERROR_SCHEMA
+    return schema
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serves `document(app)` at /openapi.json (built once, on first request)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(app)
+        return app.openapi_schema
+
+    app.openapi = openapi
