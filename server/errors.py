@@ -43,6 +43,7 @@ class APIError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        rejection: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -50,6 +51,7 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.headers = headers
+        self.rejection = rejection  # the rejections-counter reason: a refusal before generation
 
     def body(self) -> dict:
         return error_body(self.status, self.message, code=self.code, param=self.param)
@@ -133,6 +135,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        state = getattr(request.app.state, "kv", None)  # server.app.AppState
+        if exc.rejection is not None and state is not None:
+            state.metrics.rejections.labels(exc.rejection).inc()
         return exc.response()
 
     @app.exception_handler(RequestValidationError)

@@ -26,7 +26,7 @@ from grammars.compile import GrammarKind
 # server and no dashboard panel shows "No data".
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 FINISH_REASONS = ("stop", "length", "abort", "error")
-REJECTION_REASONS = ("auth", "bad_request", "too_long", "too_large", "bad_schema", "kv_budget", "queue_full")
+REJECTION_REASONS = ("auth", "bad_request", "too_long", "too_large", "bad_schema", "kv_budget", "queue_full", "session_busy")
 EVICTION_REASONS = ("evicted", "expired", "deleted")
 STRUCTURED_KINDS = (*get_args(GrammarKind), "tool_call_forced", "tool_call_auto")
 MISS_REASONS = (*PREFIX_MISS_REASONS, NO_SESSION)

@@ -60,6 +60,7 @@ class ServingContext:
                 f"The model '{model}' does not exist; this server serves '{self.model_id}'.",
                 code="model_not_found",
                 param="model",
+                rejection="bad_request",
             )
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
@@ -70,7 +71,6 @@ class ServingContext:
                 return min(self.max_tokens_default, room)
             requested = 1
         if requested > room:
-            self.metrics.rejections.labels("too_long").inc()
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_context} tokens. However, you "
@@ -78,13 +78,14 @@ class ServingContext:
                 f"{requested} for the completion). Please reduce the prompt or the completion length.",
                 code="context_length_exceeded",
                 param=param,
+                rejection="too_long",
             )
         return requested
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if t >= self.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", code="invalid_value", param=param)
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})", code="invalid_value", param=param, rejection="bad_request")
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -116,12 +117,11 @@ def submit_all(ctx: ServingContext, requests: list[GenerationRequest], n: int) -
     except QueueFull as exc:
         for handle in handles:
             handle.cancel()
-        ctx.metrics.rejections.labels("queue_full").inc()
-        raise APIError(429, f"server busy: {exc}; retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S}) from None
+        raise APIError(429, f"server busy: {exc}; retry later", code="queue_full", headers={"Retry-After": RETRY_AFTER_S}, rejection="queue_full") from None
     except SessionBusy as exc:
         for handle in handles:
             handle.cancel()
-        raise APIError(409, f"{exc}; retry when it is done", code="session_busy", param="prompt_cache_key") from None
+        raise APIError(409, f"{exc}; retry when it is done", code="session_busy", param="prompt_cache_key", rejection="session_busy") from None
     except EngineStopped:
         for handle in handles:
             handle.cancel()
@@ -134,20 +134,18 @@ def check_capacity(ctx: ServingContext, sequences: int, n: int) -> None:
     never run: 400 naming the limit (a 429 would have clients retry in vain)."""
     config = ctx.engine.config
     if sequences > config.max_queue:
-        ctx.metrics.rejections.labels("too_large").inc()
         raise APIError(
             400,
             f"this request needs {sequences} sequences (prompts x n) but the server queues at most "
             f"{config.max_queue} (--max-queue); send fewer prompts or choices per request",
-            code="too_many_sequences", param="n" if n > 1 else "prompt",
+            code="too_many_sequences", param="n" if n > 1 else "prompt", rejection="too_large",
         )
     if n > config.max_running:
-        ctx.metrics.rejections.labels("too_large").inc()
         raise APIError(
             400,
             f"n={n} choices decode together, but the server runs at most {config.max_running} "
             "sequences at once (--max-running)",
-            code="too_many_sequences", param="n",
+            code="too_many_sequences", param="n", rejection="too_large",
         )
 
 
@@ -156,7 +154,7 @@ def choice_params(ctx: ServingContext, body, max_tokens: int) -> list[SamplingPa
     try:
         params = [body.to_sampling_params(max_tokens, seed_offset=j) for j in range(body.n)]
     except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value", param="logit_bias") from None
+        raise APIError(400, str(exc), code="invalid_value", param="logit_bias", rejection="bad_request") from None
     ctx.check_token_ids(list(params[0].logit_bias), "logit_bias")
     return params
 
@@ -186,8 +184,7 @@ async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, 
             return None, None
         compiled = await asyncio.to_thread(ctx.compiler.compile, spec)
     except GrammarError as exc:
-        ctx.metrics.rejections.labels("bad_schema").inc()
-        raise APIError(400, str(exc), code="invalid_grammar", param=exc.param) from None
+        raise APIError(400, str(exc), code="invalid_grammar", param=exc.param, rejection="bad_schema") from None
     ctx.metrics.structured_requests.labels(f"tool_call_{mode}" if mode else spec.kind).inc()
     return compiled, mode
 
@@ -199,7 +196,7 @@ def session_id(request: Request, prompt_cache_key: str | None) -> str | None:
         return None
     param = "prompt_cache_key" if prompt_cache_key is not None else "X-Session-ID"
     if not value or len(value) > 256 or is_anonymous(value):
-        raise APIError(400, f"{param} must be 1-256 characters and not start with 'anon-'", code="invalid_value", param=param)
+        raise APIError(400, f"{param} must be 1-256 characters and not start with 'anon-'", code="invalid_value", param=param, rejection="bad_request")
     return value
 
 
@@ -255,6 +252,7 @@ def engine_error(output: RequestOutput, timeout_s: float) -> APIError:
             "this request's KV cache (prompt + max_tokens) does not fit the server's KV budget; "
             "reduce max_tokens or the prompt",
             code="kv_budget_exceeded",
+            rejection="kv_budget",
         )
     if output.error == "timeout":
         return APIError(504, f"the request ran longer than its {timeout_s:g} s deadline", code="timeout")

@@ -58,7 +58,7 @@ def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
             messages, tools=body.tools, add_generation_prompt=True, tokenize=False
         )
     except (TemplateError, ValueError, TypeError) as exc:
-        raise APIError(400, f"the chat template rejected the messages: {exc}", code="invalid_value", param="messages") from None
+        raise APIError(400, f"the chat template rejected the messages: {exc}", code="invalid_value", param="messages", rejection="bad_request") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -45,7 +45,7 @@ async def create(ctx: ServingContext, body: CompletionRequest, request: Request)
     prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompts())
     for prompt_ids in prompts:
         if not prompt_ids:
-            raise APIError(400, "the prompt is empty", code="invalid_value", param="prompt")
+            raise APIError(400, "the prompt is empty", code="invalid_value", param="prompt", rejection="bad_request")
         ctx.check_token_ids(prompt_ids, "prompt")
         ctx.resolve_max_tokens(len(prompt_ids), body.max_tokens, "max_tokens")
     params = serving.choice_params(ctx, body, body.max_tokens)

@@ -21,5 +21,5 @@ async def list_models(request: Request) -> dict:
 async def get_model(model_id: str, request: Request) -> dict:
     ctx = request.app.state.kv.require_ctx()
     if model_id != ctx.model_id and model_id not in ctx.model_aliases:
-        raise APIError(404, f"The model '{model_id}' does not exist", code="model_not_found", param="model")
+        raise APIError(404, f"The model '{model_id}' does not exist", code="model_not_found", param="model", rejection="bad_request")
     return _card(ctx.model_id, ctx)

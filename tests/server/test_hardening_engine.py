@@ -142,3 +142,13 @@ async def test_fresh_server_exports_every_known_label(app_client):
         'kvserve_request_finished_total{finish_reason="abort",route="/v1/completions"} 0.0',
     ):
         assert series in text, series
+
+
+async def test_the_servers_own_400s_count_as_rejections(app_client):
+    async with app_client(kv_budget_bytes=1_000_000) as client:  # no 256-token cache fits
+        empty = await client.post("/v1/completions", json={"model": MODEL, "prompt": "", "max_tokens": 2})
+        assert_error_shape(empty, 400, "invalid_value", "prompt")
+        assert_error_shape(await client.post("/v1/chat/completions", json=chat()), 400, "kv_budget_exceeded")
+        text = (await client.get("/metrics")).text
+    assert 'kvserve_request_rejections_total{reason="bad_request"} 1.0' in text
+    assert 'kvserve_request_rejections_total{reason="kv_budget"} 1.0' in text
