@@ -38,7 +38,8 @@ MissReason = Literal["new_session", "evicted", "expired", "diverged", "not_cropp
   the cache has layers that cannot be cut back (sliding windows past their window,
   recurrent state), so nothing is reusable.
 * ``too_short``: the prompt is empty, or one token long and matching the entry; that last
-  token must be recomputed anyway to get logits, so nothing is left to reuse.
+  token must be recomputed anyway to get logits, so nothing is left to reuse. Also: the
+  common prefix is shorter than one reuse block (`decide_reuse`'s `block`).
 
 `decide_reuse` only sees token lists, so it returns ``new_session`` for an empty cache;
 the caller replaces it with `SessionStore.lookup_miss_reason` (``evicted``/``expired``).
@@ -121,7 +122,7 @@ class ReuseDecision:
         return self.n_reused > 0
 
 
-def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool) -> ReuseDecision:
+def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool, block: int = 1) -> ReuseDecision:
     """Decide how many of the `cached` tokens' KV a request for `prompt` reuses.
 
     `cached` are the session's committed token ids (empty when it has no entry); `can_crop`
@@ -131,16 +132,25 @@ def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool
     Rules, in order:
       1. ``n = common_prefix_len(cached, prompt)``, capped at ``len(prompt) - 1``: a fully
          cached prompt still recomputes its last token to get the next-token logits.
+         When ``n < len(cached)`` (the reuse stops inside the cached tokens), `n` is rounded
+         down to a multiple of `block`: with ``block > 1`` (anonymous reuse of another
+         request's entry) the count never says how many single tokens matched. A prompt
+         that extends every cached token reuses them all.
       2. ``n == 0``: miss ``new_session`` (nothing cached), ``too_short`` (the prompt is
-         empty, or a single token that matches) or ``diverged`` (the first id differs).
+         empty, a single token that matches, or the common prefix is shorter than `block`)
+         or ``diverged`` (the first id differs).
       3. ``n < len(cached)`` and not `can_crop`: miss ``not_croppable``; such a cache is
          reusable only when the prompt strictly extends every cached token.
       4. Otherwise a hit of ``n`` tokens, with ``crop = n < len(cached)``.
     """
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
     if not cached:
         return ReuseDecision(0, NEW_SESSION)
     common = common_prefix_len(cached, prompt)
-    n = min(common, len(prompt) - 1)
+    n = max(0, min(common, len(prompt) - 1))
+    if n < len(cached):
+        n -= n % block
     if n <= 0:
         return ReuseDecision(0, TOO_SHORT if common > 0 or not prompt else DIVERGED)
     crop = n < len(cached)

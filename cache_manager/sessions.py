@@ -242,12 +242,14 @@ class SessionStore:
 
     # -- insert, commit, delete -----------------------------------------------------
 
-    def put(self, entry: Entry) -> Entry:
+    def put(self, entry: Entry, *, pinned: bool = False) -> Entry:
         """Insert `entry`, or replace the entry of its key; touches the LRU order.
 
         The new entry keeps the old one's pin count (pins change only through `pin`/`unpin`),
-        so `entry.pins` must be 0. When the replaced entry held a different `kv` object it is
-        dropped with reason ``replaced``. Never evicts: call `make_room` before allocating.
+        so `entry.pins` must be 0. `pinned=True` is `put` then `pin` in one step under the
+        lock, so no other thread (an admin `delete`) can remove the new entry before it is
+        pinned; undo it with `unpin`. When the replaced entry held a different `kv` object it
+        is dropped with reason ``replaced``. Never evicts: call `make_room` before allocating.
         Returns the stored entry.
         """
         if entry.pins != 0:
@@ -265,7 +267,7 @@ class SessionStore:
                     self._drop_counts["replaced"] += 1
             self._dropped.pop(entry.key, None)
             stored = self._store_locked(
-                dataclasses.replace(entry, tokens=list(entry.tokens), pins=pins)
+                dataclasses.replace(entry, tokens=list(entry.tokens), pins=pins + int(pinned))
             )
         self._notify(dropped)
         return stored

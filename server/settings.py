@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
 
@@ -82,9 +82,11 @@ class Settings(BaseSettings):
         True, description="Keep each session's KV cache between requests (off: every request prefills)."
     )
     anonymous_reuse: bool = Field(
-        True,
+        None,
         description="Requests without a session id may reuse the longest matching prefix "
-        "among the same API key's earlier anonymous requests.",
+        "among the same API key's earlier anonymous requests (in steps of 32 tokens). Unset = "
+        "auto: on with API keys, off without (keyless, every caller would share one cache); "
+        "env value 'auto' = unset.",
     )
     session_ttl_s: float = Field(1800.0, gt=0, description="Idle sessions expire after this long.")
     kv_budget_bytes: int | None = Field(
@@ -113,6 +115,24 @@ class Settings(BaseSettings):
         30.0, ge=0, description="On SIGTERM, how long in-flight requests may run before exit."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("anonymous_reuse", mode="wrap")
+    @classmethod
+    def _auto(cls, value: object, handler) -> object:
+        # NOTE: the field stays a plain bool for the CLI (--x / --no-x); None is "auto".
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "")):
+            return None
+        return handler(value)
+
+    @model_validator(mode="after")
+    def _resolve_anonymous_reuse(self) -> "Settings":
+        # NOTE: "auto" (None) is resolved here, so every reader of the field sees a bool.
+        if self.anonymous_reuse is None:
+            try:
+                self.anonymous_reuse = bool(self.api_keys())
+            except OSError:  # an unreadable key file: keys were meant (startup fails on it)
+                self.anonymous_reuse = True
+        return self
 
     @field_validator("api_key", "model_aliases", mode="before")
     @classmethod

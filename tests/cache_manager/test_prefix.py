@@ -166,3 +166,35 @@ def test_reused_tokens_never_exceed_prompt_minus_one():
         d = decide_reuse(CACHED, prompt, can_crop=True)
         assert d.n_reused == max(0, min(cut - 1, len(CACHED)))
         assert d.n_reused <= max(0, len(prompt) - 1)
+
+
+# -- reuse in blocks (anonymous reuse) -----------------------------------------------
+
+
+def test_block_rounds_down_where_reuse_stops_inside_the_cache():
+    cached = list(range(100))
+    prompt = list(range(70)) + [999] * 10
+    assert decide_reuse(cached, prompt, can_crop=True) == ReuseDecision(70, None, crop=True)
+    assert decide_reuse(cached, prompt, can_crop=True, block=32) == ReuseDecision(64, None, crop=True)
+    # 64..95 matching tokens all report 64: the count no longer says which token differed
+    for n in range(64, 96):
+        assert decide_reuse(cached, list(range(n)) + [999], can_crop=True, block=32).n_reused == 64
+    # the fully cached prompt (its last token is recomputed) is rounded as well
+    assert decide_reuse(cached, cached, can_crop=True, block=32).n_reused == 96
+
+
+def test_block_shorter_common_prefix_is_too_short():
+    assert decide_reuse(list(range(100)), list(range(31)) + [999], can_crop=True, block=32) == ReuseDecision(0, TOO_SHORT)
+
+
+def test_block_keeps_an_extension_of_the_whole_cache_exact():
+    cached = list(range(45))
+    assert decide_reuse(cached, cached + [7, 8], can_crop=True, block=32) == ReuseDecision(45, None)
+    # and so an uncroppable cache is still reused when the prompt extends it
+    assert decide_reuse(cached, cached + [7, 8], can_crop=False, block=32) == ReuseDecision(45, None)
+    assert decide_reuse(cached, cached[:40] + [7], can_crop=False, block=32) == ReuseDecision(0, NOT_CROPPABLE)
+
+
+def test_block_must_be_positive():
+    with pytest.raises(ValueError):
+        decide_reuse([1], [1, 2], can_crop=True, block=0)

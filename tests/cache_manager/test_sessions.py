@@ -527,3 +527,12 @@ def test_bookkeeping_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+def test_put_pinned_inserts_an_entry_no_other_thread_can_delete(store):
+    stored = store.put(Entry(key("new"), [], Handle("new"), 10), pinned=True)
+    assert stored.pins == 1 and not stored.idle
+    with pytest.raises(EntryPinnedError):
+        store.delete(key("new"))
+    assert store.unpin(key("new")).pins == 0
+    assert store.delete(key("new"))

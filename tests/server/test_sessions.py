@@ -228,7 +228,8 @@ def test_anonymous_reuse_stays_within_a_principal(harness):
         return first, again, other, named
 
     first, again, other, named = asyncio.run(play())
-    assert first.cached_tokens == 0 and again.cached_tokens == len(prompt) - 1
+    # anonymous reuse of another request's entry stops at a whole block of 32 tokens
+    assert first.cached_tokens == 0 and again.cached_tokens == (len(prompt) - 1) // 32 * 32 > 0
     assert other.cached_tokens == 0 and named.cached_tokens == 0
 
 
