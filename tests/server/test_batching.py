@@ -9,18 +9,15 @@ import json
 
 import jsonschema
 import pytest
-import torch
 
-from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from grammars import GrammarCompiler, spec_from_request
 from server.engine import Engine, EngineConfig
 from server.metrics import Metrics
-from server.model_runner import forward
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
+from tests.equivalence import assert_equivalent
 
-NEAR_TIE = 1e-4
 TOPICS = ["the sea", "a lighthouse", "bread", "rain", "trains", "chess", "the moon", "coffee", "winter", "owls"]
 PET = {
     "type": "object",
@@ -64,17 +61,8 @@ class Bench:
     def gauge(self, name, **labels):
         return self.metrics.registry.get_sample_value(name, labels)
 
-    def near_tie(self, request, tokens, want) -> float | None:
-        """The logit gap at the first differing step (of the masked logits under a grammar)."""
-        i = next((k for k, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
-        ids = request.prompt_ids + want[:i]
-        logits = forward(self.model, kv.allocate(self.model.config, kv.capacity_bucket(len(ids), 10**6), self.model.device, self.model.dtype), ids, 0)
-        if request.grammar is not None:
-            matcher = request.grammar.new_matcher()
-            assert matcher.accept_tokens(want[:i])
-            matcher.apply_mask(logits)
-        top = torch.topk(logits, 2).values
-        return float(top[0] - top[1])
+    def check_equivalent(self, request, tokens, want):
+        assert_equivalent(self.model, request.prompt_ids, tokens, want, request.grammar)
 
     def stop(self):
         self.engine.stop()
@@ -138,8 +126,7 @@ def test_concurrent_mixed_requests_equal_each_run_alone(bench, compiler):
             identical += 1
             continue
         assert r.params.greedy, f"seeded sample {r.request_id} changed with the batch: {tokens} != {want}"
-        gap = b.near_tie(r, tokens, want)
-        assert gap < NEAR_TIE, f"{r.request_id} diverges with logit gap {gap}: {tokens} != {want}"
+        b.check_equivalent(r, tokens, want)
     print(f"\nbatched vs alone: {identical}/{len(reqs)} outputs token-identical")
     assert len(reqs) >= 16
     finals = {r.request_id: f for r, (_, f) in zip(reqs, together)}
@@ -171,8 +158,7 @@ def test_cancel_and_timeout_of_one_row_leave_the_others_untouched(bench):
     assert l_final.finish_reason == "error" and l_final.error == "timeout" and len(l_tokens) < 200
     for r, (tokens, final), (want, _) in zip(reqs, survivors, alone):
         assert final.finish_reason == "length"
-        if tokens != want:
-            assert b.near_tie(r, tokens, want) < NEAR_TIE
+        b.check_equivalent(r, tokens, want)
     assert b.gauge("kvserve_requests_running") == 0 and b.gauge("kvserve_requests_waiting") == 0
     assert b.gauge("kvserve_kv_cache_bytes_used") == b.engine.cache_manager.store.used_bytes  # no private cache left
 

@@ -14,11 +14,10 @@ from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.prefix import common_prefix_len
 from server.engine import Engine, EngineConfig, SessionBusy
-from server.model_runner import forward
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
+from tests.equivalence import assert_equivalent
 
-NEAR_TIE = 1e-4
 TOPICS = ["the sea", "mountains", "a cat", "bread", "rain", "trains", "chess", "the moon", "coffee", "winter"]
 
 
@@ -69,14 +68,7 @@ class Harness:
         self.committed[session] = prompt + (tokens if final.finish_reason == "stop" else tokens[:-1])
 
     def check_equivalent(self, prompt, got, want):
-        if got == want:
-            return
-        i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-        ids = prompt + want[:i]
-        logits = forward(self.model, kv.allocate(self.model.config, kv.capacity_bucket(len(ids), 10**6), self.model.device, self.model.dtype), ids, 0)
-        top = torch.topk(logits, 2).values
-        gap = float(top[0] - top[1])
-        assert gap < NEAR_TIE, f"outputs diverge at step {i} with logit gap {gap}: {got} != {want}"
+        assert_equivalent(self.model, prompt, got, want)
 
     def reply(self, tokens) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
