@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import get_args
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -150,6 +150,7 @@ class Metrics:
         )
 
         self._preset()
+        r.register(_VllmGauges(self))
 
     def _preset(self) -> None:
         for route in ROUTES:
@@ -181,3 +182,26 @@ class _GrammarCacheCollector:
             family = CounterMetricFamily(f"kvserve_grammar_cache_{name}", f"Compiled-grammar cache {name}.")
             family.add_metric([], value)
             yield family
+
+
+def _value(gauge: Gauge) -> float:
+    return gauge.collect()[0].samples[0].value
+
+
+class _VllmGauges:
+    """vLLM's names for the gauges llm-d / Gateway API Inference Extension schedulers read by
+    default, derived from kvserve's own at scrape time (one source of truth)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        budget = _value(m.kv_bytes_budget)
+        usage = _value(m.kv_bytes_used) / budget if budget > 0 else 0.0
+        for name, doc, value in (
+            ("vllm:num_requests_waiting", "Requests waiting for the engine (kvserve_requests_waiting).", _value(m.requests_waiting)),
+            ("vllm:num_requests_running", "Requests in the running batch (kvserve_requests_running).", _value(m.requests_running)),
+            ("vllm:kv_cache_usage_perc", "Fraction (0-1) of the KV budget in use, idle resident sessions included.", min(usage, 1.0)),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
