@@ -284,8 +284,11 @@ def test_every_dashboard_query_returns_data(kvserve, prometheus) -> None:
     reasons = query(prometheus, "sum by (reason) (kvserve_request_rejections_total)")
     assert {series["metric"]["reason"] for series in reasons} >= {"auth", "bad_request", "too_long", "bad_schema"}
     kinds = query(prometheus, "sum by (kind) (kvserve_structured_requests_total)")
-    assert {series["metric"]["kind"]: float(series["value"][1]) for series in kinds} == {"json_schema": 4}
+    counts = {series["metric"]["kind"]: float(series["value"][1]) for series in kinds}
+    assert {kind: n for kind, n in counts.items() if n} == {"json_schema": 4}
+    assert {"json_object", "regex", "tool_call_auto"} <= set(counts)  # every kind exists from the start
     assert float(query(prometheus, "sum(kvserve_grammar_cache_hits_total)")[0]["value"][1]) >= 2
     evictions = query(prometheus, "sum by (reason) (kvserve_session_evictions_total)")
-    assert {series["metric"]["reason"] for series in evictions} == {"deleted"}
+    assert {series["metric"]["reason"] for series in evictions if float(series["value"][1])} == {"deleted"}
+    assert {series["metric"]["reason"] for series in evictions} == {"deleted", "evicted", "expired"}
     assert float(query(prometheus, "sum(kvserve_kv_cache_grows_total)")[0]["value"][1]) >= 2
