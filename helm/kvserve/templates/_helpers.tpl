@@ -87,3 +87,106 @@ emptyDir:
   {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* ---- Router (SMG) in front of the replicas: router.enabled ---- */}}
+
+{{- define "kvserve.routerName" -}}
+{{- printf "%s-router" (include "kvserve.fullname" . | trunc 56 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The router's pods carry their own name label, so no kvserve selector (Deployment, Service,
+PDB, NetworkPolicy, the router's own discovery) ever matches them. */}}
+{{- define "kvserve.routerSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-router" (include "kvserve.name" . | trunc 56 | trimSuffix "-") }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{- define "kvserve.routerLabels" -}}
+helm.sh/chart: {{ include "kvserve.chart" . }}
+{{ include "kvserve.routerSelectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.router.image.tag | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: {{ include "kvserve.name" . }}
+{{- end }}
+
+{{- define "kvserve.routerServiceAccountName" -}}
+{{- if .Values.router.serviceAccount.create }}
+{{- default (include "kvserve.routerName" .) .Values.router.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.router.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvserve.routerImage" -}}
+{{- $image := .Values.router.image }}
+{{- if $image.digest }}
+{{- printf "%s:%s@%s" $image.repository $image.tag $image.digest }}
+{{- else }}
+{{- printf "%s:%s" $image.repository $image.tag }}
+{{- end }}
+{{- end }}
+
+{{- define "kvserve.routerKubernetesDiscovery" -}}
+{{- if and .Values.router.enabled (eq .Values.router.discovery.mode "kubernetes") }}true{{- end }}
+{{- end }}
+
+{{- define "kvserve.routerTerminationGracePeriodSeconds" -}}
+{{- add (int .Values.lifecycle.preStopSleepSeconds) (int .Values.router.shutdownGraceSeconds) 15 }}
+{{- end }}
+
+{{/* `smg launch` flags (the image's entrypoint is `python3 -m smg.launch_router`, which takes
+the same flags). One flag or value per line: rendered as the container's args. */}}
+{{- define "kvserve.routerArgs" -}}
+{{- $r := .Values.router }}
+- --host
+- 0.0.0.0
+- --port
+- {{ $r.port | quote }}
+- --prometheus-host
+- 0.0.0.0
+- --prometheus-port
+- {{ $r.metricsPort | quote }}
+- --policy
+- {{ $r.policy }}
+{{- if eq $r.policy "cache_aware" }}
+- --cache-threshold
+- {{ $r.cacheThreshold | quote }}
+{{- end }}
+{{- if eq $r.discovery.mode "kubernetes" }}
+- --service-discovery
+- --selector
+{{- range $key, $value := (include "kvserve.selectorLabels" . | fromYaml) }}
+- {{ printf "%s=%s" $key $value }}
+{{- end }}
+- --service-discovery-namespace
+- {{ .Release.Namespace }}
+- --service-discovery-port
+- {{ .Values.service.port | quote }}
+{{- else }}
+- --worker-urls
+{{- range $r.discovery.workerUrls }}
+- {{ . }}
+{{- end }}
+{{- end }}
+- --health-check-endpoint
+- {{ $r.healthCheck.path }}
+- --health-check-interval-secs
+- {{ $r.healthCheck.intervalSeconds | quote }}
+- --health-check-timeout-secs
+- {{ $r.healthCheck.timeoutSeconds | quote }}
+- --health-failure-threshold
+- {{ $r.healthCheck.failureThreshold | quote }}
+- --health-success-threshold
+- {{ $r.healthCheck.successThreshold | quote }}
+- --disable-tokenizer-autoload
+- --request-timeout-secs
+- {{ $r.requestTimeoutSeconds | quote }}
+- --shutdown-grace-period-secs
+- {{ $r.shutdownGraceSeconds | quote }}
+- --log-level
+- {{ $r.logLevel }}
+{{- range $r.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
