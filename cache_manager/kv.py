@@ -169,6 +169,47 @@ def nbytes(cache: SequenceKV) -> int:
     return sum(t.numel() * t.element_size() for t in cache.keys + cache.values)
 
 
+# -- moving a sequence's KV between tiers (device, host memory, disk) --------------------------
+
+LAYOUT_VERSION = 1  # bump when what `export` returns changes meaning: older files then recompute
+
+
+def export(cache: SequenceKV) -> dict[str, torch.Tensor]:
+    """Views of what the cache holds, per layer i: ``k.i``/``v.i`` [1, kv_heads, kept, head_dim]
+    with kept = min(length, the layer's size) (a wrapped ring whole, slots as they are).
+
+    NOTE: views, not copies: copy them before the cache is written again.
+    """
+    tensors = {}
+    for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        kept = min(cache.length, k.shape[2])
+        tensors[f"k.{i}"], tensors[f"v.{i}"] = k[:, :, :kept], v[:, :, :kept]
+    return tensors
+
+
+def load(config: PretrainedConfig, tensors: dict[str, torch.Tensor], length: int, capacity: int, device: torch.device, dtype: torch.dtype) -> SequenceKV:
+    """A cache of `capacity` holding `length` tokens whose KV `export` gave (bit-identical).
+
+    Raises ValueError when the tensors do not fit this model's layout, this dtype or `length`
+    (a file of another model or version, say): the caller recomputes instead.
+    """
+    if not 0 < length <= capacity:
+        raise ValueError(f"{length} tokens do not fit a cache of {capacity}")
+    cache = allocate(config, capacity, device, dtype)
+    expected = {f"{kind}.{i}" for i in range(len(cache.keys)) for kind in "kv"}
+    if set(tensors) != expected:
+        raise ValueError("the tensors do not match this model's layers")
+    for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        kept = min(length, k.shape[2])
+        for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
+            src = tensors[name]
+            if src.dtype != dtype or tuple(src.shape) != (1, dst.shape[1], kept, dst.shape[3]):
+                raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {kept} positions of {dtype}")
+            dst[:, :, :kept].copy_(src, non_blocking=src.is_pinned())
+    cache.length = length
+    return cache
+
+
 # -- a batched forward pass --------------------------------------------------------------------
 
 

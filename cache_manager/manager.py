@@ -21,12 +21,14 @@ sessions reuse (and report) exact counts: that history is the caller's own.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
-from cache_manager import kv
-from cache_manager.prefix import ReuseDecision, decide_reuse
+from cache_manager import disk, kv
+from cache_manager.prefix import ReuseDecision, common_prefix_len, decide_reuse
+from cache_manager.tiers import RestoreCosts
 from cache_manager.sessions import (
     Entry,
     Principal,
@@ -38,6 +40,9 @@ from cache_manager.sessions import (
 )
 
 NO_SESSION = "no_session"  # reuse switched off, or a request that may not use a session
+RESTORE_FAILED = "restore_failed"  # a parked copy existed but could not be used (see metrics)
+RECOMPUTE_FASTER = "recompute_faster"  # a parked copy existed; recomputing was estimated faster
+TIER_MISS_REASONS = (RESTORE_FAILED, RECOMPUTE_FASTER)
 
 
 class NoRoom(Exception):
@@ -53,6 +58,19 @@ class Lease:
     n_reused: int
     miss_reason: str | None  # None on a hit
     base_tokens: list[int]  # the session's committed tokens when the request began
+    restored: str | None = None  # "host" or "disk": the KV came back from that tier
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """One session as the admin API shows it: where its KV lives and how big it is."""
+
+    session_id: str
+    tier: str  # "device", "host" or "disk"
+    tokens: int
+    nbytes: int
+    in_flight: bool
+    last_used: float  # time.monotonic() seconds
 
 
 @dataclass(slots=True)
@@ -62,6 +80,7 @@ class CacheConfig:
     anonymous_reuse: bool = True  # False: requests without a session id get private caches
     reuse: bool = True
     anonymous_block: int = 32  # anonymous reuse stops at a multiple of this many tokens
+    persist_every_s: float = 60.0  # resident sessions are written to the disk tier this often
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:
@@ -76,7 +95,8 @@ class CacheManager:
     """Sessions' KV caches for one model: reuse, crop, grow, evict. Engine thread only, except
     `list_sessions`/`delete_session`, which the admin routes call (the store is locked)."""
 
-    def __init__(self, model_config, device: torch.device, dtype: torch.dtype, max_context: int, config: CacheConfig, metrics=None) -> None:
+    def __init__(self, model_config, device: torch.device, dtype: torch.dtype, max_context: int, config: CacheConfig, metrics=None, *, host=None, disk=None) -> None:
+        """`host`, `disk`: the tiers below the device (cache_manager/tiers.py), or None."""
         self.model_config = model_config
         self.device, self.dtype = device, dtype
         self.max_context = max_context
@@ -85,6 +105,10 @@ class CacheManager:
         self.store = SessionStore(config.budget_bytes, config.ttl_s, on_drop=self._dropped)
         self._private_bytes = 0  # caches of requests without a session (not in the store)
         self._lock = threading.Lock()
+        self.host, self.disk = host, disk
+        self.tiers = [t for t in (host, disk) if t is not None]
+        self.costs = RestoreCosts()
+        self._last_persist = time.monotonic()
 
     # -- the engine's verbs ------------------------------------------------------------------
 
@@ -101,12 +125,15 @@ class CacheManager:
         if private or not self.config.reuse or (session_id is None and not self.config.anonymous_reuse):
             return self._private(prompt, bucket)
         key = self._choose_key(Principal(principal), session_id, prompt)
-        entry = self._pin_existing(key)
+        entry, tier = self._pin_existing(key), None
         if entry is None:
-            return self._new_entry(key, prompt, bucket)
+            entry, tier, miss = self._restore(key, prompt, bucket)
+            if entry is None:
+                return self._new_entry(key, prompt, bucket, miss)
         ok = False
         try:
             lease = self._reuse(entry, prompt, bucket)
+            lease.restored = tier
             ok = True
             return lease
         finally:
@@ -157,14 +184,126 @@ class CacheManager:
         self.store.expire()
         self._gauges()
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine's measured prefill speed, against which restores are weighed."""
+        self.costs.observe_prefill(tokens, seconds)
+
+    # -- tiers below the device ----------------------------------------------------------------
+
+    def persist(self, *, force: bool = False) -> int:
+        """Write idle named sessions whose disk copy is missing or older than their tokens to
+        the disk tier (in the background); they stay resident. Without `force`, only once per
+        `persist_every_s`. Returns how many were queued. Engine thread only."""
+        now = time.monotonic()
+        if self.disk is None or not (force or now - self._last_persist >= self.config.persist_every_s):
+            return 0
+        self._last_persist = now
+        queued = 0
+        for entry in self.store.entries():
+            if not entry.idle or is_anonymous(entry.session_id) or not entry.tokens:
+                continue
+            key = _tier_key(entry.key)
+            on_disk = self.disk.store.get(key)
+            if on_disk is not None and on_disk.tokens == entry.tokens:
+                continue
+            queued += self.disk.park(key, entry.tokens, kv.export(entry.kv), snapshot=True)
+        self._gauges()
+        return queued
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """At shutdown: persist every idle named session and wait (up to `timeout_s`) for the
+        disk writes to finish."""
+        if self.disk is not None:
+            self.persist(force=True)
+            self.disk.close(timeout_s)
+
+    def _restore(self, key: SessionKey, prompt: list[int], bucket: int) -> tuple[Entry | None, str | None, str | None]:
+        """Bring `key`'s parked KV back from the highest tier holding it, when that is estimated
+        cheaper than recomputing: (pinned entry, tier, None), or (None, None, miss reason).
+
+        A copy that fails verification is deleted and counted (`restore_failed`); the request
+        then recomputes, as on any miss.
+        """
+        if is_anonymous(key[1]):
+            return None, None, None
+        tkey = _tier_key(key)
+        for tier in self.tiers:
+            parked = tier.store.get(tkey)
+            if parked is None:
+                continue
+            n = parked.kv.n_tokens
+            useful = common_prefix_len(parked.tokens, prompt) if parked.tokens else n
+            if not self.costs.worth_restoring(tier.name, parked.nbytes, useful):
+                return None, None, RECOMPUTE_FASTER
+            capacity = max(bucket, kv.capacity_bucket(n, self.max_context))
+            if not self.store.make_room(kv.bytes_for(self.model_config, capacity, self.dtype) + self._private_bytes):
+                raise NoRoom(f"restoring a session of {n} tokens needs a cache of {capacity}")
+            t0 = time.perf_counter()
+            try:
+                taken = tier.take(tkey)
+                if taken is None:
+                    continue
+                tokens, tensors = taken
+                cache = kv.load(self.model_config, tensors, len(tokens), capacity, self.device, self.dtype)
+            except disk.BadFile as exc:
+                self._restore_failed(tier.name, exc.reason)
+                return None, None, RESTORE_FAILED
+            except ValueError:  # tensors that do not fit this model's layout
+                tier.store.delete(tkey)
+                self._restore_failed(tier.name, "foreign")
+                return None, None, RESTORE_FAILED
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the copy is done (timing)
+            seconds = time.perf_counter() - t0
+            self.costs.observe_restore(tier.name, parked.nbytes, seconds)
+            if self.metrics is not None:
+                self.metrics.kv_restores.labels(tier.name).inc()
+                self.metrics.kv_restore_seconds.labels(tier.name).observe(seconds)
+            return self.store.put(Entry(key, tokens, cache, kv.nbytes(cache)), pinned=True), tier.name, None
+        return None, None, None
+
+    def _restore_failed(self, tier: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_restore_failures.labels(tier, reason).inc()
+
+    def _demote(self, entry: Entry) -> None:
+        """An idle named session evicted from the device goes to the first tier below with room."""
+        if is_anonymous(entry.session_id) or not entry.tokens:
+            return
+        tensors = kv.export(entry.kv)
+        for tier in self.tiers:
+            if tier.park(_tier_key(entry.key), list(entry.tokens), tensors):
+                if self.metrics is not None:
+                    self.metrics.kv_demotions.labels(tier.name).inc()
+                return
+
+    def tier_usage(self) -> dict[str, tuple[int, int, int]]:
+        """Per tier ("device", "host", "disk"): (bytes used, budget, sessions); an off tier is
+        all zeros. Safe from any thread."""
+        usage = {"device": (self.store.used_bytes + self._private_bytes, self.store.budget_bytes, len(self.store))}
+        for name, tier in (("host", self.host), ("disk", self.disk)):
+            usage[name] = (0, 0, 0) if tier is None else (tier.store.used_bytes, tier.store.budget_bytes, len(tier.store))
+        return usage
+
     # -- admin -------------------------------------------------------------------------------
 
-    def list_sessions(self, principal: str) -> list[Entry]:
-        return self.store.list(Principal(principal))
+    def list_sessions(self, principal: str) -> list[SessionInfo]:
+        """The principal's sessions in every tier (a session on the device and on disk is shown
+        once, on the device), most recently used first."""
+        found = {e.session_id: SessionInfo(e.session_id, "device", len(e.tokens), e.nbytes, not e.idle, e.last_used) for e in self.store.list(Principal(principal))}
+        hashed = disk.hash_principal(principal)
+        for tier in self.tiers:
+            for e in tier.store.list(hashed):
+                if e.session_id not in found:
+                    found[e.session_id] = SessionInfo(e.session_id, tier.name, e.kv.n_tokens, e.nbytes, False, e.last_used)
+        return sorted(found.values(), key=lambda info: info.last_used, reverse=True)
 
     def delete_session(self, principal: str, session_id: str) -> bool:
-        """False when the caller has no such session; EntryPinnedError while it is in flight."""
+        """Remove the session from every tier. False when the caller has no such session;
+        EntryPinnedError while it is in flight."""
         deleted = self.store.delete((Principal(principal), SessionId(session_id)))
+        for tier in self.tiers:
+            deleted = tier.delete(_tier_key((principal, session_id))) or deleted
         self._gauges()
         return deleted
 
@@ -183,9 +322,9 @@ class CacheManager:
         except KeyError:
             return None
 
-    def _new_entry(self, key: SessionKey, prompt: list[int], bucket: int) -> Lease:
+    def _new_entry(self, key: SessionKey, prompt: list[int], bucket: int, miss: str | None = None) -> Lease:
         """A miss: a new, empty entry for `key`, inserted already pinned."""
-        miss = self.store.lookup_miss_reason(key)
+        miss = miss or self.store.lookup_miss_reason(key)
         cache = self._allocate(bucket)
         self.store.put(Entry(key, [], cache, kv.nbytes(cache)), pinned=True)
         self._observe(len(prompt), 0, miss)
@@ -274,6 +413,8 @@ class CacheManager:
     def _dropped(self, entry: Entry, reason: str) -> None:
         if self.metrics is not None and reason in ("evicted", "expired", "deleted"):
             self.metrics.cache_evictions.labels(reason).inc()
+        if reason == "evicted" and self.tiers:
+            self._demote(entry)
 
     def _observe(self, prompt_len: int, n_reused: int, miss_reason: str | None) -> None:
         if self.metrics is not None:
@@ -288,3 +429,8 @@ class CacheManager:
             self.metrics.sessions_resident.set(len(self.store))
             self.metrics.kv_bytes_used.set(self.store.used_bytes + self._private_bytes)
             self.metrics.kv_bytes_budget.set(self.store.budget_bytes)
+
+
+def _tier_key(key: tuple[str, str]) -> SessionKey:
+    """Below the device, sessions are keyed by the principal's hash (files outlive the process)."""
+    return (Principal(disk.hash_principal(key[0])), SessionId(key[1]))

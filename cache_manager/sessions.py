@@ -139,6 +139,12 @@ class SessionStore:
     def budget_bytes(self) -> int:
         return self._budget
 
+    def limit_budget(self, budget_bytes: int) -> None:
+        """Lower the budget (never raise it), for a tier that found its medium full; entries
+        over the new budget stay until evicted by the next `make_room`."""
+        with self._lock:
+            self._budget = max(0, min(self._budget, budget_bytes))
+
     @property
     def used_bytes(self) -> int:
         """Sum of `nbytes` over all entries, pinned or idle."""
@@ -218,6 +224,11 @@ class SessionStore:
             found = [e for k, e in reversed(self._entries.items()) if k[0] == principal]
         self._notify(dropped)
         return found
+
+    def entries(self) -> list[Entry]:
+        """Every entry, least recently used first (snapshots). Does not expire anything."""
+        with self._lock:
+            return list(self._entries.values())
 
     # -- pins -----------------------------------------------------------------------
 

@@ -17,7 +17,9 @@ import torch
 from fastapi import FastAPI
 from prometheus_client import start_http_server
 
+from cache_manager import disk as disk_files
 from cache_manager.manager import CacheConfig, CacheManager
+from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
 from server.engine import Engine, EngineConfig
@@ -66,6 +68,8 @@ class AppState:
         self.draining = True
         if self.ctx is not None:
             self.ctx.engine.stop()
+            # Sessions outlive the process: written to the disk tier, if there is one.
+            self.ctx.cache_manager.close(timeout_s=max(5.0, self.settings.shutdown_grace_s))
 
     def require_ctx(self) -> ServingContext:
         if self.draining:
@@ -88,8 +92,25 @@ def kv_budget(settings: Settings, device: torch.device) -> int:
     return int(total * settings.kv_budget_fraction)
 
 
+def kv_tiers(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> tuple[HostTier | None, DiskTier | None]:
+    """The KV tiers below the device the settings ask for (host memory only on CUDA)."""
+    disk = None
+    if settings.kv_disk_dir is not None:
+        budget = settings.kv_disk_bytes or budget_from_free_space(settings.kv_disk_dir)
+        fingerprint = disk_files.fingerprint(loaded.model, loaded.dtype)
+        disk = DiskTier(settings.kv_disk_dir, budget, settings.session_ttl_s, fingerprint, metrics)
+    host = None
+    if settings.kv_host_bytes > 0:
+        if loaded.device.type == "cuda":
+            host = HostTier(settings.kv_host_bytes, settings.session_ttl_s, below=disk, metrics=metrics)
+        else:
+            log.warning("--kv-host-bytes ignored: on %s the KV already lives in host memory", loaded.device.type)
+    return host, disk
+
+
 def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> ServingContext:
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
+    host, disk = kv_tiers(settings, loaded, metrics)
     cache_manager = CacheManager(
         loaded.model.config,
         loaded.device,
@@ -100,9 +121,13 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> 
             ttl_s=settings.session_ttl_s,
             anonymous_reuse=settings.anonymous_reuse,
             reuse=settings.session_reuse,
+            persist_every_s=settings.kv_persist_interval_s,
         ),
         metrics=metrics,
+        host=host,
+        disk=disk,
     )
+    metrics.watch_tiers(cache_manager)
     engine = Engine(
         loaded.model,
         loaded.tokenizer,

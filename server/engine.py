@@ -245,7 +245,8 @@ class Engine:
         )
         seq.lease, seq.cache = lease, lease.cache
         seq.n_computed = seq.cached_tokens = lease.n_reused
-        seq.miss_reason = lease.miss_reason
+        # NOTE: a restore is reported where misses are (X-Cache-Miss-Reason: restored_disk).
+        seq.miss_reason = lease.miss_reason or (f"restored_{lease.restored}" if lease.restored else None)
         seq.status = Status.PREFILL
 
     def _update_gauges(self) -> None:
@@ -282,6 +283,7 @@ class Engine:
         if now - self._last_expiry >= self.config.expire_every_s:
             self._last_expiry = now
             self.cache_manager.expire()
+            self.cache_manager.persist()  # to the disk tier, at most once per its interval
 
     def step(self) -> None:
         """One forward pass for every running sequence: schedule -> run -> postprocess."""
@@ -295,6 +297,7 @@ class Engine:
         plan = self.scheduler.schedule([seq for seq, _ in self._running])
         if not plan.rows:
             return
+        prefill_tokens = sum(r.n_tokens for r in plan.rows if r.seq.status is Status.PREFILL)
         start_masks([r.seq.matcher for r in plan.rows if r.completes and r.seq.matcher is not None])
         try:
             logits = model_runner.run(self.model, plan)
@@ -306,6 +309,8 @@ class Engine:
             self._fail(plan, "internal")
         else:
             self._postprocess(plan, logits)
+        if prefill_tokens >= plan.num_tokens // 2:  # a prefill step: its speed weighs restores
+            self.cache_manager.observe_prefill(plan.num_tokens, time.perf_counter() - t0)
         if self.metrics is not None:
             self.metrics.batch_rows.observe(len(plan.rows))
             self.metrics.batch_tokens.observe(plan.num_tokens)

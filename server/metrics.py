@@ -18,7 +18,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from cache_manager.manager import NO_SESSION
+from cache_manager.disk import FAILURE_REASONS as RESTORE_FAILURE_REASONS
+from cache_manager.manager import NO_SESSION, TIER_MISS_REASONS
 from cache_manager.prefix import MISS_REASONS as PREFIX_MISS_REASONS
 from grammars.compile import GrammarKind
 
@@ -29,7 +30,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECTION_REASONS = ("auth", "bad_request", "too_long", "too_large", "bad_schema", "kv_budget", "queue_full", "session_busy")
 EVICTION_REASONS = ("evicted", "expired", "deleted")
 STRUCTURED_KINDS = (*get_args(GrammarKind), "tool_call_forced", "tool_call_auto")
-MISS_REASONS = (*PREFIX_MISS_REASONS, NO_SESSION)
+MISS_REASONS = (*PREFIX_MISS_REASONS, NO_SESSION, *TIER_MISS_REASONS)
+TIERS = ("device", "host", "disk")
+LOWER_TIERS = ("host", "disk")
+DISK_WRITE_RESULTS = ("ok", "failed", "skipped")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
@@ -136,6 +140,29 @@ class Metrics:
             "kvserve_kv_cache_grows", "Session caches moved to a larger capacity bucket.", registry=r
         )
 
+        # -- KV tiers (host memory, disk) ------------------------------------------------------
+        self.kv_demotions = Counter(
+            "kvserve_kv_demotions", "Idle sessions moved down to a tier (evicted from the one above).",
+            ["tier"], registry=r,
+        )
+        self.kv_restores = Counter(
+            "kvserve_kv_restores", "Sessions whose KV was restored from a tier instead of recomputed.",
+            ["tier"], registry=r,
+        )
+        self.kv_restore_seconds = Histogram(
+            "kvserve_kv_restore_seconds", "Time to restore one session's KV to the device.",
+            ["tier"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
+        )
+        self.kv_restore_failures = Counter(
+            "kvserve_kv_restore_failures",
+            "Parked session copies that could not be used (deleted, then recomputed), by reason.",
+            ["tier", "reason"], registry=r,
+        )
+        self.kv_disk_writes = Counter(
+            "kvserve_kv_disk_writes", "Session files written (ok), failed (I/O, disk full) or skipped (no room).",
+            ["result"], registry=r,
+        )
+
         # -- structured output -------------------------------------------------------------------
         self.structured_requests = Counter(
             "kvserve_structured_requests", "Requests constrained by a grammar, by kind.", ["kind"], registry=r
@@ -164,10 +191,22 @@ class Metrics:
         ):
             for value in values:
                 counter.labels(value)
+        for tier in LOWER_TIERS:
+            self.kv_demotions.labels(tier)
+            self.kv_restores.labels(tier)
+            self.kv_restore_seconds.labels(tier)
+            for reason in RESTORE_FAILURE_REASONS:
+                self.kv_restore_failures.labels(tier, reason)
+        for result in DISK_WRITE_RESULTS:
+            self.kv_disk_writes.labels(result)
 
     def watch_grammar_cache(self, compiler) -> None:
         """Export the compiler's own hit/miss counters (it counts under its lock)."""
         self.registry.register(_GrammarCacheCollector(compiler))
+
+    def watch_tiers(self, cache_manager) -> None:
+        """Export bytes, budget and sessions of every KV tier, read at scrape time."""
+        self.registry.register(_TierCollector(cache_manager))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -182,6 +221,23 @@ class _GrammarCacheCollector:
             family = CounterMetricFamily(f"kvserve_grammar_cache_{name}", f"Compiled-grammar cache {name}.")
             family.add_metric([], value)
             yield family
+
+
+class _TierCollector:
+    def __init__(self, cache_manager) -> None:
+        self.cache_manager = cache_manager
+
+    def collect(self):
+        families = {
+            "bytes": GaugeMetricFamily("kvserve_kv_tier_bytes", "Bytes of KV held in each tier (device: sessions and private caches).", labels=["tier"]),
+            "budget": GaugeMetricFamily("kvserve_kv_tier_budget_bytes", "Byte budget of each tier (0: the tier is off).", labels=["tier"]),
+            "sessions": GaugeMetricFamily("kvserve_kv_tier_sessions", "Sessions whose KV is in each tier.", labels=["tier"]),
+        }
+        for tier, (used, budget, sessions) in self.cache_manager.tier_usage().items():
+            families["bytes"].add_metric([tier], used)
+            families["budget"].add_metric([tier], budget)
+            families["sessions"].add_metric([tier], sessions)
+        yield from families.values()
 
 
 def _value(gauge: Gauge) -> float:

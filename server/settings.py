@@ -97,6 +97,28 @@ class Settings(BaseSettings):
         description="Without --kv-budget-bytes: this share of device memory (GPU: total memory; "
         "CPU: physical RAM).",
     )
+    kv_host_bytes: int = Field(
+        0, ge=0,
+        description="Bytes of pinned host memory for idle sessions' KV evicted from the GPU "
+        "(copied asynchronously; restored when cheaper than recomputing). CUDA only: on a CPU "
+        "the device budget is already host memory. 0 = off.",
+    )
+    kv_disk_dir: Path | None = Field(
+        None,
+        description="Directory for the disk KV tier: idle sessions evicted from memory, and every "
+        "session on shutdown (SIGTERM) and each --kv-persist-interval-s, so sessions survive a "
+        "restart. Unset = off.",
+    )
+    kv_disk_bytes: int | None = Field(
+        None, ge=1,
+        description="Byte bound of the disk KV tier; unset = half the free space of its file "
+        "system at start.",
+    )
+    kv_persist_interval_s: float = Field(
+        60.0, gt=0,
+        description="How often resident sessions whose KV changed are written to the disk tier "
+        "(in the background; they stay resident).",
+    )
     reject_busy_sessions: bool = Field(
         False, description="A second concurrent request on a busy session gets 409 instead of waiting."
     )

@@ -35,7 +35,8 @@ def _presented(request: Request) -> str | None:
 @router.get("/v1/sessions")
 async def list_sessions(request: Request) -> dict:
     """Sessions of the caller's API key only, most recently used first (without keys: only
-    the session named by `X-Session-ID`)."""
+    the session named by `X-Session-ID`), each with the tier its KV lives in: device, host
+    (memory) or disk."""
     ctx = request.app.state.kv.require_ctx()
     wall_offset = time.time() - time.monotonic()
     entries = ctx.cache_manager.list_sessions(request.state.principal)
@@ -49,9 +50,10 @@ async def list_sessions(request: Request) -> dict:
                 "id": e.session_id,
                 "object": "session",
                 "anonymous": is_anonymous(e.session_id),
-                "tokens": len(e.tokens),
+                "tier": e.tier,
+                "tokens": e.tokens,
                 "bytes": e.nbytes,
-                "in_flight": not e.idle,
+                "in_flight": e.in_flight,
                 "last_used_at": int(e.last_used + wall_offset),
             }
             for e in entries

@@ -1,0 +1,193 @@
+"""KV tiers on the real model: sessions evicted from the device go to host memory or disk and
+come back bit-identical; sessions written to disk survive a restart (a new engine over the same
+directory); files that must not be used are deleted and recomputed, never served.
+
+Every turn is checked against a fresh prefill of the same prompt (tests/equivalence.py) and its
+cached_tokens against the session's committed tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+
+from cache_manager import disk, kv
+from cache_manager.tiers import DiskTier, HostTier
+from server.metrics import Metrics
+from tests.server.test_sessions import conversation_start, harness  # noqa: F401 (fixture)
+
+FINGERPRINT = "test-model"
+
+
+def sample(metrics: Metrics, name: str, **labels) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+@pytest.fixture
+def one_session(smollm2) -> int:
+    return kv.bytes_for(smollm2.model.config, 256, smollm2.dtype)
+
+
+def disk_tier(path, metrics=None, budget=2**31, fingerprint=FINGERPRINT) -> DiskTier:
+    return DiskTier(path, budget, 1800.0, fingerprint, metrics)
+
+
+async def chat(h, sid, messages, reference, question):
+    """One more user turn in `messages`, played through `h` and checked; the reply appended."""
+    messages.append({"role": "user", "content": question})
+    tokens, final = await h.turn(sid, h.prompt(messages), reference=reference)
+    messages.append({"role": "assistant", "content": h.reply(tokens)})
+    return final
+
+
+def test_sessions_demoted_to_disk_come_back_identical(harness, tmp_path, one_session):
+    metrics = Metrics()
+    tier = disk_tier(tmp_path, metrics)
+    h = harness(budget=int(one_session * 1.5), tiers={"disk": tier}, metrics=metrics)
+    reference = harness()
+
+    async def play():
+        convs = {sid: conversation_start(k) for k, sid in [(1, "a"), (2, "b")]}
+        for turn in range(3):
+            for sid, messages in convs.items():
+                final = await chat(h, sid, messages, reference, f"Question {turn}?")
+                if turn > 0:  # the other session evicted this one: it came back from disk
+                    assert final.miss_reason == "restored_disk" and final.cached_tokens > 0, sid
+
+    asyncio.run(play())
+    assert sample(metrics, "kvserve_kv_demotions_total", tier="disk") >= 4
+    assert sample(metrics, "kvserve_kv_restores_total", tier="disk") >= 4
+    listed = {s.session_id: s.tier for s in h.cache.list_sessions("alice")}
+    assert sorted(listed.values()) == ["device", "disk"]
+    tier.flush()
+    assert len(list(tmp_path.glob("*.kv"))) == 2 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_restore_of_an_edited_history_crops_after_restoring(harness, tmp_path, one_session):
+    h = harness(budget=int(one_session * 1.5), tiers={"disk": disk_tier(tmp_path)})
+    reference = harness()
+
+    async def play():
+        messages = conversation_start(3)
+        await chat(h, "s", messages, reference, "Name a fruit.")
+        await chat(h, "s", messages, reference, "And a vegetable?")
+        await chat(h, "other", conversation_start(5), reference, "Hi")  # evicts "s" to disk
+        edited = [dict(m) for m in messages[:2]] + [{"role": "user", "content": "Name a color."}]
+        edited[1]["content"] = "Name a tree."
+        _, final = await h.turn("s", h.prompt(edited), reference=reference)
+        assert final.miss_reason == "restored_disk"
+        assert 0 < final.cached_tokens < len(h.prompt(edited)) - 5  # cropped where it changed
+
+    asyncio.run(play())
+
+
+def test_host_tier_overflows_to_disk_and_both_restore(harness, tmp_path, one_session):
+    """The host tier's code path on a CPU (the server enables it on CUDA only)."""
+    metrics = Metrics()
+    below = disk_tier(tmp_path, metrics)
+    host = HostTier(one_session * 100 // 256, 1800.0, below=below, metrics=metrics)  # ~100 tokens
+    h = harness(budget=int(one_session * 1.5), tiers={"host": host, "disk": below}, metrics=metrics)
+    reference = harness()
+    # the device holds one session, the host ~100 tokens (one session of these, not two)
+    plan = [("a", "new_session"), ("b", "new_session"), ("a", "restored_host"), ("c", "new_session"), ("b", "restored_disk")]
+
+    async def play():
+        convs = {sid: conversation_start(k) for k, sid in [(1, "a"), (2, "b"), (5, "c")]}
+        for turn, (sid, expected) in enumerate(plan):
+            final = await chat(h, sid, convs[sid], reference, f"Question {turn}?")
+            assert final.miss_reason == expected, (turn, sid)
+
+    asyncio.run(play())
+    assert sample(metrics, "kvserve_kv_demotions_total", tier="host") == 4
+    assert sample(metrics, "kvserve_kv_demotions_total", tier="disk") == 2
+
+
+async def _first_turn(h, sid, reference):
+    messages = conversation_start(6)
+    await chat(h, sid, messages, reference, "Tell me about rain.")
+    return messages
+
+
+def test_a_restart_finds_persisted_sessions(harness, tmp_path):
+    metrics = Metrics()
+    first = harness(tiers={"disk": disk_tier(tmp_path)})
+    reference = harness()
+    messages = asyncio.run(_first_turn(first, "kept", reference))
+    first.cache.close(timeout_s=30)  # what SIGTERM does after the drain
+    first.stop()
+    assert len(list(tmp_path.glob("*.kv"))) == 1
+
+    second = harness(tiers={"disk": disk_tier(tmp_path, metrics)}, metrics=metrics)  # a new process
+    second.committed = dict(first.committed)
+    assert [(s.session_id, s.tier) for s in second.cache.list_sessions("alice")] == [("kept", "disk")]
+    assert second.cache.list_sessions("bob") == []
+
+    async def play():
+        final = await chat(second, "kept", messages, reference, "And snow?")
+        assert final.miss_reason == "restored_disk" and final.cached_tokens > 0
+        # another principal with the same session id finds nothing of alice's
+        _, other = await second.generate(second.prompt(messages), "kept", principal="bob")
+        assert other.cached_tokens == 0 and other.miss_reason == "new_session"
+
+    asyncio.run(play())
+    assert sample(metrics, "kvserve_kv_restores_total", tier="disk") == 1
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "other_principal", "foreign_model"])
+def test_files_that_must_not_be_used_are_deleted_and_recomputed(harness, tmp_path, damage):
+    first = harness(tiers={"disk": disk_tier(tmp_path)})
+    reference = harness()
+    messages = asyncio.run(_first_turn(first, "s", reference))
+    asyncio.run(first.generate(first.prompt(conversation_start(7)), "s", principal="bob"))
+    first.cache.close(timeout_s=30)
+    first.stop()
+    metrics = Metrics()
+    fingerprint = "another-model" if damage == "foreign_model" else FINGERPRINT
+    second = harness(tiers={"disk": disk_tier(tmp_path, metrics, fingerprint=fingerprint)}, metrics=metrics)
+    # damaged after the new process indexed the files: found out only when loaded
+    path = tmp_path / disk.file_name(disk.hash_principal("alice"), "s")
+    if damage == "flip":  # one bit of the KV data
+        blob = bytearray(path.read_bytes())
+        blob[-100] ^= 0x01
+        path.write_bytes(bytes(blob))
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "other_principal":  # bob's file where alice's is looked up (a shared volume)
+        shutil.copy(tmp_path / disk.file_name(disk.hash_principal("bob"), "s"), path)
+
+    async def play():
+        messages.append({"role": "user", "content": "And snow?"})
+        _, final = await second.turn("s", second.prompt(messages), reference=reference)
+        return final
+
+    final = asyncio.run(play())  # checked against a fresh prefill, like every turn
+    assert final.cached_tokens == 0 and not path.exists()
+    if damage == "foreign_model":  # both files deleted when indexed, before any request
+        assert final.miss_reason == "new_session"
+        assert sample(metrics, "kvserve_kv_restore_failures_total", tier="disk", reason="foreign") == 2
+    else:
+        assert final.miss_reason == "restore_failed"
+        reason = {"flip": "corrupt", "truncate": "truncated", "other_principal": "principal"}[damage]
+        assert sample(metrics, "kvserve_kv_restore_failures_total", tier="disk", reason=reason) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path of the host tier needs a GPU")
+def test_host_tier_on_cuda_restores_identical_kv(smollm2):
+    model = smollm2.model.to("cuda")
+    try:
+        cache = kv.allocate(model.config, 256, torch.device("cuda"), model.dtype)
+        ids = smollm2.tokenizer("Pinned host buffers and a side stream.")["input_ids"]
+        logits = kv.forward(model, [kv.Row(cache, len(ids))], ids, [0])
+        host = HostTier(2**30, 60.0)
+        assert host.park(("p", "s"), ids, kv.export(cache))
+        tokens, tensors = host.take(("p", "s"))
+        back = kv.load(model.config, tensors, len(tokens), 256, torch.device("cuda"), model.dtype)
+        for a, b in zip(cache.keys + cache.values, back.keys + back.values):
+            assert torch.equal(a[:, :, : len(ids)], b[:, :, : len(ids)])
+        assert logits.device.type == "cuda"
+    finally:
+        smollm2.model.to("cpu")
