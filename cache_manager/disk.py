@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_bytes
-from safetensors.torch import save as save_bytes
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from cache_manager.kv import LAYOUT_VERSION
 
@@ -107,19 +106,18 @@ def write(directory: Path, name: str, header: Header, tokens: list[int], kv_tens
     """
     tensors = {"tokens": torch.tensor(tokens, dtype=torch.int64), **{k: t.contiguous() for k, t in kv_tensors.items()}}
     fields = {"format": FORMAT, **{k: getattr(header, k) for k in Header.__slots__}, "checksum": checksum(tensors)}
-    blob = save_bytes(tensors, metadata={"kvserve": json.dumps(fields)})
     tmp = directory / f"{name}.{uuid.uuid4().hex}{TMP_SUFFIX}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(blob)
-            f.flush()
+        save_file(tensors, tmp, metadata={"kvserve": json.dumps(fields)})
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+            size = os.fstat(f.fileno()).st_size
         os.replace(tmp, directory / name)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
-    return len(blob)
+    return size
 
 
 def read_header(path: Path) -> Header:
@@ -142,24 +140,19 @@ def read_header(path: Path) -> Header:
 
 def read(path: Path, expected: Header) -> tuple[list[int], dict[str, torch.Tensor]]:
     """Token ids and KV tensors (CPU) of a file whose header matches `expected` (fingerprint,
-    principal, session id); raises BadFile for anything else."""
+    principal, session id); raises BadFile for anything else.
+
+    NOTE: the tensors map the file (no copy until the caller copies them into a cache).
+    """
     try:
-        blob = path.read_bytes()
-    except OSError as exc:
-        raise BadFile("io", str(exc)) from exc
-    if len(blob) < 8:
-        raise BadFile("truncated", "shorter than a safetensors header")
-    (size,) = struct.unpack("<Q", blob[:8])
-    if size > min(_HEADER_LIMIT, len(blob) - 8):
-        raise BadFile("truncated", "header cut short")
-    header = _parse_header(blob[8 : 8 + size])
-    if header.fingerprint != expected.fingerprint:
-        raise BadFile("foreign", "written by another model, dtype or kvserve cache layout")
-    if (header.principal, header.session_id) != (expected.principal, expected.session_id):
-        raise BadFile("principal", "the file belongs to another principal or session")
-    try:
-        tensors = load_bytes(blob)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            header = _header(f.metadata())
+            if header.fingerprint != expected.fingerprint:
+                raise BadFile("foreign", "written by another model, dtype or kvserve cache layout")
+            if (header.principal, header.session_id) != (expected.principal, expected.session_id):
+                raise BadFile("principal", "the file belongs to another principal or session")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise BadFile("truncated", str(exc)) from exc
     if checksum(tensors) != header.checksum:
         raise BadFile("corrupt", "checksum mismatch")
@@ -171,8 +164,15 @@ def read(path: Path, expected: Header) -> tuple[list[int], dict[str, torch.Tenso
 
 def _parse_header(raw: bytes) -> Header:
     try:
-        meta = json.loads(raw).get("__metadata__") or {}
-        fields = json.loads(meta["kvserve"])
+        meta = json.loads(raw).get("__metadata__")
+    except (ValueError, AttributeError) as exc:
+        raise BadFile("corrupt", f"unreadable header: {exc}") from exc
+    return _header(meta)
+
+
+def _header(meta: dict | None) -> Header:
+    try:
+        fields = json.loads((meta or {})["kvserve"])
         if fields.get("format") != FORMAT:
             raise BadFile("foreign", f"format {fields.get('format')!r}")
         return Header(

@@ -19,9 +19,11 @@ deleted) is ordered by `DiskTier._lock`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
+import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -162,7 +164,7 @@ class DiskTier:
         self.metrics = metrics
         self.store = SessionStore(budget_bytes, ttl_s, on_drop=self._dropped)
         self._lock = threading.Lock()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-writer")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-writer", initializer=_background_priority)
         self._index()
 
     # -- the manager's verbs -------------------------------------------------------------------
@@ -303,6 +305,12 @@ class DiskTier:
     def _count_failure(self, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.kv_restore_failures.labels(DISK, reason).inc()
+
+
+def _background_priority() -> None:
+    """Writes yield the CPU to the engine thread (Linux: a thread's own nice value)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
 def budget_from_free_space(directory: Path, share: float = 0.5) -> int:

@@ -1,0 +1,87 @@
+"""Later-turn TTFT of ~1.5k-token sessions whose KV is resident, restored from the disk tier,
+restored after a server restart, or recomputed, as ratios to recomputing; measured in one run.
+
+    .venv/bin/python -m bench.tiers [--sessions 3] [--doc-tokens 1500]
+
+One server with a disk tier and a device budget that holds one such session:
+
+* resident: a session's next turn right after its previous one;
+* restored from disk: its next turn after another session's turn evicted it to disk;
+* recomputed: the same prompt under a new session id (a full prefill);
+* after a restart: SIGTERM (the sessions are written), a new server over the same directory,
+  each session's next turn.
+
+Every turn is streamed through the openai SDK with `prompt_cache_key`; TTFT = request start to
+the first content chunk. Greedy replies of the restored turns are compared with the recomputed
+ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from openai import OpenAI
+
+from bench.common import launch
+from bench.sessions import document, stream_turn
+
+BUCKET_BYTES = 2048 * 46080  # SmolLM2 fp32: one session of up to 2048 tokens
+
+
+def turn(client: OpenAI, model: str, messages: list, session: str, question: str, max_tokens: int):
+    """Ask `question` in `session` (the messages are not changed); (ttft, text, cached)."""
+    ttft, text, usage = stream_turn(client, model, [*messages, {"role": "user", "content": question}], session, max_tokens)
+    return ttft, text, usage.prompt_tokens_details.cached_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=3)
+    parser.add_argument("--doc-tokens", type=int, default=1500)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    args = parser.parse_args()
+    times: dict[str, list[float]] = {"resident": [], "restored from disk": [], "recomputed": [], "restored after a restart": []}
+    same = total = 0
+    convs = {f"s{i}": [{"role": "system", "content": "Answer from this document.\n" + document(i, args.doc_tokens)}] for i in range(args.sessions)}
+    with tempfile.TemporaryDirectory() as logs:
+        flags = ("--kv-disk-dir", str(Path(logs) / "kv"), "--kv-budget-bytes", str(int(BUCKET_BYTES * 1.5)))
+        with launch(logs, *flags) as server:
+            client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
+            model = client.models.list().data[0].id
+            for session, messages in convs.items():
+                _, text, _ = turn(client, model, messages, session, "What is this document about?", args.max_tokens)
+                messages += [{"role": "user", "content": "What is this document about?"}, {"role": "assistant", "content": text}]
+                ttft, _, cached = turn(client, model, messages, session, "Name one place in it.", args.max_tokens)
+                assert cached > 0
+                times["resident"].append(ttft)
+            for session, messages in convs.items():  # each was evicted to disk by the next one
+                ttft, text, cached = turn(client, model, messages, session, "Name one thing in it.", args.max_tokens)
+                assert cached > 0, "not restored"
+                times["restored from disk"].append(ttft)
+                ttft, fresh, cached = turn(client, model, messages, session + "-fresh", "Name one thing in it.", args.max_tokens)
+                assert cached == 0
+                times["recomputed"].append(ttft)
+                same, total = same + (text == fresh), total + 1
+        with launch(logs, *flags) as server:
+            client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
+            for session, messages in convs.items():
+                ttft, text, cached = turn(client, model, messages, session, "Name one thing in it.", args.max_tokens)
+                assert cached > 0, "not restored after the restart"
+                times["restored after a restart"].append(ttft)
+                _, fresh, _ = turn(client, model, messages, session + "-fresh2", "Name one thing in it.", args.max_tokens)
+                same, total = same + (text == fresh), total + 1
+    recompute = statistics.median(times["recomputed"])
+    print(f"{args.sessions} sessions of ~{args.doc_tokens} document tokens, device budget for one, disk tier on "
+          f"(SmolLM2-135M fp32, CPU)\n")
+    print("| later turn | median TTFT (s) | ratio to recompute |")
+    print("|---|---|---|")
+    for name, values in times.items():
+        print(f"| {name} | {statistics.median(values):.3f} | {statistics.median(values) / recompute:.3f}x |")
+    print(f"\ngreedy replies of restored turns identical to recomputed ones: {same} of {total}")
+
+
+if __name__ == "__main__":
+    main()
