@@ -9,6 +9,7 @@ cached_tokens against the session's committed tokens.
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 
 import pytest
@@ -17,9 +18,39 @@ import torch
 from cache_manager import disk, kv
 from cache_manager.tiers import DiskTier, HostTier
 from server.metrics import Metrics
-from tests.server.test_sessions import conversation_start, harness  # noqa: F401 (fixture)
+from server.model_loader import load_model
+from tests.conftest import test_cache_dir as cache_dir
+from tests.server.test_sessions import Harness, conversation_start
 
 FINGERPRINT = "test-model"
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a GPU")
+
+
+@functools.cache
+def cuda_model():
+    # NOTE: fp32 on CUDA too: the fresh-prefill references follow the same near-tie rule.
+    return load_model(None, cache_dir=cache_dir(), device="cuda", dtype="float32")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=CUDA)])
+def loaded(request):
+    """The real model on each device at hand: every test here runs on CPU and, where a GPU
+    exists, on CUDA (pinned host buffers, side-stream copies, restores into device memory)."""
+    return request.getfixturevalue("smollm2") if request.param == "cpu" else cuda_model()
+
+
+@pytest.fixture
+def harness(loaded):
+    made = []
+
+    def make(**kw):
+        h = Harness(loaded.model, loaded.tokenizer, loaded.max_context, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.stop()
 
 
 def sample(metrics: Metrics, name: str, **labels) -> float:
@@ -28,8 +59,8 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
 
 
 @pytest.fixture
-def one_session(smollm2) -> int:
-    return kv.bytes_for(smollm2.model.config, 256, smollm2.dtype)
+def one_session(loaded) -> int:
+    return kv.bytes_for(loaded.model.config, 256, loaded.dtype)
 
 
 def disk_tier(path, metrics=None, budget=2**31, fingerprint=FINGERPRINT) -> DiskTier:
@@ -175,19 +206,35 @@ def test_files_that_must_not_be_used_are_deleted_and_recomputed(harness, tmp_pat
         assert sample(metrics, "kvserve_kv_restore_failures_total", tier="disk", reason=reason) == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path of the host tier needs a GPU")
-def test_host_tier_on_cuda_restores_identical_kv(smollm2):
-    model = smollm2.model.to("cuda")
-    try:
-        cache = kv.allocate(model.config, 256, torch.device("cuda"), model.dtype)
-        ids = smollm2.tokenizer("Pinned host buffers and a side stream.")["input_ids"]
-        logits = kv.forward(model, [kv.Row(cache, len(ids))], ids, [0])
-        host = HostTier(2**30, 60.0)
-        assert host.park(("p", "s"), ids, kv.export(cache))
-        tokens, tensors = host.take(("p", "s"))
-        back = kv.load(model.config, tensors, len(tokens), 256, torch.device("cuda"), model.dtype)
-        for a, b in zip(cache.keys + cache.values, back.keys + back.values):
-            assert torch.equal(a[:, :, : len(ids)], b[:, :, : len(ids)])
-        assert logits.device.type == "cuda"
-    finally:
-        smollm2.model.to("cpu")
+@CUDA
+def test_host_tier_on_cuda_parks_pinned_copies_and_restores_them_bit_identical():
+    loaded = cuda_model()
+    device = torch.device("cuda")
+    cache = kv.allocate(loaded.model.config, 256, device, loaded.dtype)
+    ids = loaded.tokenizer("Pinned host buffers and a side stream.")["input_ids"]
+    kv.forward(loaded.model, [kv.Row(cache, len(ids))], ids, [0])
+    host = HostTier(2**30, 60.0)
+    assert host.park(("p", "s"), ids, kv.export(cache))
+    parked = host.store.get(("p", "s")).kv
+    assert all(t.is_pinned() for t in parked.tensors.values()) and parked.event is not None
+    tokens, tensors = host.take(("p", "s"))
+    back = kv.load(loaded.model.config, tensors, len(tokens), 512, device, loaded.dtype)
+    for a, b in zip(cache.keys + cache.values, back.keys + back.values):
+        assert torch.equal(a[:, :, : len(ids)], b[:, :, : len(ids)])
+
+
+def test_recompute_is_chosen_when_it_is_estimated_faster(harness, tmp_path, one_session):
+    h = harness(budget=int(one_session * 1.5), tiers={"disk": disk_tier(tmp_path)})
+    reference = harness()
+
+    async def play():
+        messages = conversation_start(3)
+        await chat(h, "s", messages, reference, "Name a fruit.")
+        await chat(h, "other", conversation_start(5), reference, "Hi")  # evicts "s" to disk
+        h.cache.costs.prefill_tps = 1e12  # as if prefill were all but free
+        h.cache.costs.bandwidth["disk"] = 1.0
+        h.committed["s"] = []
+        final = await chat(h, "s", messages, reference, "And a vegetable?")
+        assert final.miss_reason == "recompute_faster" and final.cached_tokens == 0
+
+    asyncio.run(play())
