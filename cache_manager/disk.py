@@ -152,7 +152,9 @@ def read(path: Path, expected: Header) -> tuple[list[int], dict[str, torch.Tenso
             if (header.principal, header.session_id) != (expected.principal, expected.session_id):
                 raise BadFile("principal", "the file belongs to another principal or session")
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+    except OSError as exc:
+        raise BadFile("io", str(exc)) from exc
+    except (SafetensorError, ValueError, RuntimeError) as exc:
         raise BadFile("truncated", str(exc)) from exc
     if checksum(tensors) != header.checksum:
         raise BadFile("corrupt", "checksum mismatch")

@@ -43,6 +43,7 @@ NO_SESSION = "no_session"  # reuse switched off, or a request that may not use a
 RESTORE_FAILED = "restore_failed"  # a parked copy existed but could not be used (see metrics)
 RECOMPUTE_FASTER = "recompute_faster"  # a parked copy existed; recomputing was estimated faster
 TIER_MISS_REASONS = (RESTORE_FAILED, RECOMPUTE_FASTER)
+PERSIST_STEP_BYTES = 64 * 2**20  # KV copied for the disk per engine-loop pass, at most
 
 
 class NoRoom(Exception):
@@ -109,6 +110,7 @@ class CacheManager:
         self.tiers = [t for t in (host, disk) if t is not None]
         self.costs = RestoreCosts()
         self._last_persist = time.monotonic()
+        self._sweeping = False
 
     # -- the engine's verbs ------------------------------------------------------------------
 
@@ -190,15 +192,22 @@ class CacheManager:
 
     # -- tiers below the device ----------------------------------------------------------------
 
-    def persist(self, *, force: bool = False) -> int:
+    def persist(self, *, force: bool = False, max_bytes: int = PERSIST_STEP_BYTES) -> int:
         """Write idle named sessions whose disk copy is missing or older than their tokens to
-        the disk tier (in the background); they stay resident. Without `force`, only once per
-        `persist_every_s`. Returns how many were queued. Engine thread only."""
-        now = time.monotonic()
-        if self.disk is None or not (force or now - self._last_persist >= self.config.persist_every_s):
+        the disk tier, in the background; they stay resident. Returns how many were queued.
+
+        A sweep starts once per `persist_every_s` and copies at most `max_bytes` of KV per
+        call (the copies are taken on the engine thread, between steps), so it spreads over
+        the next calls; `force` (shutdown) does all at once. Engine thread only.
+        """
+        if self.disk is None:
             return 0
-        self._last_persist = now
-        queued = 0
+        now = time.monotonic()
+        if not (force or self._sweeping):
+            if now - self._last_persist < self.config.persist_every_s:
+                return 0
+            self._sweeping, self._last_persist = True, now
+        queued = copied = 0
         for entry in self.store.entries():
             if not entry.idle or is_anonymous(entry.session_id) or not entry.tokens:
                 continue
@@ -206,8 +215,11 @@ class CacheManager:
             on_disk = self.disk.store.get(key)
             if on_disk is not None and on_disk.tokens == entry.tokens:
                 continue
+            if not force and copied >= max_bytes:
+                return queued  # the sweep goes on at the next call
             queued += self.disk.park(key, entry.tokens, kv.export(entry.kv), snapshot=True)
-        self._gauges()
+            copied += entry.nbytes
+        self._sweeping = False
         return queued
 
     def close(self, timeout_s: float | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import shutil
+import time
 
 import pytest
 import torch
@@ -238,3 +239,31 @@ def test_recompute_is_chosen_when_it_is_estimated_faster(harness, tmp_path, one_
         assert final.miss_reason == "recompute_faster" and final.cached_tokens == 0
 
     asyncio.run(play())
+
+
+def test_resident_sessions_are_persisted_periodically_in_bounded_steps(harness, tmp_path):
+    reference = harness()
+
+    async def play(h):
+        for i in range(3):
+            await chat(h, f"s{i}", conversation_start(i + 1), reference, "Hi")
+
+    tier = disk_tier(tmp_path / "a")
+    h = harness(tiers={"disk": tier})
+    asyncio.run(play(h))
+    assert len(tier.store) == 0  # not before the interval (60 s)
+    h.cache.config.persist_every_s = 0.05  # the engine loop now sweeps while it idles
+    deadline = time.monotonic() + 20
+    while len(tier.store) < 3:
+        assert time.monotonic() < deadline, "resident sessions were never written"
+        time.sleep(0.05)
+    tier.flush()
+    assert len(list((tmp_path / "a").glob("*.kv"))) == 3
+    assert [s.tier for s in h.cache.list_sessions("alice")] == ["device"] * 3  # still resident
+
+    # one sweep copies at most max_bytes per call and goes on at the next call
+    h = harness(tiers={"disk": disk_tier(tmp_path / "b")})
+    asyncio.run(play(h))
+    h.stop()  # no engine loop: the calls below are the only ones
+    h.cache.config.persist_every_s = 0
+    assert [h.cache.persist(max_bytes=1) for _ in range(4)] == [1, 1, 1, 0]
