@@ -33,6 +33,7 @@ Grouped-query attention: the query heads of one KV head are folded into the quer
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -96,10 +97,13 @@ class SequenceKV:
 
     __slots__ = ("keys", "values", "windows", "length", "capacity")
 
-    def __init__(self, lay: Layout, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, lay: Layout, capacity: int, device: torch.device, dtype: torch.dtype, *, zero: bool = True) -> None:
+        # NOTE: zero=False for a cache about to be filled (a restore): positions past `length`
+        # are never read before they are written, and not writing them twice is faster.
         shapes = [(1, lay.kv_heads, size, lay.head_dim) for size in lay.sizes(capacity)]
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
-        self.values = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
+        new = torch.zeros if zero else torch.empty
+        self.keys = [new(shape, device=device, dtype=dtype) for shape in shapes]
+        self.values = [new(shape, device=device, dtype=dtype) for shape in shapes]
         self.windows = lay.windows
         self.length = 0
         self.capacity = capacity
@@ -150,9 +154,10 @@ def grow(cache: SequenceKV, config: PretrainedConfig, new_capacity: int) -> Sequ
         raise ValueError(f"new capacity {new_capacity} < {n} cached tokens")
     first = cache.keys[0]
     bigger = allocate(config, new_capacity, first.device, first.dtype)
-    for old, new in zip(cache.keys + cache.values, bigger.keys + bigger.values):
-        kept = min(n, old.shape[2])
-        new[:, :, :kept].copy_(old[:, :, :kept])
+    with _one_cpu_thread(first.device):
+        for old, new in zip(cache.keys + cache.values, bigger.keys + bigger.values):
+            kept = min(n, old.shape[2])
+            new[:, :, :kept].copy_(old[:, :, :kept])
     bigger.length = n
     return bigger
 
@@ -187,6 +192,12 @@ def export(cache: SequenceKV) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def to_cpu(tensors: dict[str, torch.Tensor], *, copy: bool) -> dict[str, torch.Tensor]:
+    """`tensors` on the CPU: copied when `copy` or when they are elsewhere, else as they are."""
+    with _one_cpu_thread(next(iter(tensors.values())).device):
+        return {name: t.to("cpu", copy=copy) for name, t in tensors.items()}
+
+
 def load(config: PretrainedConfig, tensors: dict[str, torch.Tensor], length: int, capacity: int, device: torch.device, dtype: torch.dtype) -> SequenceKV:
     """A cache of `capacity` holding `length` tokens whose KV `export` gave (bit-identical).
 
@@ -195,19 +206,36 @@ def load(config: PretrainedConfig, tensors: dict[str, torch.Tensor], length: int
     """
     if not 0 < length <= capacity:
         raise ValueError(f"{length} tokens do not fit a cache of {capacity}")
-    cache = allocate(config, capacity, device, dtype)
+    cache = SequenceKV(layout(config), capacity, device, dtype, zero=False)
     expected = {f"{kind}.{i}" for i in range(len(cache.keys)) for kind in "kv"}
     if set(tensors) != expected:
         raise ValueError("the tensors do not match this model's layers")
-    for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
-        kept = min(length, k.shape[2])
-        for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
-            src = tensors[name]
-            if src.dtype != dtype or tuple(src.shape) != (1, dst.shape[1], kept, dst.shape[3]):
-                raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {kept} positions of {dtype}")
-            dst[:, :, :kept].copy_(src, non_blocking=src.is_pinned())
+    with _one_cpu_thread(device):
+        for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+            kept = min(length, k.shape[2])
+            for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
+                src = tensors[name]
+                if src.dtype != dtype or tuple(src.shape) != (1, dst.shape[1], kept, dst.shape[3]):
+                    raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {kept} positions of {dtype}")
+                dst[:, :, :kept].copy_(src, non_blocking=src.is_pinned())
     cache.length = length
     return cache
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device):
+    """CPU copies of a sequence's KV on one thread. NOTE: dozens of ~1 MB copies split over
+    intra-op threads spend more time waking threads than copying (measured: 7 ms on one
+    thread vs 80-470 ms on two for a 1.5k-token session on a 2-core box)."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- a batched forward pass --------------------------------------------------------------------

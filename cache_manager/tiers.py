@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from cache_manager import disk
+from cache_manager import disk, kv
 from cache_manager.sessions import Entry, SessionKey, SessionStore
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class HostTier:
     def _copy(self, tensors: dict[str, torch.Tensor], n_tokens: int) -> Parked:
         first = next(iter(tensors.values()))
         if first.device.type != "cuda":
-            return Parked(n_tokens, tensors={n: t.clone() for n, t in tensors.items()})
+            return Parked(n_tokens, tensors=kv.to_cpu(tensors, copy=True))
         if self._stream is None:
             self._stream = torch.cuda.Stream(first.device)
         self._stream.wait_stream(torch.cuda.current_stream(first.device))
@@ -187,7 +187,7 @@ class DiskTier:
         if not self.store.make_room(reserve):
             self._count_write("skipped")
             return False
-        cpu = {n: t.to("cpu", copy=snapshot) for n, t in tensors.items()}
+        cpu = kv.to_cpu(tensors, copy=snapshot)
         parked = Parked(len(tokens), path=self.directory / disk.file_name(key[0], key[1]))
         self.store.put(Entry(key, list(tokens), parked, reserve))
         header = disk.Header(self.fingerprint, key[0], key[1], len(tokens))
