@@ -309,7 +309,7 @@ class Engine:
             self._fail(plan, "internal")
         else:
             self._postprocess(plan, logits)
-        if prefill_tokens >= plan.num_tokens // 2:  # a prefill step: its speed weighs restores
+        if prefill_tokens >= max(64, plan.num_tokens // 2):  # a prefill step: its speed weighs restores
             self.cache_manager.observe_prefill(plan.num_tokens, time.perf_counter() - t0)
         if self.metrics is not None:
             self.metrics.batch_rows.observe(len(plan.rows))
