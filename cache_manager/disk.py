@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import uuid
 from dataclasses import dataclass
@@ -108,7 +109,7 @@ def write(directory: Path, name: str, header: Header, tokens: list[int], kv_tens
     fields = {"format": FORMAT, **{k: getattr(header, k) for k in Header.__slots__}, "checksum": checksum(tensors)}
     tmp = directory / f"{name}.{uuid.uuid4().hex}{TMP_SUFFIX}"
     try:
-        save_file(tensors, tmp, metadata={"kvserve": json.dumps(fields)})
+        _save(tensors, tmp, {"kvserve": json.dumps(fields)})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
             size = os.fstat(f.fileno()).st_size
@@ -118,6 +119,18 @@ def write(directory: Path, name: str, header: Header, tokens: list[int], kv_tens
         raise
     _fsync_dir(directory)
     return size
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """`save_file`, whose I/O errors (a full disk, a file size limit) arrive as SafetensorError
+    with the OS error only in the message: raised as the OSError they are."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from exc
 
 
 def read_header(path: Path) -> Header:

@@ -163,7 +163,9 @@ class DiskTier:
         self.fingerprint = fingerprint
         self.metrics = metrics
         self.store = SessionStore(budget_bytes, ttl_s, on_drop=self._dropped)
-        self._lock = threading.Lock()
+        # NOTE: re-entrant: the store's drop callback (`_dropped`) runs on the thread that caused
+        # the drop, which may be holding it (`_forget`, `_write`).
+        self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-writer", initializer=_background_priority)
         self._index()
 
@@ -230,24 +232,29 @@ class DiskTier:
     # -- internals -----------------------------------------------------------------------------
 
     def _write(self, key: SessionKey, parked: Parked, header: disk.Header, tokens: list[int], tensors) -> None:
+        # NOTE: `parked.written` is settled on every path: a restore of this session waits on it.
         try:
             size = disk.write(self.directory, parked.path.name, header, tokens, tensors)
-        except OSError as exc:
-            log.warning("writing a session file failed: %s", exc)
-            self._count_write("failed")
-            if exc.errno in _FULL_ERRNOS:
-                self.store.limit_budget(self.store.used_bytes - self._entry_bytes(key, parked))
-            self._forget(key, parked, unlink=True)
-            parked.written.set_result(False)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the session is recomputable
+            try:
+                log.warning("writing a session file failed: %s", exc)
+                self._count_write("failed")
+                if getattr(exc, "errno", None) in _FULL_ERRNOS:
+                    self.store.limit_budget(self.store.used_bytes - self._entry_bytes(key, parked))
+                self._forget(key, parked, unlink=True)
+            finally:
+                parked.written.set_result(False)
             return
-        self._count_write("ok")
-        with self._lock:
-            entry = self.store.get(key)
-            if entry is not None and entry.kv is parked:
-                self.store.update(key, entry.tokens, parked, size)
-            elif entry is None:  # deleted or evicted while being written: the file goes too
-                parked.path.unlink(missing_ok=True)
-        parked.written.set_result(True)
+        try:
+            self._count_write("ok")
+            with self._lock:
+                entry = self.store.get(key)
+                if entry is not None and entry.kv is parked:
+                    self.store.update(key, entry.tokens, parked, size)
+                elif entry is None:  # deleted or evicted while being written: the file goes too
+                    parked.path.unlink(missing_ok=True)
+        finally:
+            parked.written.set_result(True)
 
     def _entry_bytes(self, key: SessionKey, parked: Parked) -> int:
         entry = self.store.get(key)

@@ -157,3 +157,32 @@ def test_deleting_removes_the_file_and_a_write_in_flight_leaves_nothing(tmp_path
     assert tier.delete(("ph", "s"))  # possibly before the writer got to it
     tier.flush()
     assert list(tmp_path.iterdir()) == [] and len(tier.store) == 0
+
+
+def test_a_full_medium_fails_the_write_and_shrinks_the_budget_without_hanging(tmp_path):
+    """Under a file size limit (EFBIG, as ENOSPC would be): `disk.write` raises the OSError, the
+    tier forgets the session (a restore of it returns None at once, never waits forever) and
+    stops growing; sessions whose files fit are still written and restored."""
+    script = textwrap.dedent(f"""
+        import errno, pathlib, resource, sys, torch
+        sys.path.insert(0, {str(sys.path[0])!r})
+        from cache_manager import disk
+        from cache_manager.tiers import DiskTier
+        limit = 2**20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        directory = pathlib.Path({str(tmp_path)!r})
+        small, big = {{"k.0": torch.ones(1, 2, 16, 8)}}, {{"k.0": torch.ones(1, 2, 40_000, 8)}}
+        try:
+            disk.write(directory, "x.kv", disk.Header({FP!r}, "ph", "x", 1), [1], big)
+        except OSError as exc:
+            assert exc.errno == errno.EFBIG, exc
+        else:
+            raise AssertionError("a write over the limit succeeded")
+        tier = DiskTier(directory, 2**30, 60.0, {FP!r})
+        assert tier.park(("ph", "small"), [1, 2], small) and tier.park(("ph", "big"), [1, 2], big)
+        assert tier.take(("ph", "big")) is None
+        assert tier.take(("ph", "small"))[0] == [1, 2]
+        assert tier.store.budget_bytes < 2**30 and len(tier.store) == 1
+        assert sorted(p.name for p in directory.iterdir()) == [disk.file_name("ph", "small")]
+    """)
+    subprocess.run([sys.executable, "-c", script], cwd=str(sys.path[0]), check=True, timeout=60)
