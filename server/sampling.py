@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -44,7 +46,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # NOTE: a temperature too small to divide by (in float32 or bf16 logits) is greedy, as
+        # it is in the limit; vLLM draws the same line.
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def uses_penalties(self) -> bool:
@@ -128,8 +132,10 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits.float(), dim=-1)
-        # A token is dropped when the mass before it already reaches top_p.
+        # A token is dropped when the mass before it already reaches top_p; the most likely one
+        # never is (a top_p that rounds to 0 keeps it alone).
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, -math.inf)
     return torch.softmax(logits.float(), dim=-1)

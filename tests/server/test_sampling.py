@@ -59,6 +59,15 @@ def test_top_p_keeps_smallest_set_reaching_mass():
     assert kept(probs.log(), top_p=0.1) == [True, False, False, False]
 
 
+@pytest.mark.parametrize("params", [{"top_p": 5e-324}, {"top_p": 1e-50, "top_k": 3}, {"temperature": 5e-324}])
+def test_extreme_parameters_draw_the_most_likely_token(params):
+    """A top_p or temperature that rounds to 0 in float32 (schemathesis found top_p=5e-324
+    turning every probability into NaN: a 500) samples the argmax."""
+    logits = torch.tensor([[0.1, 2.0, 1.0, -1.0]])
+    for seed in range(5):
+        assert sample_rows(logits, [SamplingParams(max_tokens=1, **params)], [make_generator(seed)]) == [1]
+
+
 def test_each_row_filters_with_its_own_parameters():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
     params = [SamplingParams(max_tokens=1, top_k=1, temperature=1), SamplingParams(max_tokens=1, top_p=0.75), SamplingParams(max_tokens=1)]
