@@ -133,6 +133,17 @@ def can_crop(cache: SequenceKV) -> bool:
     return all(w is None or cache.length <= k.shape[2] for w, k in zip(cache.windows, cache.keys))
 
 
+def can_crop_after(cache: SequenceKV, n: int) -> bool:
+    """Whether `n` more tokens can be written and then cropped away again, back to the
+    current length (speculative decoding's rejected drafts).
+
+    They must fit the capacity, and no sliding-window ring may wrap: a wrapping write
+    overwrites positions that are still inside the window after the crop.
+    """
+    end = cache.length + n
+    return end <= cache.capacity and all(w is None or end <= k.shape[2] for w, k in zip(cache.windows, cache.keys))
+
+
 def crop(cache: SequenceKV, n: int) -> None:
     """Cut the cache back to its first `n` tokens, in place: attention reads only
     `[:length]`, and the next writes overwrite the stale positions."""
@@ -261,6 +272,27 @@ def enable(model) -> None:
     for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
         _ORIGINAL[id(config)] = original
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        head.forward = _head_forward.__get__(head)
+
+
+def _head_forward(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head (hidden [..., H] -> logits [..., vocab]). Several positions at once on
+    CPU (speculative verification, a batch of decoding rows) go as weight @ hidden.T.
+
+    NOTE: MKL's sgemm for a few rows against the large (vocab x hidden) matrix runs 2-4x slower
+    than one gemv per row would; the transposed product does not. One position (a lone
+    decoding sequence, a prefill) takes `F.linear` as before, bit for bit; rows computed either
+    way differ only in rounding (the near-ties of docs/architecture.md).
+    """
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if hidden.device.type != "cpu" or not 1 < rows.shape[0] <= 64:
+        return F.linear(hidden, head.weight, head.bias)
+    logits = (head.weight @ rows.T).T
+    if head.bias is not None:
+        logits = logits + head.bias
+    return logits.reshape(*hidden.shape[:-1], logits.shape[-1])
 
 
 _ORIGINAL: dict[int, str] = {}  # id(config) -> the attention implementation it had
@@ -274,11 +306,13 @@ def _fallback(module):
 
 
 @torch.inference_mode()
-def forward(model, rows: list[Row], token_ids: list[int], logits_rows: list[int]) -> torch.Tensor:
+def forward(model, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None) -> torch.Tensor:
     """Run the step's tokens through the model; each row's KV is written into its own cache
     and its `length` moves forward. `token_ids`: the rows' new tokens, concatenated in row
-    order. Returns float32 logits [len(logits_rows), vocab] at the last token of each listed
-    row (by index into `rows`). Switches the model to kvserve's attention on first use.
+    order. Returns float32 logits at the last token of each listed row (by index into
+    `rows`): [len(logits_rows), vocab]; with `logits_counts`, at the last `logits_counts[j]`
+    tokens of listed row j, in order: [sum(logits_counts), vocab] (speculative decoding
+    verifies every drafted position). Switches the model to kvserve's attention on first use.
     """
     enable(model)
     device = model.device
@@ -290,7 +324,11 @@ def forward(model, rows: list[Row], token_ids: list[int], logits_rows: list[int]
         offset += row.n
     if offset != len(token_ids):
         raise ValueError(f"{len(token_ids)} tokens for rows of {offset}")
-    keep = torch.tensor([rows[i].offset + rows[i].n - 1 for i in logits_rows], dtype=torch.long, device=device)
+    counts = logits_counts or [1] * len(logits_rows)
+    if len(counts) != len(logits_rows) or any(not 1 <= c <= rows[i].n for i, c in zip(logits_rows, counts)):
+        raise ValueError(f"logits counts {counts} do not fit rows {logits_rows}")
+    ends = [(rows[i].offset + rows[i].n, c) for i, c in zip(logits_rows, counts)]
+    keep = torch.tensor([p for end, c in ends for p in range(end - c, end)], dtype=torch.long, device=device)
     out = model(
         input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
         attention_mask=_NO_MASK.to(device),  # 4D: transformers' mask building steps aside

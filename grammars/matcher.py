@@ -57,6 +57,41 @@ def start_masks(matchers: Sequence["Matcher"]) -> None:
             m._pending = pending
 
 
+def start_draft_masks(items: Sequence[tuple["Matcher", Sequence[int]]]) -> None:
+    """Speculative decoding: for each (matcher, drafted tokens d1..dk) the k + 1 masks of its
+    current state and of the states after d1, d1 d2, ..., d1..dk, filled by llguidance's pool
+    in the worker thread during the forward pass (llguidance advances through the draft and
+    rolls back itself: the state is unchanged). Read them with `Matcher.draft_masks()`. The
+    drafts must be ones `draft_prefix` let through."""
+    if not items:
+        return
+    for m, _ in items:
+        m._settle()
+    items = [(m, [int(t) for t in d]) for m, d in items]
+    pending = _mask_executor().submit(_compute_draft_masks, items)
+    for m, _ in items:
+        m._pending = pending
+
+
+def _compute_draft_masks(items: list[tuple["Matcher", list[int]]]) -> None:
+    t0 = time.perf_counter()
+    n_words = items[0][0]._words.size
+    words = np.zeros((sum(len(d) + 1 for _, d in items), n_words), dtype=np.int32)
+    targets, row = [], 0
+    for m, d in items:
+        targets.append((m._ll, row, d))
+        row += len(d) + 1
+    # NOTE: row K + i + 1 holds the mask after the draft's first i + 1 tokens.
+    _batch_executor().unsafe_compute_mask_ptr_with_draft_token(targets, words.ctypes.data, n_words * 4, len(words))
+    row = 0
+    for m, d in items:
+        m._draft_words = words[row : row + len(d) + 1]
+        m._words[:] = m._draft_words[0]
+        m._bias_from_words()
+        m.last_mask_s = (time.perf_counter() - t0) / len(words)
+        row += len(d) + 1
+
+
 def _compute_masks(matchers: list["Matcher"]) -> None:
     t0 = time.perf_counter()
     words = np.zeros((len(matchers), matchers[0]._words.size), dtype=np.int32)
@@ -103,6 +138,7 @@ class Matcher:
         self._mask_ready = False
         # True per accepted token that llguidance recorded (EOS after a stop is not recorded).
         self._recorded: list[bool] = []
+        self._draft_words: np.ndarray | None = None  # [k + 1, n_words]: start_draft_masks
         self.last_mask_s = 0.0  # seconds the last mask took to compute (metrics)
 
     # ------------------------------------------------------------------ mask
@@ -127,6 +163,16 @@ class Matcher:
         if logits.device != bias.device or logits.dtype != bias.dtype:
             bias = bias.to(device=logits.device, dtype=logits.dtype, non_blocking=True)
         logits.add_(bias)
+
+    def draft_masks(self) -> torch.Tensor:
+        """The additive masks [k + 1, vocab_size] float32 that `start_draft_masks` computed for
+        this matcher's draft (row i: after the draft's first i tokens); waits for the worker."""
+        self._wait()
+        if self._draft_words is None:
+            raise RuntimeError("no draft masks were started")
+        bits = np.unpackbits(self._draft_words.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
+        self._draft_words = None
+        return torch.from_numpy(_LUT[bits])
 
     def allowed_tokens(self) -> torch.Tensor:
         """Bool [vocab_size]: which tokens the grammar allows next (debugging and tests)."""
@@ -188,6 +234,30 @@ class Matcher:
         k = sum(undone)
         if k and not self._ll.rollback(k):
             raise RuntimeError(f"llguidance rollback failed: {self.error}")
+
+    def draft_prefix(self, token_ids: Sequence[int], *, stop_at_forced: bool = True) -> tuple[int, bool]:
+        """How many drafted tokens may go to verification, and whether the last of them ends
+        at a point where decoding without a draft would not sample the next token.
+
+        The prefix the grammar accepts, cut after the first token that completes the grammar
+        or (with `stop_at_forced`) after which it forces tokens: those are fast-forwarded, as
+        without speculation. The tokens are consumed to check them, then rolled back: the
+        state is unchanged.
+        """
+        self._settle()
+        tokens = [int(t) for t in token_ids]
+        valid = self._ll.validate_tokens(tokens) if tokens else 0
+        n, ends = 0, False
+        for token in tokens[:valid]:
+            if not self._ll.consume_token(token):  # validated: never, but never leave it consumed
+                break
+            n += 1
+            if self._ll.is_stopped() or (stop_at_forced and self._fast_forward and self._ll.compute_ff_tokens()):
+                ends = True
+                break
+        if n and not self._ll.rollback(n):
+            raise RuntimeError(f"llguidance rollback failed: {self.error}")
+        return n, ends
 
     def fast_forward_tokens(self) -> list[int]:
         """Tokens the grammar forces next (not yet accepted: the engine accepts and feeds them).

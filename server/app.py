@@ -22,17 +22,20 @@ from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
+from server.draft_model import DraftModelProposer, check_compatible, keep_bytes_for
 from server.engine import Engine, EngineConfig
 from server.errors import APIError, install_handlers
 from server.metrics import Metrics
 from server.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.model_loader import LoadedModel, load_model
 from server.openapi import install_openapi
+from server.prompt_lookup import NgramProposer
 from server.routes import chat, completions, health, models, sessions
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
 from server.serving import ServingContext
 from server.settings import Settings
+from server.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,18 @@ def kv_tiers(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> tuple
     return host, disk
 
 
-def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> ServingContext:
+def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None, max_context: int):
+    """The --speculative proposer, chosen once (None: no speculation)."""
+    if settings.speculative == "ngram":
+        return NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max)
+    if settings.speculative == "draft":
+        check_compatible(loaded.model, loaded.tokenizer, draft.model, draft.tokenizer)
+        keep = keep_bytes_for(loaded.model, draft.model, kv_budget(settings, loaded.device), max_context)
+        return DraftModelProposer(draft.model, max_context, keep)
+    return None
+
+
+def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, draft: LoadedModel | None = None) -> ServingContext:
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
     host, disk = kv_tiers(settings, loaded, metrics)
     cache_manager = CacheManager(
@@ -137,9 +151,11 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> 
             max_running=settings.max_running,
             max_batch_tokens=settings.max_batch_tokens,
             reject_busy_sessions=settings.reject_busy_sessions,
+            speculative=SpeculativeConfig(max_draft=settings.speculative_max_draft),
         ),
         cache_manager,
         metrics=metrics,
+        proposer=proposer(settings, loaded, draft, max_context),
     )
     compiler = GrammarCompiler(
         loaded.tokenizer,
@@ -191,7 +207,13 @@ async def _load(state: AppState, loaded: LoadedModel | None) -> None:
                 load_model, s.model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
                 trust_remote_code=s.trust_remote_code,
             )
-        ctx = build_context(s, loaded, state.metrics)
+        draft = None
+        if s.speculative == "draft":
+            draft = await asyncio.to_thread(
+                load_model, s.draft_model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
+                trust_remote_code=s.trust_remote_code,
+            )
+        ctx = build_context(s, loaded, state.metrics, draft)
         ctx.engine.start()
         await warm_up(ctx)
         state.ctx = ctx

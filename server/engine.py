@@ -4,7 +4,8 @@ One thread owns the model; the asyncio event loop never waits on torch. Each ste
 with a plain-data plan between them: `Scheduler.schedule()` picks the rows (every decoding
 sequence, then prefill chunks under the token budget), `model_runner.run(plan)` does ONE forward
 pass for all of them, and `_postprocess(plan, logits)` samples, appends, emits and finishes.
-Outputs cross back to the event loop through `loop.call_soon_threadsafe` onto the request's own
+With speculative decoding the speculator completes the plan with drafts after scheduling, and
+postprocess verifies them (server/speculative.py). Outputs cross back to the event loop through `loop.call_soon_threadsafe` onto the request's own
 asyncio queue.
 """
 
@@ -15,7 +16,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +26,7 @@ from grammars.matcher import start_masks
 from server import model_runner
 from server.scheduler import Plan, Scheduler
 from server.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
+from server.speculative import NoSpeculation, SpeculativeConfig, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class EngineConfig:
     max_batch_tokens: int = 512  # tokens one forward pass computes (decode rows + prefill chunks)
     reject_busy_sessions: bool = False  # False: a second request on a session waits its turn
     expire_every_s: float = 1.0
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # with a proposer
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -115,7 +118,7 @@ class RequestHandle:
 class Engine:
     """Owns the model on one thread; `submit` from the event loop, outputs via handles."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig, cache_manager: CacheManager, metrics=None) -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig, cache_manager: CacheManager, metrics=None, proposer=None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -124,6 +127,10 @@ class Engine:
         self._last_expiry = 0.0
         self.eos_ids = _eos_ids(model, tokenizer)
         self.scheduler = Scheduler(config.max_batch_tokens)
+        # speculative decoding with a server/speculative.py proposer, or a speculator doing nothing
+        self.speculator = (
+            NoSpeculation() if proposer is None else Speculator(proposer, self.eos_ids, config.speculative, metrics)
+        )
         kv.enable(model)  # kvserve's batched attention over each sequence's own KV
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
@@ -297,10 +304,13 @@ class Engine:
         plan = self.scheduler.schedule([seq for seq, _ in self._running])
         if not plan.rows:
             return
+        self.speculator.draft(plan, self.config.max_batch_tokens)  # decode rows may carry drafts
         prefill_tokens = sum(r.n_tokens for r in plan.rows if r.seq.status is Status.PREFILL)
         start_masks([r.seq.matcher for r in plan.rows if r.completes and r.seq.matcher is not None])
         try:
+            t_run = time.perf_counter()
             logits = model_runner.run(self.model, plan)
+            self.speculator.observe(plan.num_tokens, time.perf_counter() - t_run)
         except torch.OutOfMemoryError:
             log.warning("out of memory in a step of %d rows", len(plan.rows))
             self._fail(plan, "out_of_memory")
@@ -317,15 +327,26 @@ class Engine:
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
     def _postprocess(self, plan: Plan, logits: torch.Tensor) -> None:
-        """Advance the rows' computed counts; sample, emit and finish the rows that completed."""
-        completed = []
+        """Advance the rows' computed counts; sample (or verify a draft), emit and finish the
+        rows that completed."""
+        completed, plain, drafted = [], [], []
+        offset = 0
         for row in plan.rows:
             if row.completes:
-                completed.append(row.seq)
+                if row.draft is None:
+                    completed.append(row.seq)
+                    plain.append(offset)
+                else:
+                    drafted.append((row, logits[offset : offset + 1 + row.n_draft]))
+                offset += 1 + row.n_draft
             row.seq.n_computed += row.n_tokens
+        handles = dict(self._running)
+        for row, block in drafted:
+            self._verify(row.seq, handles[row.seq], row.draft, block)
         if not completed:
             return
-        handles = dict(self._running)
+        if drafted:
+            logits = logits[plain]
         try:
             tokens = model_runner.choose(completed, logits)
         except Exception:
@@ -342,6 +363,35 @@ class Engine:
             except Exception:
                 log.exception("request %s failed", seq.request_id)
                 self._finish(seq, handles[seq], "error", error="internal")
+
+    def _verify(self, seq: Sequence, handle: RequestHandle, draft, logits: torch.Tensor) -> None:
+        """Take a drafted row's tokens as `_take` would have taken them one step at a time: the
+        accepted drafted tokens (their KV is already computed: the rejected ones' is cropped),
+        then the token chosen at the first rejected position, sent as one output."""
+        try:
+            tokens, accepted = self.speculator.verify(seq, draft, logits)
+            seq.n_computed += accepted
+            kv.crop(seq.cache, seq.n_computed)
+            matcher = seq.matcher
+            if matcher is not None and self.metrics is not None:
+                self.metrics.grammar_mask_seconds.observe(matcher.last_mask_s)
+            drafted, final = tokens[:accepted], tokens[accepted:]
+            if matcher is None and final and final[0].token_id not in self.eos_ids:
+                self._emit(seq, handle, tokens)
+                return
+            if matcher is not None and not matcher.accept_tokens([t.token_id for t in drafted]):
+                raise RuntimeError(f"the grammar refused a verified draft: {matcher.error}")
+            if drafted and self._emit(seq, handle, drafted):
+                return
+            if final:
+                self._take(seq, handle, final[0])
+            elif matcher.is_terminated:  # the draft ended where the grammar completes
+                self._finish(seq, handle, "stop")
+            else:  # ... or where it forces the next tokens
+                self._fast_forward(seq, handle)
+        except Exception:
+            log.exception("request %s failed", seq.request_id)
+            self._finish(seq, handle, "error", error="internal")
 
     def _fail(self, plan: Plan, error: str) -> None:
         handles = dict(self._running)
@@ -389,12 +439,12 @@ class Engine:
         """Append sampled or forced tokens, send their text; True when that finished the request
         (a stop string, max_tokens, or a full cache)."""
         text = ""
-        for token in tokens:
+        for i, token in enumerate(tokens):
             seq.append(token.token_id)
             delta = seq.text.push(token.token_id)
             text += delta.text
             if delta.stopped:
-                handle._put(RequestOutput(text=text, tokens=tokens))
+                handle._put(RequestOutput(text=text, tokens=tokens[: i + 1]))
                 self._finish(seq, handle, "stop")
                 return True
         handle._put(RequestOutput(text=text, tokens=tokens))
@@ -408,10 +458,15 @@ class Engine:
     ) -> None:
         """Commit (or roll back) the sequence's KV, then send the final output."""
         seq.status = Status.FINISHED
+        self.speculator.finish(seq, committed=reason in ("stop", "length"))
         if seq.lease is not None:
             try:
                 if reason in ("stop", "length"):
-                    self.cache_manager.commit(seq.lease, seq.all_ids[: seq.n_computed])
+                    # NOTE: a verified draft may have computed past a stop string: the cache
+                    # keeps the tokens it commits.
+                    n = min(seq.n_computed, len(seq.all_ids))
+                    kv.crop(seq.cache, n)
+                    self.cache_manager.commit(seq.lease, seq.all_ids[:n])
                 else:
                     self.cache_manager.release(seq.lease)
             except Exception:

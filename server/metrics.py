@@ -176,6 +176,24 @@ class Metrics:
             buckets=(0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01), registry=r,
         )
 
+        # -- speculative decoding ----------------------------------------------------------------
+        self.spec_draft_tokens = Counter(
+            "kvserve_spec_decode_draft_tokens", "Drafted tokens sent to verification (--speculative).", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "kvserve_spec_decode_accepted_tokens", "Drafted tokens the model accepted.", registry=r
+        )
+        self.spec_acceptance_rate = Histogram(
+            "kvserve_spec_decode_acceptance_rate",
+            "Per finished request that drafted: accepted / drafted tokens.",
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0), registry=r,
+        )
+        self.spec_tokens_per_forward = Histogram(
+            "kvserve_spec_decode_tokens_per_forward",
+            "Tokens a sequence with a draft gained from one forward pass (accepted drafts + 1).",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 65), registry=r,
+        )
+
         self._preset()
         r.register(_VllmGauges(self))
 

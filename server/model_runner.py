@@ -2,7 +2,9 @@
 
 Shapes: the plan's rows are packed into one flattened batch of N tokens (see cache_manager/kv.py
 for the layout); `run` returns float32 logits [R, vocab], one row per plan row that `completes`
-(its last pending token was computed), in plan order.
+(its last pending token was computed), in plan order; a row carrying a draft of k tokens
+(server/speculative.py) has k + 1 consecutive logits rows instead: at its pending token and at
+each drafted one.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ from server.sequence import Sequence, TokenInfo
 def run(model, plan: Plan) -> torch.Tensor:
     """Compute every row's scheduled tokens in one forward pass.
 
-    Side effect: writes their KV into each sequence's cache (its length moves forward).
+    Side effect: writes their KV into each sequence's cache (its length moves forward, drafted
+    tokens included: postprocess crops the rejected ones).
     """
-    rows, token_ids, logits_rows = [], [], []
+    rows, token_ids, logits_rows, counts = [], [], [], []
     for i, row in enumerate(plan.rows):
-        rows.append(kv.Row(row.seq.cache, row.n_tokens))
-        token_ids += row.seq.pending_ids(row.n_tokens)
+        drafted = row.draft.tokens if row.draft is not None else []
+        rows.append(kv.Row(row.seq.cache, row.n_tokens + len(drafted)))
+        token_ids += row.seq.pending_ids(row.n_tokens) + drafted
         if row.completes:
             logits_rows.append(i)
-    return kv.forward(model, rows, token_ids, logits_rows)
+            counts.append(1 + len(drafted))
+    return kv.forward(model, rows, token_ids, logits_rows, counts)
 
 
 def forward(model, cache, token_ids: list[int], start: int) -> torch.Tensor:

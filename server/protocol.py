@@ -142,6 +142,7 @@ class SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(max_length=1024)] | None = None
     guided_grammar: str | None = None
+    speculative: bool = True  # kvserve: false = no speculative decoding for this request
 
     @field_validator("stop", mode="before")
     @classmethod

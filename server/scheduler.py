@@ -32,11 +32,18 @@ class Schedulable(Protocol):
 class ScheduledRow:
     seq: Schedulable
     n_tokens: int
+    # Drafted tokens computed after the pending one and verified from their logits
+    # (a server/speculative.py `Draft`, filled in after scheduling); None: no speculation.
+    draft: object | None = None
 
     @property
     def completes(self) -> bool:
         """After this step nothing of the sequence is pending: its logits pick the next token."""
         return self.n_tokens == self.seq.num_pending
+
+    @property
+    def n_draft(self) -> int:
+        return 0 if self.draft is None else len(self.draft.tokens)
 
 
 @dataclass(slots=True)
@@ -45,7 +52,8 @@ class Plan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(r.n_tokens for r in self.rows)
+        """Tokens the forward pass computes (drafted tokens included)."""
+        return sum(r.n_tokens + r.n_draft for r in self.rows)
 
 
 class Scheduler:

@@ -28,6 +28,7 @@ class GenerationRequest:
     session_id: str | None = None  # None: may reuse the principal's anonymous entries
     use_session: bool = True  # False: a private cache (the extra choices of n > 1)
     grammar: object | None = None  # a grammars.CompiledGrammar; each sequence gets a matcher
+    speculative: bool = True  # False: never draft for this request (when the server speculates)
 
     @property
     def session_key(self) -> tuple[str, str] | None:
@@ -95,6 +96,7 @@ class Sequence:
         self.text = TextStream(tokenizer, () if self.matcher is not None else request.params.stop)
         self.generator = make_generator(request.params.seed)
         self.counts: torch.Tensor | None = None  # token counts, only when penalties are on
+        self.spec = None  # a speculative.SpecState once the sequence drafts
         self.cancelled = False
         self.submitted_at = time.monotonic()
         self.deadline = (

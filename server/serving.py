@@ -215,6 +215,7 @@ def generation_requests(
             out.append(GenerationRequest(
                 f"{request_id}-{index}", prompt_ids, sampling, timeout_s=timeout_s,
                 principal=principal, session_id=session, use_session=index == 0, grammar=grammar,
+                speculative=body.speculative,
             ))
     return out
 

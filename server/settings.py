@@ -129,6 +129,27 @@ class Settings(BaseSettings):
         5.0, gt=0, description="A grammar that takes longer to compile is rejected (400)."
     )
     grammar_cache_size: int = Field(256, ge=1, description="Compiled grammars kept (LRU).")
+    speculative: Literal["off", "ngram", "draft"] = Field(
+        "off",
+        description="Speculative decoding: draft tokens, verify them in the step's one forward pass, "
+        "keep the accepted ones (same output). ngram = prompt lookup (drafts copy what followed the "
+        "last tokens earlier in the prompt or output); draft = a small model of the same "
+        "tokenizer (--draft-model). Requests opt out with \"speculative\": false.",
+    )
+    draft_model: str | None = Field(
+        None, description="With --speculative draft: the draft model (HF directory, hub id or .gguf)."
+    )
+    speculative_max_draft: int = Field(
+        12, ge=1, le=64,
+        description="Most tokens one sequence drafts per step; each step drafts fewer (or none) "
+        "when its recent acceptance rate or the batch makes them not worth their cost.",
+    )
+    speculative_ngram_min: int = Field(
+        2, ge=1, le=16, description="Prompt lookup: the shortest suffix (in tokens) that it matches."
+    )
+    speculative_ngram_max: int = Field(
+        4, ge=1, le=16, description="Prompt lookup: the longest suffix it tries first."
+    )
     metrics_port: int | None = Field(
         None, ge=0, le=65535,
         description="Serve /metrics on this separate port too, without auth (for scrapers).",
@@ -145,6 +166,14 @@ class Settings(BaseSettings):
         if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "")):
             return None
         return handler(value)
+
+    @model_validator(mode="after")
+    def _speculation_is_complete(self) -> "Settings":
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("--speculative draft needs --draft-model")
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError("--speculative-ngram-min must not exceed --speculative-ngram-max")
+        return self
 
     @model_validator(mode="after")
     def _resolve_anonymous_reuse(self) -> "Settings":

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grammars import GrammarCompiler, GrammarSpec, tool_call_spec
+from grammars.matcher import start_draft_masks
 
 from .conftest import EOS, VOCAB_SIZE
 
@@ -188,3 +189,24 @@ def test_engine_loop_with_mask_in_the_worker(compiler, tokenizer):
             break
     text = tokenizer.decode(out)
     assert len(text) == 12 and text.isdigit() and m.stop_reason == "NoExtension"
+
+
+def test_draft_prefix_checks_and_rolls_back_and_draft_masks_follow_the_draft(compiler, walk, tokenizer):
+    """Speculative decoding: a draft is cut to what the grammar accepts, and before a point
+    where the grammar would complete or force tokens; the state is unchanged after the check.
+    The draft's masks equal the masks of accepting its tokens one by one."""
+    m = matcher(compiler, "json_schema", PERSON)
+    walk(m, '{"name":"')
+    ids = tokenizer.encode("Bob Smith\n")  # the raw newline cannot be in a JSON string
+    n, ends = m.draft_prefix(ids)
+    assert (n, ends) == (len(ids) - 1, False) and m.num_accepted == 3
+    quote = tokenizer.encode('",')  # closing the string forces the next key
+    n, ends = m.draft_prefix(ids[:-1] + quote)
+    assert n == len(ids) and ends  # cut after the token after which tokens are forced
+    assert m.draft_prefix(ids[:-1] + quote, stop_at_forced=False)[0] >= n
+    start_draft_masks([(m, ids[:-1])])
+    masks = m.draft_masks()
+    for i, token in enumerate(ids[:-1]):
+        assert torch.equal(masks[i] == 0, m.allowed_tokens()), i
+        assert m.accept(token)
+    assert torch.equal(masks[-1] == 0, m.allowed_tokens())

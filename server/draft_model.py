@@ -1,0 +1,170 @@
+"""A small draft model (same tokenizer) as the speculative-decoding proposer.
+
+Each sequence gets the draft model's own KV (a `kv.SequenceKV` of the draft model, as large as
+the sequence's cache), kept in step with the sequence's tokens by the same rules as the
+target's cache:
+
+* before drafting it catches up on the tokens it has not seen (the prompt the first time, then
+  the last step's accepted tokens and the new one): one batched forward pass of the draft model
+  over all drafting rows, then one batched pass per further drafted token;
+* after verification it is cropped back to the accepted prefix (`kv.crop`); a sliding-window
+  draft model whose ring would wrap does not draft (no speculation for that sequence);
+* when a session's request commits, its draft cache stays with the session in a small LRU
+  (bounded in bytes), and the session's next request reuses it up to the longest common token
+  prefix (`cache_manager.prefix.decide_reuse`), so a later turn does not run the draft model
+  over the whole conversation again.
+
+Shapes: draft logits [rows, vocab] float32; a sampled row's proposal distributions [k, vocab].
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from cache_manager import kv
+from cache_manager.prefix import decide_reuse
+from server.sampling import filtered_probs
+from server.speculative import Draft
+
+
+class DraftModelProposer:
+    """Drafts with `model`; `keep_bytes` bounds the draft caches kept for idle sessions."""
+
+    EMA = 0.2
+
+    def __init__(self, model, max_context: int, keep_bytes: int) -> None:
+        kv.enable(model)
+        self.model = model
+        self.max_context = max_context
+        self.keep_bytes = keep_bytes
+        self._kept: OrderedDict[object, tuple[list[int], kv.SequenceKV]] = OrderedDict()
+        self._kept_bytes = 0
+        self._token_s = 0.0  # measured seconds per drafted token (0 until the first draft)
+
+    # -- Proposer ------------------------------------------------------------------------------
+
+    def limit(self, seq, k: int) -> int:
+        cache = self._cache(seq)
+        catch_up = len(seq.all_ids) - kv.length(cache)
+        while k > 0 and not kv.can_crop_after(cache, catch_up + k - 1):
+            k -= 1
+        return k
+
+    def propose(self, seqs: list, ks: list[int]) -> list[Draft]:
+        """k forward passes of the draft model at most (all rows batched in each): the first
+        catches each row up and drafts its first token, each further one drafts one more."""
+        t0 = time.perf_counter()
+        caches = [seq.spec.proposer for seq in seqs]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        feed = [seq.all_ids[kv.length(cache) :] for seq, cache in zip(seqs, caches)]
+        # NOTE: only drafts without a long catch-up (a new prompt) say what a drafted token costs
+        steady = max(len(f) for f in feed) <= 2
+        active = list(range(len(seqs)))
+        while active:
+            rows = [kv.Row(caches[i], len(feed[i])) for i in active]
+            logits = kv.forward(self.model, rows, [t for i in active for t in feed[i]], list(range(len(rows))))
+            for j, i in enumerate(active):
+                token, q = self._draw(seqs[i], logits[j])
+                tokens[i].append(token)
+                if q is not None:
+                    probs[i].append(q)
+                feed[i] = [token]
+            active = [i for i in active if len(tokens[i]) < ks[i]]
+        if steady:
+            drafted = sum(len(t) for t in tokens)
+            self._token_s += self.EMA * ((time.perf_counter() - t0) / drafted - self._token_s)
+        return [Draft(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+
+    def peek(self, seq) -> None:
+        return None  # knowing its first token takes a forward pass of the draft model
+
+    def token_seconds(self) -> float:
+        return self._token_s
+
+    def rewind(self, seq, n_valid: int) -> None:
+        cache = seq.spec.proposer
+        if kv.length(cache) > n_valid:
+            kv.crop(cache, n_valid)
+
+    def release(self, seq, committed: bool) -> None:
+        cache, seq.spec.proposer = seq.spec.proposer, None
+        key = seq.lease.key if seq.lease is not None else None
+        if cache is None or not committed or key is None:
+            return
+        n = min(kv.length(cache), len(seq.all_ids))
+        if n < kv.length(cache):
+            kv.crop(cache, n)
+        self._keep(key, seq.all_ids[:n], cache)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _draw(self, seq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """The next drafted token: the draft's argmax for greedy rows, else a draw from its
+        distribution under the request's temperature / top-k / top-p (returned as q)."""
+        if seq.params.greedy:
+            return int(torch.argmax(logits)), None
+        q = filtered_probs(logits[None], [seq.params])[0]
+        return int(torch.multinomial(q.cpu(), 1, generator=seq.generator).item()), q
+
+    def _cache(self, seq) -> kv.SequenceKV:
+        """The sequence's draft cache: its own, a session's kept one reused up to the common
+        prefix, or a new one as large as the sequence's cache."""
+        cache = seq.spec.proposer
+        if cache is not None:
+            return cache
+        capacity = kv.capacity(seq.cache)
+        key = seq.lease.key if seq.lease is not None and seq.request.use_session else None
+        kept = self._take(key) if key is not None else None
+        if kept is not None:
+            tokens, cache = kept
+            decision = decide_reuse(tokens, seq.all_ids, can_crop=kv.can_crop(cache))
+            if decision.n_reused > 0:
+                kv.crop(cache, decision.n_reused)
+                if kv.capacity(cache) < capacity:
+                    cache = kv.grow(cache, self.model.config, capacity)
+                seq.spec.proposer = cache
+                return cache
+        device = seq.cache.keys[0].device
+        seq.spec.proposer = kv.allocate(self.model.config, capacity, device, self.model.dtype)
+        return seq.spec.proposer
+
+    def _take(self, key):
+        kept = self._kept.pop(key, None)
+        if kept is not None:
+            self._kept_bytes -= kv.nbytes(kept[1])
+        return kept
+
+    def _keep(self, key, tokens: list[int], cache: kv.SequenceKV) -> None:
+        """Least recently committed first out, until the kept caches fit `keep_bytes`."""
+        self._take(key)
+        size = kv.nbytes(cache)
+        if not tokens or size > self.keep_bytes:
+            return
+        while self._kept and self._kept_bytes + size > self.keep_bytes:
+            _, (_, old) = self._kept.popitem(last=False)
+            self._kept_bytes -= kv.nbytes(old)
+        self._kept[key] = (tokens, cache)
+        self._kept_bytes += size
+
+
+def check_compatible(model, tokenizer, draft_model, draft_tokenizer) -> None:
+    """ValueError unless the draft model can propose tokens for `model`: the same vocabulary
+    (token ids mean the same text) and the same logits width."""
+    width = model.config.get_text_config(decoder=True).vocab_size
+    draft_width = draft_model.config.get_text_config(decoder=True).vocab_size
+    if width != draft_width:
+        raise ValueError(f"the draft model's vocabulary has {draft_width} entries, the model's {width}")
+    if tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise ValueError("the draft model's tokenizer differs from the model's")
+    if draft_model.device != model.device or draft_model.dtype != model.dtype:
+        raise ValueError("the draft model must be on the model's device, in its dtype")
+
+
+def keep_bytes_for(model, draft_model, budget_bytes: int, max_context: int) -> int:
+    """Bytes for idle sessions' draft caches: as many tokens as the KV budget holds of the model's."""
+    ratio = kv.bytes_for(draft_model.config, max_context, draft_model.dtype) / kv.bytes_for(model.config, max_context, model.dtype)
+    return int(budget_bytes * ratio)

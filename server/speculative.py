@@ -1,0 +1,432 @@
+"""Speculative decoding: draft tokens cheaply, verify them in the step's one forward pass, keep
+the accepted prefix, crop the rest from the KV cache.
+
+One engine step with speculation (still schedule -> run -> postprocess):
+
+1. after `Scheduler.schedule`, `Speculator.draft(plan)` gives some decode rows a `Draft`: tokens
+   proposed by a `Proposer` (prompt lookup, server/prompt_lookup.py, or a small draft model,
+   server/draft_model.py), as many per row as `allocate` finds worth their cost, within what
+   the step's token budget leaves; a grammar row's draft is cut to what its grammar accepts;
+2. `model_runner.run` computes each such row's pending token and its draft in the same forward
+   pass (KV written for all of them) and returns logits at every one of those positions;
+3. the engine's postprocess calls `Speculator.verify`, which picks the tokens exactly as decoding
+   without a draft would, position by position, and stops at the first rejected draft token;
+   the engine crops the rejected ones from the cache (`kv.crop`) and emits the accepted ones
+   and the token chosen after them as one output, as decoding would have in as many steps.
+
+Exactness. Greedy: a drafted token is accepted iff it is the argmax of its position's logits
+(after grammar mask, bias and penalties), so the output is the one without speculation (up to
+the near-ties of docs/architecture.md: the logits of a multi-token forward pass round
+differently from a one-token pass). Sampling: the standard rule (Leviathan et al. 2023, Chen
+et al. 2023), `accept_or_resample`: accept x ~ q with probability min(1, p(x) / q(x)), else
+draw from norm(max(0, p - q)); every emitted token is distributed as p. A prompt-lookup draft
+is deterministic (q is a point mass on x): the rule then accepts with probability p(x), which
+`accept_point_mass` implements as one draw y ~ p, accepted iff y == x (else y is the residual
+draw): one draw per emitted token from the request's generator, as without speculation, so a
+seeded request draws the same tokens with or without prompt lookup.
+
+Draft lengths (`allocate`): row r's j-th drafted token is accepted with probability a_r ** j
+(a_r: the row's recent acceptance rate, `SpecState.alpha`) and the step's forward pass costs
+`StepCost.seconds(tokens)`, learned from the steps the engine runs. Drafting maximises the
+step's expected tokens per second, so a row drafts less as its acceptance falls, and rows
+draft less as the batch (and with it the price of each extra token) grows; with nothing worth
+its cost nobody drafts and the step is exactly the one without speculation.
+
+Shapes: a draft of k tokens is verified with logits [k + 1, vocab] (float32, the rows of the
+step's logits for that sequence); a draft model's proposal distributions are [k, vocab].
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from cache_manager import kv
+from grammars.matcher import start_draft_masks
+from server.sampling import filtered_probs, process_logits, sample_rows, top_logprobs
+from server.sequence import Status, TokenInfo
+
+log = logging.getLogger(__name__)
+
+
+# -- the accept/reject rules (pure functions) --------------------------------------------------
+
+
+def accept_greedy(logits: torch.Tensor, token: int) -> tuple[bool, int]:
+    """Greedy verification at one position of processed logits [vocab]: (accepted, the token
+    decoding emits here: the draft's when accepted, else the argmax)."""
+    best = int(torch.argmax(logits))
+    return best == token, best
+
+
+def accept_point_mass(probs: torch.Tensor, token: int, generator: torch.Generator) -> tuple[bool, int]:
+    """The standard rule for a deterministic draft token (q = a point mass): draw y ~ p with
+    the request's generator; accept iff y == token, else y is the emitted (residual) token.
+    P(accept) = p(token) and a rejected draw is distributed as norm(p without token)."""
+    drawn = int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+    return drawn == token, drawn
+
+
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor, token: int, generator: torch.Generator) -> tuple[bool, int]:
+    """The standard rule for a token drawn from a draft distribution q [vocab] against the
+    target distribution p [vocab]: accept with probability min(1, p(token) / q(token)), else
+    emit a draw from norm(max(0, p - q)). The emitted token is distributed as p."""
+    p, q = p.cpu(), q.cpu()
+    u = float(torch.rand((), generator=generator))
+    if q[token] > 0 and u * float(q[token]) < float(p[token]):
+        return True, token
+    residual = torch.clamp(p - q, min=0)
+    if float(residual.sum()) <= 0:  # p == q: nothing to correct (never rejected, in theory)
+        residual = p
+    return False, int(torch.multinomial(residual, 1, generator=generator).item())
+
+
+# -- draft lengths ---------------------------------------------------------------------------
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verification yields on average with k drafted tokens (a geometric model:
+    each accepted with probability alpha once the ones before it were): 1 + a + ... + a**k."""
+    return sum(alpha**j for j in range(k + 1))
+
+
+def allocate(alphas: list[float], limits: list[int], base_yield: float, cost, budget: int) -> list[int]:
+    """Draft lengths per row that maximise the step's expected tokens per second.
+
+    Row r's j-th drafted token adds alphas[r] ** j expected tokens; `cost(n)` is the step's
+    cost with n drafted tokens in it (n = 0: the step as scheduled, yielding `base_yield`).
+    Each row's gains fall with j, so taking the largest gains first gives the best draft for
+    every total n <= `budget`; the total with the best expected rate wins (0: nobody drafts).
+    """
+    gains = sorted(
+        ((a**j, r) for r, (a, limit) in enumerate(zip(alphas, limits)) for j in range(1, limit + 1)),
+        key=lambda g: -g[0],
+    )[: max(budget, 0)]
+    best_rate, best_n, total = base_yield / cost(0), 0, base_yield
+    for n, (gain, _) in enumerate(gains, 1):
+        total += gain
+        rate = total / cost(n)
+        if rate > best_rate:
+            best_rate, best_n = rate, n
+    ks = [0] * len(alphas)
+    for _, r in gains[:best_n]:
+        ks[r] += 1
+    return ks
+
+
+class StepCost:
+    """Seconds of one forward pass by the number of tokens it computes, learned from the steps
+    the engine runs: per size bucket the median of the last observations (robust to a noisy
+    neighbour), linear between measured buckets; past the largest measured size it grows by
+    that size's cost per token (a deliberately pessimistic prior for an unseen size, which the
+    next step then measures)."""
+
+    WINDOW = 9
+
+    def __init__(self) -> None:
+        self._samples: dict[int, deque[float]] = {}
+        self._sizes: list[int] = []
+
+    @staticmethod
+    def bucket(n_tokens: int) -> int:
+        """Exact up to 16 tokens, then steps of about 12%."""
+        if n_tokens <= 16:
+            return max(n_tokens, 1)
+        return round(16 * 1.125 ** round(math.log(n_tokens / 16, 1.125)))
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        b = self.bucket(n_tokens)
+        if b not in self._samples:
+            self._samples[b] = deque(maxlen=self.WINDOW)
+            bisect.insort(self._sizes, b)
+        self._samples[b].append(seconds)
+
+    def seconds(self, n_tokens: int) -> float:
+        sizes = self._sizes
+        if not sizes:
+            return 1.0 + n_tokens / 64  # nothing measured yet: only ratios matter
+        i = bisect.bisect_left(sizes, n_tokens)
+        if i < len(sizes) and sizes[i] == n_tokens:
+            return self._median(n_tokens)
+        if i == 0:
+            return self._median(sizes[0])
+        lo = sizes[i - 1]
+        t_lo = self._median(lo)
+        if i == len(sizes):
+            return t_lo * (1 + (n_tokens - lo) / max(lo, 16))
+        hi = sizes[i]
+        t_hi = self._median(hi)
+        return t_lo + (t_hi - t_lo) * (n_tokens - lo) / (hi - lo)
+
+    def _median(self, b: int) -> float:
+        return statistics.median(self._samples[b])
+
+
+# -- per-sequence state and proposers ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Draft:
+    """What one row verifies this step: `tokens` (never end-of-turn), the draft model's
+    distributions they were drawn from (`probs` [k, vocab]; None: deterministic, e.g. greedy
+    or prompt lookup), and whether decoding without a draft would not sample after the last
+    token (`ends_forced`: the grammar completes there or forces the next tokens)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+    ends_forced: bool = False
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One sequence's speculation: its recent acceptance (decayed counts) and totals, and the
+    proposer's own state (an n-gram index, a draft model's cache)."""
+
+    hits: float = 0.0
+    misses: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    proposer: object | None = None
+    shadow: tuple[int, int] | None = None  # (position, token) a skipped draft would have begun with
+
+    PRIOR = (1.0, 1.0)  # pseudo-counts (hits, misses): alpha starts at 0.5
+    DECAY = 0.85  # per observation: roughly the last seven weigh in
+    RELAX = 0.95  # per step without a draft nor a shadow: alpha drifts back to the prior
+
+    @property
+    def alpha(self) -> float:
+        a, b = self.PRIOR
+        return (self.hits + a) / (self.hits + self.misses + a + b)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.hits = self.hits * self.DECAY + accepted
+        self.misses = self.misses * self.DECAY + (1 if accepted < drafted else 0)
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def relax(self) -> None:
+        self.hits *= self.RELAX
+        self.misses *= self.RELAX
+
+    def settle_shadow(self, ids: list[int]) -> None:
+        """A step that did not draft still tells whether its draft would have begun right (a
+        free observation, when the proposer knew its first token without work)."""
+        if self.shadow is not None and len(ids) > self.shadow[0]:
+            position, token = self.shadow
+            self.shadow = None
+            hit = ids[position] == token
+            self.hits = self.hits * self.DECAY + hit
+            self.misses = self.misses * self.DECAY + (not hit)
+
+
+class Proposer(Protocol):
+    """Where drafts come from. Engine thread only."""
+
+    def limit(self, seq, k: int) -> int:
+        """How many tokens (<= k) it could draft for `seq` now (prompt lookup: the match)."""
+
+    def propose(self, seqs: list, ks: list[int]) -> list[Draft]:
+        """Drafts of ks[i] tokens (or fewer) for seqs[i]."""
+
+    def peek(self, seq) -> int | None:
+        """The first token it would draft, if known without work (after `limit`), else None."""
+
+    def token_seconds(self) -> float:
+        """What drafting one token costs (0 for prompt lookup)."""
+
+    def rewind(self, seq, n_valid: int) -> None:
+        """After verification: only `seq`'s first `n_valid` tokens are real."""
+
+    def release(self, seq, committed: bool) -> None:
+        """The sequence ended (`committed`: its session keeps its tokens)."""
+
+
+# -- the engine's view ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    max_draft: int = 12  # tokens one row may draft per step
+    adaptive: bool = True  # False: every eligible row drafts what its proposer offers (tests)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_draft <= 64:
+            raise ValueError("max_draft must be in [1, 64]")
+
+
+class NoSpeculation:
+    """Speculation off: every verb does nothing."""
+
+    def draft(self, plan, max_batch_tokens: int) -> None:
+        pass
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        pass
+
+    def finish(self, seq, committed: bool) -> None:
+        pass
+
+
+class Speculator:
+    """Drafting before the forward pass and verification after it, for one engine."""
+
+    def __init__(self, proposer: Proposer, eos_ids: frozenset[int], config: SpeculativeConfig | None = None, metrics=None) -> None:
+        self.proposer = proposer
+        self.eos_ids = eos_ids
+        self.config = config or SpeculativeConfig()
+        self.metrics = metrics
+        self.cost = StepCost()
+
+    # -- before the forward pass ---------------------------------------------------------------
+
+    def draft(self, plan, max_batch_tokens: int) -> None:
+        """Give the plan's eligible decode rows their drafts (may run a draft model). A row is
+        eligible when it opted in, has exactly its last sampled token pending (tokens a grammar
+        forced need no draft), has room for another token after the draft, and its cache can
+        take the draft and crop it again (a sliding window about to wrap cannot: no speculation
+        for that sequence). Drafting never fails a request: on an error nobody drafts."""
+        rows, limits = [], []
+        for row in plan.rows:
+            seq = row.seq
+            if not (row.completes and row.n_tokens == 1 and seq.status is Status.DECODE and seq.request.speculative):
+                continue
+            k = min(self.config.max_draft, seq.params.max_tokens - len(seq.generated) - 1)
+            while k > 0 and not kv.can_crop_after(seq.cache, 1 + k):
+                k -= 1
+            if k <= 0:
+                continue
+            if seq.spec is None:
+                seq.spec = SpecState()
+            seq.spec.settle_shadow(seq.all_ids)
+            k = self.proposer.limit(seq, k)
+            if k > 0:
+                rows.append(row)
+                limits.append(k)
+        if not rows:
+            return
+        try:
+            self._draft(plan, rows, limits, max_batch_tokens)
+        except Exception:
+            log.exception("drafting failed; this step runs without drafts")
+            for row in rows:
+                row.draft = None
+                row.seq.spec.proposer = None  # whatever it held may be half-written
+
+    def _draft(self, plan, rows, limits, max_batch_tokens: int) -> None:
+        if self.config.adaptive:
+            base = plan.num_tokens
+            per_token = self.proposer.token_seconds()
+            decoding = sum(1 for r in plan.rows if r.completes)
+            ks = allocate(
+                [r.seq.spec.alpha for r in rows], limits, decoding,
+                lambda n: self.cost.seconds(base + n) + n * per_token, max_batch_tokens - base,
+            )
+        else:
+            ks = limits
+        chosen = [(row, k) for row, k in zip(rows, ks) if k > 0]
+        for row, k in zip(rows, ks):
+            if k == 0:
+                spec, token = row.seq.spec, self.proposer.peek(row.seq)
+                if token is None:
+                    spec.relax()
+                else:
+                    spec.shadow = (len(row.seq.all_ids), token)
+        if not chosen:
+            return
+        drafts = self.proposer.propose([row.seq for row, _ in chosen], [k for _, k in chosen])
+        masked = []
+        for (row, _), draft in zip(chosen, drafts):
+            seq = row.seq
+            cut = next((i for i, t in enumerate(draft.tokens) if t in self.eos_ids), len(draft.tokens))
+            if seq.matcher is not None:
+                n, draft.ends_forced = seq.matcher.draft_prefix(draft.tokens[:cut], stop_at_forced=not seq.params.logprobs)
+                cut = n
+            if cut == 0:
+                self.proposer.rewind(seq, len(seq.all_ids))
+                continue
+            draft.tokens = draft.tokens[:cut]
+            if draft.probs is not None:
+                draft.probs = draft.probs[:cut]
+            row.draft = draft
+            if seq.matcher is not None:
+                masked.append((seq.matcher, draft.tokens))
+        start_draft_masks(masked)
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        """A forward pass of `n_tokens` took `seconds` (feeds the draft-length choice)."""
+        self.cost.observe(n_tokens, seconds)
+
+    # -- after it ------------------------------------------------------------------------------
+
+    def verify(self, seq, draft: Draft, logits: torch.Tensor) -> tuple[list[TokenInfo], int]:
+        """The tokens decoding emits for a row that carried `draft`, from its raw logits
+        [k + 1, vocab]: the accepted drafted tokens, then the token chosen at the first rejected
+        position (or after the whole draft, unless `draft.ends_forced`). Returns them and how
+        many drafted tokens were accepted.
+
+        Side effects, as sampling those tokens one step at a time would have: grammar masks
+        are added to `logits` in place, penalty counts move forward, the request's generator
+        draws; plus the sequence's acceptance statistics and the proposer's rewind.
+        """
+        params, k = seq.params, len(draft.tokens)
+        logprobs = torch.log_softmax(logits, dim=-1) if params.logprobs else None
+        if seq.matcher is not None:
+            logits.add_(seq.matcher.draft_masks().to(logits.device))
+        if params.uses_penalties and seq.counts is None:
+            seq.counts = torch.zeros(logits.shape[-1], dtype=torch.int32, device=logits.device)
+        tokens: list[TokenInfo] = []
+        accepted = 0
+        for j in range(k + 1):
+            if j == k and draft.ends_forced:
+                break
+            x = logits[j]
+            if params.logit_bias or seq.counts is not None:
+                x = process_logits(x, params, seq.counts)
+            if j == k:
+                ok, token = False, sample_rows(x[None], [params], [seq.generator])[0]
+            elif params.greedy:
+                ok, token = accept_greedy(x, draft.tokens[j])
+            else:
+                p = filtered_probs(x[None], [params])[0]
+                if draft.probs is None:
+                    ok, token = accept_point_mass(p, draft.tokens[j], seq.generator)
+                else:
+                    ok, token = accept_or_resample(p, draft.probs[j], draft.tokens[j], seq.generator)
+            if seq.counts is not None:
+                seq.counts[token] += 1
+            if logprobs is None:
+                tokens.append(TokenInfo(token))
+            else:
+                lp = logprobs[j]
+                tokens.append(TokenInfo(token, logprob=float(lp[token]), top=top_logprobs(lp, params.top_logprobs)))
+            if not ok:
+                break
+            accepted += 1
+        seq.spec.record(k, accepted)
+        self.proposer.rewind(seq, len(seq.all_ids) + accepted)
+        if self.metrics is not None:
+            self.metrics.spec_draft_tokens.inc(k)
+            self.metrics.spec_accepted_tokens.inc(accepted)
+            self.metrics.spec_tokens_per_forward.observe(len(tokens))
+        return tokens, accepted
+
+    def finish(self, seq, committed: bool) -> None:
+        """The sequence ended: its acceptance rate goes to the metrics; the proposer lets go
+        (a draft model's cache may stay with the session)."""
+        spec = seq.spec
+        if spec is None:
+            return
+        if spec.drafted and self.metrics is not None:
+            self.metrics.spec_acceptance_rate.observe(spec.accepted / spec.drafted)
+        try:
+            self.proposer.release(seq, committed)
+        except Exception:
+            log.exception("releasing the draft state of %s failed", seq.request_id)
+        seq.spec = None

@@ -1,0 +1,407 @@
+"""Speculative decoding (server/speculative.py, server/draft_model.py): the accept/reject rules
+and the draft-length choice without a model; then the engine on the real SmolLM2 model, where
+every greedy output with speculation equals the output without it (docs/architecture.md's
+rule: token-identical, or the first differing step is a near-tie) for prompt lookup, a draft
+model that is always right (SmolLM2 itself) and one that is mostly wrong (a tiny random model),
+with sessions, n > 1, grammars, logprobs, stop strings and max_tokens; a sliding window that
+is about to wrap stops drafting; the HTTP opt-out and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
+
+from cache_manager import kv
+from cache_manager.manager import CacheConfig, CacheManager
+from grammars import GrammarCompiler, spec_from_request
+from server.draft_model import DraftModelProposer
+from server.engine import Engine, EngineConfig
+from server.metrics import Metrics
+from server.sampling import SamplingParams, make_generator, sample_rows
+from server.sequence import GenerationRequest
+from server.prompt_lookup import NgramProposer
+from server.speculative import (
+    Draft,
+    SpeculativeConfig,
+    Speculator,
+    SpecState,
+    StepCost,
+    accept_greedy,
+    accept_or_resample,
+    accept_point_mass,
+    allocate,
+    expected_tokens,
+)
+from tests.equivalence import assert_equivalent
+from tests.server.test_api import MODEL
+
+CODE = '''def cheapest(items):
+    best = None
+    for item in items:
+        if best is None or item.price < best.price:
+            best = item
+    return best
+'''
+COPY_PROMPTS = [
+    "Rename cheapest to lowest in this code and reply with the code only:\n" + CODE,
+    "Repeat this list exactly: apples, pears, plums, cherries, apricots, peaches, figs.",
+    "Copy this sentence twice: the harbor ledger lists seven crates of copper.",
+]
+TICKET = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "order": {"type": "string", "maxLength": 12},
+                   "city": {"type": "string", "maxLength": 30}},
+    "required": ["name", "order", "city"],
+    "additionalProperties": False,
+}
+EMAIL = "From Maria Lindqvist about order A-48213, delivered to Bergen: the kettle is broken."
+
+
+# -- the rules, no model ---------------------------------------------------------------------------
+
+
+def test_greedy_rule_accepts_exactly_the_argmax():
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.9])
+    assert accept_greedy(logits, 1) == (True, 1)
+    assert accept_greedy(logits, 3) == (False, 1)
+
+
+P = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])
+Q = torch.tensor([0.1, 0.2, 0.4, 0.05, 0.25])
+
+
+def test_sampling_rules_keep_the_target_distribution():
+    """The standard rule on a 5-token vocabulary, 40k draws with a fixed seed: whatever the
+    draft distribution (or a fixed draft token), the emitted token is distributed as p, and
+    the acceptance rate is sum(min(p, q)) (p(x) for a fixed draft x)."""
+    g = make_generator(7)
+    n = 40_000
+    counts, accepted = torch.zeros(5), 0
+    for _ in range(n):
+        x = int(torch.multinomial(Q, 1, generator=g))
+        ok, token = accept_or_resample(P, Q, x, g)
+        counts[token] += 1
+        accepted += ok
+    assert torch.allclose(counts / n, P, atol=0.01), counts / n
+    assert abs(accepted / n - float(torch.minimum(P, Q).sum())) < 0.01
+    counts, accepted = torch.zeros(5), 0
+    for _ in range(n):
+        ok, token = accept_point_mass(P, 2, g)
+        counts[token] += 1
+        accepted += ok
+    assert torch.allclose(counts / n, P, atol=0.01) and abs(accepted / n - 0.15) < 0.01
+
+
+def verifier():
+    return Speculator(NgramProposer(), eos_ids=frozenset())
+
+
+def fake_seq(params, seed):
+    return SimpleNamespace(params=params, generator=make_generator(seed), counts=None, matcher=None,
+                           spec=SpecState(), all_ids=[0], request_id="fake")
+
+
+def test_verify_keeps_the_joint_distribution_of_consecutive_tokens():
+    """`Speculator.verify` over a two-token draft from a draft distribution, on a 'model' whose
+    next-token distribution is always p: the first two emitted tokens are independent draws
+    from p (pairs of the 5 x 5 outcomes within 0.012 of p x p over 30k runs)."""
+    speculator, logits = verifier(), torch.log(P).repeat(3, 1)
+    params = SamplingParams(max_tokens=8, temperature=1.0)
+    g = make_generator(11)
+    n, pairs = 30_000, torch.zeros(5, 5)
+    seq = fake_seq(params, 3)
+    for _ in range(n):
+        draft = [int(torch.multinomial(Q, 1, generator=g)) for _ in range(2)]
+        tokens, accepted = speculator.verify(seq, Draft(draft, probs=Q.repeat(2, 1)), logits.clone())
+        if len(tokens) == 1:  # rejected at once: the second token is a plain draw
+            tokens.append(SimpleNamespace(token_id=int(torch.multinomial(P, 1, generator=g))))
+        pairs[tokens[0].token_id, tokens[1].token_id] += 1
+    assert torch.allclose(pairs / n, P[:, None] * P[None, :], atol=0.012)
+
+
+def test_prompt_lookup_sampling_draws_what_decoding_without_a_draft_draws():
+    """A deterministic draft under sampling: one draw per emitted token from the request's
+    generator, the very draw decoding without speculation makes (same seed, same tokens)."""
+    speculator, logits = verifier(), torch.log(P).repeat(4, 1)
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9)
+    for seed in range(20):
+        draft = [0, 0, 1]
+        tokens, accepted = speculator.verify(fake_seq(params, seed), Draft(draft), logits.clone())
+        plain_generator = make_generator(seed)
+        want = [sample_rows(logits[:1].clone(), [params], [plain_generator])[0] for _ in range(4)]
+        agree = next((j for j in range(3) if want[j] != draft[j]), 3)
+        assert accepted == agree and [t.token_id for t in tokens] == want[: agree + 1]
+
+
+def test_draft_lengths_follow_acceptance_and_cost():
+    flat = lambda n: 1.0 + 0.01 * n  # noqa: E731  an extra token costs 1% of a step
+    ks = allocate([0.9, 0.2, 0.0], [8, 8, 8], 3, flat, budget=100)
+    assert ks[0] == 8 and 0 < ks[1] < 4 and ks[2] == 0
+    assert allocate([0.9], [8], 1, lambda n: 1.0 + 1.0 * n, budget=100) == [0]  # tokens too dear
+    assert allocate([0.9], [8], 1, flat, budget=3) == [3]  # the step's token budget
+    many = allocate([0.6] * 16, [8] * 16, 16, lambda n: 1.0 + 0.06 * (16 + n), budget=1000)
+    assert sum(many) < allocate([0.6], [8], 1, lambda n: 1.0 + 0.06 * (1 + n), budget=1000)[0] * 16
+    assert expected_tokens(0.5, 2) == 1.75
+
+
+def test_step_cost_interpolates_measured_sizes():
+    cost = StepCost()
+    for _ in range(3):
+        cost.observe(1, 0.050)
+        cost.observe(9, 0.090)
+    cost.observe(1, 5.0)  # one noisy outlier does not move the median
+    assert cost.seconds(1) == 0.050 and math.isclose(cost.seconds(5), 0.070)
+    assert cost.seconds(18) > 0.090  # past the largest measured size: dearer, never free
+
+
+def test_ngram_proposer_drafts_what_followed_the_latest_longest_match():
+    proposer = NgramProposer(min_n=2, max_n=3)
+    seq = SimpleNamespace(all_ids=[5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7], spec=SpecState())
+    assert proposer.limit(seq, 5) == 4  # [6, 7] last seen at 6..7, then 2, 3, 6, 7
+    assert proposer.propose([seq], [3])[0].tokens == [2, 3, 6]
+    seq.all_ids += [2]  # now [6, 7, 2] matches, the longest first
+    assert proposer.limit(seq, 2) == 2 and proposer.propose([seq], [2])[0].tokens == [3, 6]
+    seq.all_ids += [4]
+    assert proposer.limit(seq, 4) == 0
+
+
+# -- the engine on the real model --------------------------------------------------------------
+
+
+class Spec:
+    """One engine with a proposer (drafting whenever it can, unless `adaptive`) and metrics;
+    records each step's drafts."""
+
+    def __init__(self, loaded, proposer=None, adaptive=False, model=None, max_draft=8, **engine_kw):
+        self.model, self.tokenizer = model or loaded.model, loaded.tokenizer
+        self.metrics = Metrics()
+        cache = CacheManager(self.model.config, loaded.device, loaded.dtype, 2048, CacheConfig(budget_bytes=2**31), metrics=self.metrics)
+        config = EngineConfig(max_context=2048, speculative=SpeculativeConfig(max_draft=max_draft, adaptive=adaptive), **engine_kw)
+        self.engine = Engine(self.model, self.tokenizer, config, cache, metrics=self.metrics, proposer=proposer or NgramProposer())
+        self.steps: list[list[tuple[int, int]]] = []  # per step: (cache length, drafted) of rows with drafts
+        draft = self.engine.speculator.draft
+
+        def spy(plan, budget):
+            draft(plan, budget)
+            self.steps.append([(kv.length(r.seq.cache), r.n_draft) for r in plan.rows if r.n_draft])
+
+        self.engine.speculator.draft = spy
+        self.engine.start()
+
+    def prompt(self, text):
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    async def run(self, request):
+        tokens, infos, text, final = [], [], "", None
+        async for out in self.engine.submit(request, asyncio.get_running_loop()):
+            tokens += [t.token_id for t in out.tokens]
+            infos += out.tokens
+            text += out.text
+            final = out
+        return SimpleNamespace(tokens=tokens, infos=infos, text=text, final=final)
+
+    def counter(self, name):
+        return self.metrics.registry.get_sample_value(name) or 0.0
+
+    def stop(self):
+        self.engine.stop()
+
+
+@pytest.fixture
+def spec(smollm2):
+    made = []
+
+    def make(**kw):
+        made.append(Spec(smollm2, **kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def plain(request, **changes):
+    """The same request without speculation, in a private cache (the reference)."""
+    fields = {f: getattr(request, f) for f in ("prompt_ids", "params", "grammar", "principal")}
+    fields.update(changes)
+    return GenerationRequest(request.request_id + "-plain", use_session=False, speculative=False, **fields)
+
+
+def check(s: Spec, request, got, want, tally):
+    assert got.final.finish_reason == want.final.finish_reason, request.request_id
+    assert_equivalent(s.model, request.prompt_ids, got.tokens, want.tokens, request.grammar)
+    tally.append(got.tokens == want.tokens)
+
+
+def test_prompt_lookup_greedy_equals_no_speculation_with_sessions_and_n(spec):
+    """Copy-heavy prompts drafting every step they can, three interleaved sessions over two
+    turns (the second reusing the first's KV, cropped drafts included), and n = 2 as serving
+    builds it; rows in one step draft different numbers of tokens."""
+    s = spec()
+    tally = []
+
+    async def go():
+        turn1 = [GenerationRequest(f"s{i}-1", s.prompt(t), greedy(28), session_id=f"s{i}") for i, t in enumerate(COPY_PROMPTS)]
+        n2 = [GenerationRequest(f"n2-{j}", s.prompt(COPY_PROMPTS[1]), greedy(12 + 8 * j), use_session=j == 0) for j in range(2)]
+        got = await asyncio.gather(*(s.run(r) for r in turn1 + n2))
+        want = [await s.run(plain(r)) for r in turn1 + n2]
+        for r, g, w in zip(turn1 + n2, got, want):
+            check(s, r, g, w, tally)
+        more = s.tokenizer("<|im_end|>\n<|im_start|>user\nOnce more, please.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        turn2 = [GenerationRequest(f"s{i}-2", r.prompt_ids + g.tokens + more, greedy(24), session_id=f"s{i}") for i, (r, g) in enumerate(zip(turn1, got))]
+        got2 = await asyncio.gather(*(s.run(r) for r in turn2))
+        for r, first, g in zip(turn2, turn1, got2):
+            assert g.final.cached_tokens >= len(first.prompt_ids)  # the session's KV was reused
+            check(s, r, g, await s.run(plain(r)), tally)
+
+    asyncio.run(go())
+    print(f"\nprompt lookup vs none: {sum(tally)}/{len(tally)} outputs token-identical, the rest near-ties")
+    drafted, accepted = s.counter("kvserve_spec_decode_draft_tokens_total"), s.counter("kvserve_spec_decode_accepted_tokens_total")
+    assert drafted > 40 and 0 < accepted < drafted  # drafts were accepted and rejected (cropped)
+    assert any(len({k for _, k in step}) > 1 for step in s.steps)  # rows with different drafts
+    assert s.counter("kvserve_spec_decode_acceptance_rate_count") >= 5
+    assert s.counter("kvserve_spec_decode_tokens_per_forward_sum") > s.counter("kvserve_spec_decode_tokens_per_forward_count")
+    assert s.engine.idle and s.engine.cache_manager.store.used_bytes == s.metrics.registry.get_sample_value("kvserve_kv_cache_bytes_used")
+
+
+def test_logprobs_stop_strings_max_tokens_and_seeded_sampling_match(spec):
+    s = spec()
+    ids = s.prompt(COPY_PROMPTS[1])
+
+    async def go():
+        full = await s.run(plain(GenerationRequest("f", ids, greedy(30))))
+        stop = full.text[12:18]
+        cases = [
+            greedy(20, logprobs=True, top_logprobs=3),
+            greedy(30, stop=(stop,)),
+            greedy(5),
+            greedy(30, frequency_penalty=0.5, logit_bias={11: 2.0}),
+            SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=17),
+        ]
+        for i, params in enumerate(cases):
+            request = GenerationRequest(f"c{i}", ids, params)
+            got, want = await s.run(request), await s.run(plain(request))
+            assert (got.tokens, got.text, got.final.finish_reason, got.final.completion_tokens) == (
+                want.tokens, want.text, want.final.finish_reason, want.final.completion_tokens), params
+            for a, b in zip(got.infos, want.infos):
+                assert (a.logprob is None) == (b.logprob is None)
+                if a.logprob is not None:
+                    assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+        return stop
+
+    stop = asyncio.run(go())
+    assert stop and s.counter("kvserve_spec_decode_accepted_tokens_total") > 0
+
+
+def test_structured_output_with_drafts_is_valid_and_equal(spec, smollm2):
+    s = spec()
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, eos_token_ids=[smollm2.tokenizer.eos_token_id])
+    grammar = compiler.compile(spec_from_request({"type": "json_schema", "json_schema": {"name": "t", "schema": TICKET}}, None))
+    ids = s.prompt("Extract name, order and city as JSON from: " + EMAIL)
+
+    async def go():
+        out = []
+        for params in (greedy(60), greedy(60, logprobs=True)):  # with logprobs: no fast-forward
+            request = GenerationRequest("j", ids, params, grammar=grammar)
+            got, want = await s.run(request), await s.run(plain(request))
+            assert got.final.finish_reason == "stop" and got.tokens == want.tokens
+            out.append(json.loads(got.text))
+        return out
+
+    for value in asyncio.run(go()):
+        jsonschema.validate(value, TICKET)
+    assert s.counter("kvserve_spec_decode_accepted_tokens_total") > 0
+
+
+def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2):
+    """SmolLM2 drafting for itself accepts every drafted token; a tiny random model with its
+    vocabulary is nearly always rejected (each rejection cropped from both caches). Both
+    outputs equal decoding without a draft; the second turn of a session reuses the kept
+    draft cache."""
+    torch.manual_seed(0)
+    tiny = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
+    for draft_model, all_accepted in ((smollm2.model, True), (tiny, False)):
+        proposer = DraftModelProposer(draft_model, 2048, keep_bytes=2**28)
+        s = spec(proposer=proposer, max_draft=4)
+        tally = []
+
+        async def go():
+            first = GenerationRequest("d1", s.prompt(COPY_PROMPTS[2]), greedy(20), session_id="d")
+            got = await s.run(first)
+            check(s, first, got, await s.run(plain(first)), tally)
+            assert len(proposer._kept) == 1
+            second = GenerationRequest("d2", first.prompt_ids + got.tokens + [2, 198, 1, 4093, 198], greedy(12), session_id="d")
+            check(s, second, await s.run(second), await s.run(plain(second)), tally)
+
+        asyncio.run(go())
+        drafted, accepted = s.counter("kvserve_spec_decode_draft_tokens_total"), s.counter("kvserve_spec_decode_accepted_tokens_total")
+        assert drafted > 8 and (accepted == drafted if all_accepted else accepted < drafted / 2), (drafted, accepted)
+        s.stop()
+
+
+def test_a_sliding_window_about_to_wrap_stops_drafting(spec, smollm2):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MistralConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=48, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
+    s = spec(model=model)
+    ids = s.tokenizer("one two three one two three one two three one two", add_special_tokens=False)["input_ids"]
+    request = GenerationRequest("w", ids, greedy(60, logit_bias={2: -100.0}))
+
+    async def go():
+        return await s.run(request), await s.run(plain(request))
+
+    got, want = asyncio.run(go())
+    assert got.tokens == want.tokens and len(ids) + 60 > 48
+    drafts = [(length, k) for step in s.steps for length, k in step]
+    assert drafts and all(length + 1 + k <= 48 for length, k in drafts)  # never past the window
+
+
+@pytest.mark.anyio
+async def test_http_opt_out_and_metrics(app_client):
+    async with app_client(speculative="ngram") as client:
+        body = {"model": MODEL, "temperature": 0, "max_tokens": 24,
+                "messages": [{"role": "user", "content": COPY_PROMPTS[1]}]}
+
+        def drafted(text):
+            return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("kvserve_spec_decode_draft_tokens_total"))
+
+        off = (await client.post("/v1/chat/completions", json={**body, "speculative": False})).json()
+        assert drafted((await client.get("/metrics")).text) == 0
+        on = (await client.post("/v1/chat/completions", json=body)).json()
+        metrics = (await client.get("/metrics")).text
+        assert drafted(metrics) > 0 and "kvserve_spec_decode_acceptance_rate_count 1.0" in metrics
+        assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
+
+
+@pytest.mark.anyio
+async def test_http_draft_model_from_a_directory(app_client, smollm2, tmp_path):
+    """--speculative draft --draft-model DIR loads the draft like --model (here a tiny random
+    model saved with SmolLM2's tokenizer) and never changes the output."""
+    torch.manual_seed(1)
+    tiny = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32)
+    tiny.save_pretrained(tmp_path)
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    async with app_client(speculative="draft", draft_model=str(tmp_path)) as client:
+        body = {"model": MODEL, "temperature": 0, "max_tokens": 16, "messages": [{"role": "user", "content": COPY_PROMPTS[2]}]}
+        on = (await client.post("/v1/chat/completions", json=body)).json()
+        off = (await client.post("/v1/chat/completions", json={**body, "speculative": False})).json()
+        metrics = (await client.get("/metrics")).text
+        assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
+        assert "kvserve_spec_decode_draft_tokens_total 0.0" not in metrics
