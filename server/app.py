@@ -30,7 +30,7 @@ from server.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.model_loader import LoadedModel, load_model
 from server.openapi import install_openapi
 from server.prompt_lookup import NgramProposer
-from server.routes import chat, completions, health, models, sessions
+from server.routes import chat, completions, health, models, router_compat, sessions
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
 from server.serving import ServingContext
@@ -248,7 +248,7 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan, redirect_slashes=False)
     app.state.kv = state
     install_handlers(app)
-    for module in (health, models, chat, completions, sessions):
+    for module in (health, models, chat, completions, sessions, router_compat):
         app.include_router(module.router)
     install_openapi(app)
     # The last added runs first: metrics see every request, auth runs before any body is read.

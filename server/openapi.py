@@ -65,6 +65,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/completions"): Operation(_GENERATION, media=("application/json", "text/event-stream")),
     ("get", "/v1/sessions"): Operation((401, 503)),
     ("delete", "/v1/sessions/{session_id}"): Operation((401, 404, 409, 503), success=204, media=()),
+    ("get", "/server_info"): Operation((401, 503)),
+    ("get", "/v1/loads"): Operation((400, 401, 503)),
+    ("get", "/loads"): Operation((400, 401, 404, 503)),
 }
 
 
