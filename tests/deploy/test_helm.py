@@ -18,15 +18,10 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import pytest
-import yaml
-from kubernetes_validate.utils import latest_version
 
 from server.settings import Settings
+from tests.deploy.helm_chart import ALL_OPTIONS, CHART, KUBE_VERSIONS, render
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm/kvserve"
-ALL_OPTIONS = yaml.safe_load((CHART / "ci/all-options-values.yaml").read_text())
-KUBE_VERSIONS = ["1.27.0", latest_version()]  # Chart.yaml: kubeVersion >=1.27
 SETTINGS_ENV = {f"KVSERVE_{name.upper()}" for name in Settings.model_fields}
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -48,22 +43,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "networkPolicy": {"enabled": True, "restrictEgress": True},
         "terminationGracePeriodSeconds": 60,
     },
+    # all-options has the disk tier on a created ReadWriteMany claim; here on an emptyDir.
+    "kv-tiers-emptydir": {
+        "kvTiers": {"hostBytes": 8 * 2**30, "disk": {
+            "enabled": True, "mountPath": "/kv", "bytes": 10 * 2**30, "persistIntervalSeconds": 2.5,
+            "persistence": {"enabled": False}, "emptyDir": {"sizeLimit": "20Gi"}}},
+        "kvserve": {"shutdownGraceSeconds": 2},
+    },
 }
-
-
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
-
-
-def render(chart, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    rendered = chart.render(values or {}, name="demo", namespace="llm", is_install=True)
-    docs = []
-    for path, text in sorted(rendered.items()):
-        if path.endswith(".yaml"):
-            docs += [d for d in yaml.safe_load_all(text) if d]
-    return docs
 
 
 def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -118,6 +105,7 @@ def test_all_options_renders_every_kind(chart) -> None:
     kinds = sorted(d["kind"] for d in render(chart, ALL_OPTIONS))
     assert kinds == sorted([
         "Deployment", "Service", "ServiceAccount", "Secret", "PersistentVolumeClaim", "Ingress",
+        "PersistentVolumeClaim",  # the cache's and the disk KV tier's
         "ServiceMonitor", "PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler",
     ])
 
@@ -168,7 +156,10 @@ def test_writable_paths_are_volumes(chart, variant: str) -> None:
     variables = env(container)
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
-    for path in (variables["KVSERVE_CACHE_DIR"], "/tmp", variables["HOME"]):
+    writable = [variables["KVSERVE_CACHE_DIR"], "/tmp", variables["HOME"]]
+    if "KVSERVE_KV_DISK_DIR" in variables:  # the disk KV tier writes session files there
+        writable.append(variables["KVSERVE_KV_DISK_DIR"])
+    for path in writable:
         assert path in mounts and not mounts[path].get("readOnly"), path
         volume = volumes[mounts[path]["name"]]
         assert "emptyDir" in volume or "persistentVolumeClaim" in volume
@@ -196,13 +187,24 @@ def test_termination_grace_lets_requests_drain(chart, variant: str) -> None:
     shutdown_grace = float(env(container)["KVSERVE_SHUTDOWN_GRACE_S"])
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
-    assert pod_spec(docs)["terminationGracePeriodSeconds"] > shutdown_grace + float(pre_stop[1])
+    needed = shutdown_grace + float(pre_stop[1])
+    if "KVSERVE_KV_DISK_DIR" in env(container):
+        # After the drain the server writes every idle session to disk for up to this long.
+        needed += max(5.0, shutdown_grace)
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] > needed
 
 
 def test_too_short_termination_grace_is_refused(chart) -> None:
     values = {"kvserve": {"shutdownGraceSeconds": 60}, "terminationGracePeriodSeconds": 65}
     with pytest.raises(helm.HelmError, match="terminationGracePeriodSeconds"):
         render(chart, values)
+    # Long enough to drain, too short to write the sessions to the disk tier as well.
+    values = {"kvserve": {"shutdownGraceSeconds": 30}, "terminationGracePeriodSeconds": 60,
+              "kvTiers": {"disk": {"enabled": True}}}
+    assert pod_spec(render(chart, values | {"kvTiers": {"disk": {"enabled": False}}}))["terminationGracePeriodSeconds"] == 60
+    with pytest.raises(helm.HelmError, match=r"max\(5, kvserve.shutdownGraceSeconds\).*disk tier"):
+        render(chart, values)
+    assert pod_spec(render(chart, values | {"terminationGracePeriodSeconds": None}))["terminationGracePeriodSeconds"] == 10 + 30 + 30 + 15
 
 
 def test_ingress_routes_by_session_header(chart) -> None:
@@ -286,12 +288,91 @@ def test_network_policy_and_pdb_select_the_pods(chart) -> None:
 
 def test_pvcs(chart) -> None:
     docs = render(chart, ALL_OPTIONS)
-    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]  # models: existingClaim
+    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert sorted(claims) == ["demo-kvserve-cache", "demo-kvserve-kv-sessions"]  # models: existingClaim
+    claim = claims["demo-kvserve-cache"]
+    assert claim["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
     volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
     assert volumes["cache"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "shared-models", "readOnly": True}
     both = render(chart, VARIANTS["cpu-existing-secret-new-pvcs"])
     assert len([d for d in both if d["kind"] == "PersistentVolumeClaim"]) == 2
+
+
+def kv_disk_volume(docs) -> dict[str, Any]:
+    """The volume mounted (writable) at KVSERVE_KV_DISK_DIR."""
+    container = server_container(docs)
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == env(container)["KVSERVE_KV_DISK_DIR"]]
+    assert not mount.get("readOnly")
+    (volume,) = [v for v in pod_spec(docs)["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+def test_kv_tiers_off_by_default(chart) -> None:
+    docs = render(chart)
+    assert not {n for n in env(server_container(docs)) if n.startswith("KVSERVE_KV_")}
+    assert "kv-sessions" not in {v["name"] for v in pod_spec(docs)["volumes"]}
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 10 + 30 + 15
+
+
+def test_kv_disk_tier_on_a_created_claim(chart) -> None:
+    docs = render(chart, ALL_OPTIONS)
+    tiers = ALL_OPTIONS["kvTiers"]
+    variables = env(server_container(docs))
+    # Byte counts stay integers (Helm reads YAML numbers as floats: no 1.7e+10 here).
+    assert variables["KVSERVE_KV_HOST_BYTES"] == str(tiers["hostBytes"]) == "17179869184"
+    assert variables["KVSERVE_KV_DISK_DIR"] == tiers["disk"]["mountPath"]
+    assert variables["KVSERVE_KV_DISK_BYTES"] == str(tiers["disk"]["bytes"])
+    assert float(variables["KVSERVE_KV_PERSIST_INTERVAL_S"]) == tiers["disk"]["persistIntervalSeconds"]
+    claim_name = kv_disk_volume(docs)["persistentVolumeClaim"]["claimName"]
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == claim_name]
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "storageClassName": "fast-ssd",
+                             "resources": {"requests": {"storage": "400Gi"}}}
+    # Session files are a disposable cache: the claim goes with the release.
+    assert "helm.sh/resource-policy" not in claim["metadata"].get("annotations", {})
+
+    defaults = render(chart, {"kvTiers": {"disk": {"enabled": True}}})
+    variables = env(server_container(defaults))
+    assert variables["KVSERVE_KV_DISK_DIR"] == "/var/lib/kvserve/kv"
+    assert variables["KVSERVE_KV_PERSIST_INTERVAL_S"] == "60"
+    assert "KVSERVE_KV_DISK_BYTES" not in variables  # half the volume's free space
+    assert "KVSERVE_KV_HOST_BYTES" not in variables  # hostBytes: 0
+    (claim,) = [d for d in defaults if d["kind"] == "PersistentVolumeClaim"]
+    assert kv_disk_volume(defaults)["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"] == {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "50Gi"}}}
+
+
+def test_kv_disk_tier_on_an_existing_claim_or_an_empty_dir(chart) -> None:
+    existing = render(chart, {"kvTiers": {"disk": {"enabled": True, "persistence": {"existingClaim": "kv-rwx"}}}})
+    assert not [d for d in existing if d["kind"] == "PersistentVolumeClaim"]
+    assert kv_disk_volume(existing) == {"name": "kv-sessions", "persistentVolumeClaim": {"claimName": "kv-rwx"}}
+    docs = render(chart, VARIANTS["kv-tiers-emptydir"])
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    assert kv_disk_volume(docs)["emptyDir"] == {"sizeLimit": "20Gi"}
+    variables = env(server_container(docs))
+    assert (variables["KVSERVE_KV_DISK_DIR"], variables["KVSERVE_KV_DISK_BYTES"]) == ("/kv", str(10 * 2**30))
+    assert variables["KVSERVE_KV_PERSIST_INTERVAL_S"] == "2.5"
+    # Persisting gets max(5, grace) s after the drain: 10 + 2 + 5 + 15.
+    assert pod_spec(docs)["terminationGracePeriodSeconds"] == 32
+    # Without a byte bound the server would take half the node's free space, past sizeLimit.
+    with pytest.raises(helm.HelmError, match="kvTiers.disk.bytes"):
+        render(chart, {"kvTiers": {"disk": {"enabled": True, "persistence": {"enabled": False}}}})
+    unbounded = render(chart, {"kvTiers": {"disk": {"enabled": True, "persistence": {"enabled": False},
+                                                    "emptyDir": {"sizeLimit": None}}}})
+    assert kv_disk_volume(unbounded) == {"name": "kv-sessions", "emptyDir": {}}
+
+
+def test_notes_warn_when_replicas_would_share_a_read_write_once_kv_claim(chart) -> None:
+    def notes(values: dict[str, Any]) -> str:
+        rendered = chart.render(values, name="demo", namespace="llm", is_install=True)
+        (text,) = [t for path, t in rendered.items() if path.endswith("NOTES.txt")]
+        return text
+
+    disk = {"kvTiers": {"disk": {"enabled": True}}}
+    assert "ReadWriteOnce claim for several replicas" in notes(disk | {"replicaCount": 2})
+    assert "ReadWriteOnce claim" in notes(disk | {"autoscaling": {"enabled": True}})
+    assert "WARNING" not in notes(disk)  # one replica
+    assert "WARNING" not in notes(ALL_OPTIONS)  # ReadWriteMany
 
 
 @pytest.mark.parametrize("bad", [
@@ -300,6 +381,14 @@ def test_pvcs(chart) -> None:
     {"kvserve": {"dtype": "fp8", "shutdownGraceSeconds": 30}},
     {"probes": {"liveness": {"path": "health"}}},
     {"ingress": {"sessionHeader": "X Session"}},
+    {"kvTiers": {"hostBytes": "16Gi"}},
+    {"kvTiers": {"hostBytes": -1}},
+    {"kvTiers": {"swap": True}},
+    {"kvTiers": {"disk": {"enabled": "yes"}}},
+    {"kvTiers": {"disk": {"enabled": True, "bytes": "50Gi"}}},
+    {"kvTiers": {"disk": {"enabled": True, "persistIntervalSeconds": 0}}},
+    {"kvTiers": {"disk": {"enabled": True, "mountPath": "kv"}}},
+    {"kvTiers": {"disk": {"enabled": True, "persistence": {"enabled": True, "accessModes": ["ReadOnlyMany"]}}}},
 ])
 def test_schema_rejects_bad_values(chart, bad: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmValuesError, match="schema"):

@@ -12,7 +12,6 @@ import contextlib
 import copy
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,8 @@ import httpx
 import kubernetes_validate
 import pytest
 
-from tests.deploy.test_helm import ALL_OPTIONS, CHART, KUBE_VERSIONS, render
+from bench.common import free_port
+from tests.deploy.helm_chart import ALL_OPTIONS, CHART, KUBE_VERSIONS, render
 
 ROUTER = {"router": {"enabled": True}}
 ROUTER_ALL_OPTIONS = copy.deepcopy(ALL_OPTIONS) | {"router": {
@@ -35,6 +35,7 @@ ROUTER_ALL_OPTIONS = copy.deepcopy(ALL_OPTIONS) | {"router": {
               "digest": "sha256:" + "0" * 64, "pullPolicy": "Always"},
     "policy": "cache_aware",
     "cacheThreshold": 0.5,
+    "loadMonitorIntervalSeconds": 2,
     "port": 30000,
     "metricsPort": 29000,
     "discovery": {"mode": "kubernetes"},
@@ -55,12 +56,6 @@ ROUTER_ALL_OPTIONS = copy.deepcopy(ALL_OPTIONS) | {"router": {
 STATIC = {"router": {"enabled": True, "discovery": {"mode": "static",
                                                     "workerUrls": ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]}}}
 VARIANTS = {"router": ROUTER, "router-all-options": ROUTER_ALL_OPTIONS, "router-static": STATIC}
-
-
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(CHART) as loaded:
-        yield loaded
 
 
 def named(docs, kind: str, name: str) -> dict[str, Any]:
@@ -124,6 +119,7 @@ def test_router_args(chart, variant: str) -> None:
     assert flag(args, "--policy") == ["cache_aware"]
     assert flag(args, "--health-check-endpoint") == ["/ready"]
     assert flag(args, "--port") == ["30000"]
+    assert flag(args, "--load-monitor-interval") == [str(VARIANTS[variant]["router"].get("loadMonitorIntervalSeconds", 1))]
     assert "--disable-tokenizer-autoload" in args  # plain HTTP routing: nothing to download
 
 
@@ -136,6 +132,7 @@ def test_router_args_parse_with_smg(chart) -> None:
     for values in VARIANTS.values():
         parsed = parse_router_args([str(a) for a in router_container(render(chart, values))["args"]])
         assert parsed.policy == "cache_aware" and parsed.health_check_endpoint == "/ready"
+        assert parsed.load_monitor_interval == values["router"].get("loadMonitorIntervalSeconds", 1)
 
 
 def test_kubernetes_discovery_watches_this_release_s_kvserve_pods(chart) -> None:
@@ -248,6 +245,7 @@ def test_router_reads_kvserve_s_keys_from_the_secret(chart) -> None:
     {"router": {"enabled": True, "discovery": {"mode": "dns"}}},
     {"router": {"enabled": True, "image": {"repository": "smg", "tag": ""}}},
     {"router": {"enabled": True, "cacheThreshold": 2}},
+    {"router": {"enabled": True, "loadMonitorIntervalSeconds": 0}},
     {"router": {"enabled": True, "no_such_option": 1}},
 ])
 def test_schema_rejects_bad_router_values(chart, bad: dict[str, Any]) -> None:
@@ -295,12 +293,6 @@ STUB_WORKER = textwrap.dedent("""
             pass
     ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Worker).serve_forever()
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_rendered_router_command_registers_keyed_replicas_and_forwards_authorization(chart, tmp_path: Path) -> None:

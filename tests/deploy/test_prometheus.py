@@ -3,8 +3,9 @@
 A `prometheus` binary (Debian package `prometheus`; `scripts/install.sh test` installs it) scrapes
 the separate metrics port of a real `kvserve serve` every second, as docker/prometheus.yml does.
 Real traffic through the openai SDK makes every labelled series appear (a session over two turns
-for cache hits and a grow, a stream, rejected requests, a deleted session), in two rounds a few
-scrapes apart so that every rate has an increase to see. Then every PromQL expression of
+for cache hits and a grow, a stream, rejected requests, a deleted session, a session restored
+from the disk KV tier that an earlier process wrote at SIGTERM), in two rounds a few scrapes
+apart so that every rate has an increase to see. Then every PromQL expression of
 docker/grafana/dashboards/kvserve.json goes through Prometheus' /api/v1/query and must return
 data.
 
@@ -31,7 +32,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from bench.common import free_port, launch_with_metrics_port
+from bench.common import free_port, launch, launch_with_metrics_port
 from server.metrics import Metrics
 from tests.conftest import test_cache_dir as cache_dir
 
@@ -70,6 +71,7 @@ def exposed_names() -> set[str]:
     """Every sample name kvserve's registry can expose (counters get `_total`, etc.)."""
     metrics = Metrics()
     metrics.watch_grammar_cache(SimpleNamespace(hits=0, misses=0))  # as build_context does
+    metrics.watch_tiers(SimpleNamespace(tier_usage=lambda: {t: (0, 0, 0) for t in ("device", "host", "disk")}))
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"], "info": ["_info"]}
     return {family.name + s for family in metrics.registry.collect() for s in suffixes[family.type]}
 
@@ -105,7 +107,8 @@ def test_dashboard_queries_only_metrics_kvserve_exposes() -> None:
 def test_dashboard_answers_the_operators_questions() -> None:
     titles = [p["title"] for p in dashboard()["panels"] if p["type"] == "row"]
     assert titles == ["Traffic and latency", "Is the queue growing?", "Batching: is the GPU kept busy?",
-                      "Is reuse working?", "Are sessions being evicted?", "Structured output"]
+                      "Is reuse working?", "Are sessions being evicted?", "Structured output", "Speculative decoding",
+                      "Where do sessions live?"]
     exprs = "\n".join(expr for _, expr in queries())
     for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):
@@ -121,6 +124,18 @@ def test_dashboard_answers_the_operators_questions() -> None:
     assert "sum by (reason) (rate(kvserve_prefix_cache_misses_total" in exprs
     assert "histogram_quantile(0.9, sum by (le) (rate(kvserve_grammar_compile_seconds_bucket" in exprs
     assert 'reason="bad_schema"' in exprs
+    assert re.search(r"rate\(kvserve_spec_decode_accepted_tokens_total[^)]*\)\) / sum\(rate\(kvserve_spec_decode_draft_tokens_total", exprs)
+    assert "histogram_quantile(0.5, sum by (le) (rate(kvserve_spec_decode_acceptance_rate_bucket" in exprs
+    assert re.search(r"rate\(kvserve_spec_decode_tokens_per_forward_sum[^)]*\)\) / sum\(rate\(kvserve_spec_decode_tokens_per_forward_count", exprs)
+    for metric in ("kv_tier_sessions", "kv_tier_bytes", "kv_tier_budget_bytes"):
+        assert f"sum by (tier) (kvserve_{metric}{{" in exprs
+    for metric in ("kv_demotions_total", "kv_restores_total"):
+        assert f"sum by (tier) (rate(kvserve_{metric}{{" in exprs
+    for q in ("0.5", "0.95"):
+        assert f"histogram_quantile({q}, sum by (le, tier) (rate(kvserve_kv_restore_seconds_bucket" in exprs
+    assert "sum by (tier, reason) (rate(kvserve_kv_restore_failures_total" in exprs
+    assert "sum by (result) (rate(kvserve_kv_disk_writes_total" in exprs
+    assert 'reason=~"restore_failed|recompute_faster"' in exprs
 
 
 # -- a real Prometheus ---------------------------------------------------------------------------
@@ -131,12 +146,26 @@ needs_prometheus = pytest.mark.skipif(
 )
 
 
+RESTORED_TURN = [{"role": "user", "content": "Name three animals."}]
+
+
 @pytest.fixture(scope="module")
 def kvserve(tmp_path_factory):
-    """API key on, metrics on a separate unauthenticated port, like docker/compose.yaml."""
-    with launch_with_metrics_port(
-        tmp_path_factory.mktemp("kvserve"), "--cache-dir", str(cache_dir()), "--api-key", KEY,
-    ) as server:
+    """API key on, metrics on a separate unauthenticated port, like docker/compose.yaml;
+    prompt lookup on, so the speculative decoding panels have data; a disk KV tier holding two
+    sessions (`restored-1`, `restored-2`) that an earlier process wrote at SIGTERM, so the KV
+    tier panels have restores to show."""
+    work = tmp_path_factory.mktemp("kvserve")
+    flags = ("--cache-dir", str(cache_dir()), "--api-key", KEY, "--speculative", "ngram",
+             "--kv-disk-dir", str(work / "kv"), "--kv-persist-interval-s", "1")
+    with launch(work, *flags) as earlier:
+        client = OpenAI(base_url=earlier.base_url, api_key=KEY, max_retries=0, timeout=120)
+        for round_ in (1, 2):
+            client.chat.completions.create(model=MODEL, messages=RESTORED_TURN, max_tokens=4, temperature=0,
+                                           prompt_cache_key=f"restored-{round_}")
+    assert earlier.proc.returncode == 0, earlier.log()[-4000:]
+    assert len(list((work / "kv").glob("*.kv"))) == 2  # both sessions written
+    with launch_with_metrics_port(work, *flags) as server:
         yield server
 
 
@@ -221,9 +250,16 @@ LONG_TURN = "Now sort this list, please: " + ", ".join(f"item {i}" for i in rang
 
 
 def send_traffic(kvserve, round_: int) -> None:
-    """Each labelled series the dashboard reads: hits and misses, a grow, a stream, a structured
-    request (compiled, then from the grammar cache), rejections, a deleted session."""
+    """Each labelled series the dashboard reads: a restore from the disk tier, hits and misses,
+    a grow, a stream, a structured request (compiled, then from the grammar cache), rejections,
+    a deleted session."""
     client = OpenAI(base_url=kvserve.base_url, api_key=KEY, max_retries=0, timeout=120)
+    # A session the earlier process wrote to the disk tier: its KV comes back from the file. (In
+    # round 2, with restore and prefill speeds measured, recomputing may be judged faster.)
+    restored = client.chat.completions.create(model=MODEL, messages=RESTORED_TURN, max_tokens=4, temperature=0,
+                                              prompt_cache_key=f"restored-{round_}")
+    if round_ == 1:
+        assert restored.usage.prompt_tokens_details.cached_tokens > 0
     session = f"dashboard-{round_}"
     turn = [{"role": "user", "content": "Name three colors."}]
     first = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=6, temperature=0, prompt_cache_key=session)
@@ -234,6 +270,8 @@ def send_traffic(kvserve, round_: int) -> None:
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6, temperature=0, stream=True))
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # A prompt whose continuation repeats it: prompt lookup drafts (speculative panels).
+    client.completions.create(model=MODEL, prompt=", ".join(str(i % 10) for i in range(60)) + ",", max_tokens=12, temperature=0)
     # A schema new in each round: one compile per round, then a compiled-grammar cache hit.
     schema = {"type": "object", "properties": {f"color_{round_}": {"type": "string"}}, "required": [f"color_{round_}"]}
     response_format = {"type": "json_schema", "json_schema": {"name": "color", "schema": schema}}
@@ -292,3 +330,12 @@ def test_every_dashboard_query_returns_data(kvserve, prometheus) -> None:
     assert {series["metric"]["reason"] for series in evictions if float(series["value"][1])} == {"deleted"}
     assert {series["metric"]["reason"] for series in evictions} == {"deleted", "evicted", "expired"}
     assert float(query(prometheus, "sum(kvserve_kv_cache_grows_total)")[0]["value"][1]) >= 2
+    # The KV tier panels: the disk tier is on (a budget; host memory is a CUDA-only tier, off
+    # here), and a session came back from it.
+    budgets = {s["metric"]["tier"]: float(s["value"][1]) for s in query(prometheus, "sum by (tier) (kvserve_kv_tier_budget_bytes)")}
+    assert budgets["device"] > 0 and budgets["disk"] > 0 and budgets["host"] == 0, budgets
+    assert float(query(prometheus, 'sum(kvserve_kv_restores_total{tier="disk"})')[0]["value"][1]) >= 1
+    writes = query(prometheus, "sum by (result) (kvserve_kv_disk_writes_total)")
+    assert {series["metric"]["result"] for series in writes} == {"ok", "failed", "skipped"}
+    failures = query(prometheus, "sum(kvserve_kv_restore_failures_total)")
+    assert float(failures[0]["value"][1]) == 0

@@ -11,13 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import helm_python as helm
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.test_helm import CHART, KUBE_VERSIONS
+from tests.deploy.helm_chart import KUBE_VERSIONS, render
 
 DOCS = Path(__file__).resolve().parents[2] / "docs/scale-out"
 CRD = yaml.safe_load((DOCS / "crd/inference.networking.k8s.io_inferencepools.yaml").read_text())
@@ -81,14 +80,11 @@ def test_inference_pool_validates_against_the_crd() -> None:
         validate_inference_pool({**pool, "spec": {"selector": pool["spec"]["selector"]}})
 
 
-def test_inference_pool_selects_the_chart_s_kvserve_pods() -> None:
+def test_inference_pool_selects_the_chart_s_kvserve_pods(chart) -> None:
     """The pool's selector and port match what `helm install kvserve helm/kvserve` runs."""
     docs = {d["kind"]: d for d in objects("inferencepool.yaml")}
     pool = docs["InferencePool"]
-    with helm.Chart.load(CHART) as chart:
-        rendered = chart.render({}, name="kvserve", namespace="llm", is_install=True)
-    (deployment,) = [d for path, text in rendered.items() if path.endswith(".yaml")
-                     for d in yaml.safe_load_all(text) if d and d["kind"] == "Deployment"]
+    (deployment,) = [d for d in render(chart, name="kvserve") if d["kind"] == "Deployment"]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
     (kvserve,) = deployment["spec"]["template"]["spec"]["containers"]

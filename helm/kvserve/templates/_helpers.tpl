@@ -60,13 +60,23 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not (kindIs "invalid" .Values.kvserve.metricsPort) }}true{{- end }}
 {{- end }}
 
-{{/* preStop + drain + margin, or the explicit value once checked to be long enough. */}}
+{{/* preStop + drain (+ writing the sessions to the disk tier, which the server gives
+max(5, shutdown grace) seconds after the drain) + margin, or the explicit value once checked
+to be long enough. */}}
 {{- define "kvserve.terminationGracePeriodSeconds" -}}
-{{- $drain := add (int .Values.lifecycle.preStopSleepSeconds) (int (ceil .Values.kvserve.shutdownGraceSeconds)) }}
+{{- $grace := int (ceil .Values.kvserve.shutdownGraceSeconds) }}
+{{- $drain := add (int .Values.lifecycle.preStopSleepSeconds) $grace }}
+{{- $needs := "lifecycle.preStopSleepSeconds + kvserve.shutdownGraceSeconds" }}
+{{- $why := "so in-flight requests can drain" }}
+{{- if .Values.kvTiers.disk.enabled }}
+{{- $drain = add $drain (max 5 $grace) }}
+{{- $needs = printf "%s + max(5, kvserve.shutdownGraceSeconds)" $needs }}
+{{- $why = "so in-flight requests can drain and then sessions be written to the disk tier (kvTiers.disk)" }}
+{{- end }}
 {{- if kindIs "invalid" .Values.terminationGracePeriodSeconds }}
 {{- add $drain 15 }}
 {{- else if le (int .Values.terminationGracePeriodSeconds) (int $drain) }}
-{{- fail (printf "terminationGracePeriodSeconds (%v) must exceed lifecycle.preStopSleepSeconds + kvserve.shutdownGraceSeconds (%v) so in-flight requests can drain" .Values.terminationGracePeriodSeconds $drain) }}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must exceed %s (%v) %s" .Values.terminationGracePeriodSeconds $needs $drain $why) }}
 {{- else }}
 {{- int .Values.terminationGracePeriodSeconds }}
 {{- end }}
@@ -80,11 +90,12 @@ persistentVolumeClaim:
   {{- if .readOnly }}
   readOnly: true
   {{- end }}
-{{- else }}
+{{- else if $spec.emptyDir.sizeLimit }}
 emptyDir:
-  {{- with $spec.emptyDir.sizeLimit }}
-  sizeLimit: {{ . }}
-  {{- end }}
+  sizeLimit: {{ $spec.emptyDir.sizeLimit }}
+{{- else }}
+{{- /* No limit: an empty object (`emptyDir:` alone would be null, a volume without a source). */}}
+emptyDir: {}
 {{- end }}
 {{- end }}
 
@@ -153,6 +164,8 @@ the same flags). One flag or value per line: rendered as the container's args. *
 - --cache-threshold
 - {{ $r.cacheThreshold | quote }}
 {{- end }}
+- --load-monitor-interval
+- {{ $r.loadMonitorIntervalSeconds | quote }}
 {{- if eq $r.discovery.mode "kubernetes" }}
 - --service-discovery
 - --selector
