@@ -1,4 +1,5 @@
-"""Shared by benchmarks and e2e tests: start a real `kvserve serve` process and wait for /ready."""
+"""Shared by benchmarks and e2e tests: start a real server process (`kvserve serve`, a router)
+and wait until it is ready."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
+
+P = TypeVar("P", bound="Process")
 
 
 def free_port() -> int:
@@ -20,14 +25,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
+class Process:
+    """A started process that serves HTTP on `port` and writes its output to `log_path`."""
+
     def __init__(self, proc: subprocess.Popen, port: int, log_path: Path) -> None:
         self.proc, self.port, self.log_path = proc, port, log_path
         self.url = f"http://127.0.0.1:{port}"
         self.base_url = self.url + "/v1"
 
     def log(self) -> str:
-        return self.log_path.read_text()
+        return self.log_path.read_text(errors="replace")
+
+
+class ServerProcess(Process):
+    """A `kvserve serve` process."""
 
     def metric(self, name: str, headers: dict | None = None) -> float:
         """The value of one unlabelled sample from /metrics."""
@@ -38,33 +49,55 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def launch(log_dir: Path, *flags: str, env: dict | None = None, ready_timeout_s: float = 180):
-    """Run `kvserve serve` on a free port until the block ends (SIGTERM, then kill)."""
-    port = free_port()
-    log_path = Path(log_dir) / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags]
+def started(
+    kind: type[P],
+    cmd: list[str],
+    port: int,
+    log_path: Path,
+    ready: Callable[[P], bool],
+    *,
+    env: dict | None = None,
+    ready_timeout_s: float = 180,
+    stop_timeout_s: float = 30,
+) -> Iterator[P]:
+    """Run `cmd` (output to `log_path`) until the block ends: SIGTERM, then kill after
+    `stop_timeout_s`. Yields `kind(proc, port, log_path)` once `ready` of it is true (polled
+    every 0.2 s; an HTTP error or a bad JSON answer counts as not ready); raises with the log's
+    tail if the process exits or is not ready in time."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = ServerProcess(proc, port, log_path)
+    process = kind(proc, port, log_path)
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{server.log()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(server.url + "/ready", timeout=2).status_code == 200:
+                raise RuntimeError(f"{kind.__name__} exited early:\n{process.log()[-4000:]}")
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                if ready(process):
                     break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready in time:\n{server.log()}")
+                raise RuntimeError(f"{kind.__name__} not ready in {ready_timeout_s:.0f} s:\n{process.log()[-4000:]}")
             time.sleep(0.2)
-        yield server
+        yield process
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=stop_timeout_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def launch(log_dir: Path, *flags: str, env: dict | None = None, ready_timeout_s: float = 180):
+    """Run `kvserve serve` on a free port until the block ends (SIGTERM, then kill); ready when
+    /ready answers 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags]
+    return started(
+        ServerProcess, cmd, port, Path(log_dir) / f"server-{port}.log",
+        lambda server: httpx.get(server.url + "/ready", timeout=2).status_code == 200,
+        env=env, ready_timeout_s=ready_timeout_s,
+    )
 
 
 @contextlib.contextmanager

@@ -10,23 +10,20 @@ prompt, streamed through the openai SDK with `prompt_cache_key`. The sessions op
 1 concurrently, as users do); the later turns go one at a time, the sessions in a shuffled
 order within each turn (the same in both runs), so round-robin does not land a session on the
 same replica by the arithmetic of lockstep traffic. TTFT = request start to the first content
-chunk, measured at the client, router included; only later turns are timed.
+chunk, measured at the client, router included; only later turns are timed. Each router run
+starts once SMG has polled every replica's load (see `launch_router`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
 import shlex
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +31,7 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
-from bench.common import free_port, launch
+from bench.common import Process, free_port, launch, started
 from bench.sessions import WORDS, document, stream_turn
 
 
@@ -44,24 +41,29 @@ def smg_binary() -> str | None:
     return str(local) if local.exists() else shutil.which("smg")
 
 
-class RouterProcess:
-    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path) -> None:
-        self.proc, self.port, self.log_path = proc, port, log_path
-        self.url = f"http://127.0.0.1:{port}"
-        self.base_url = self.url + "/v1"
+class RouterProcess(Process):
+    """An `smg launch` process."""
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    def readiness(self) -> dict:
+        return httpx.get(self.url + "/readiness", timeout=2).json()
 
     def healthy_workers(self) -> int:
-        return httpx.get(self.url + "/readiness", timeout=2).json().get("healthy_workers", 0)
+        return self.readiness().get("healthy_workers", 0)
+
+    def workers_with_loads(self) -> set[str]:
+        """The workers whose load SMG has polled (its /get_loads lists only those)."""
+        return {load["worker"] for load in httpx.get(self.url + "/get_loads", timeout=2).json().get("loads", [])}
 
 
-@contextlib.contextmanager
 def launch_router(log_dir: Path, worker_urls: list[str], policy: str, *flags: str, ready_timeout_s: float = 60):
-    """Run `smg launch` on a free port until every worker is registered and healthy; SIGTERM at the end.
+    """Run `smg launch` on a free port until the block ends (SIGTERM); ready once every worker
+    is registered, healthy and load-polled.
 
-    NOTE: the health check probes /ready (503 while a replica drains after SIGTERM) every second
+    NOTE: until SMG has polled a worker's load, cache_aware's least-loaded pick for a prompt no
+    replica holds avoids that worker: a burst of new sessions then lands on the replicas already
+    polled. So the router polls every second (--load-monitor-interval 1, as the Helm chart
+    sets it; SMG's default is 10 s) and is ready only when it has every worker's load.
+    The health check probes /ready (503 while a replica drains after SIGTERM) every second
     and one failure marks a worker unhealthy; a request sent to a replica that is already gone
     is retried on another one by SMG's default retries (connection errors and 5xx). The
     tokenizer autoload is off: in HTTP mode cache_aware matches request text, and nothing may
@@ -71,38 +73,24 @@ def launch_router(log_dir: Path, worker_urls: list[str], policy: str, *flags: st
     if binary is None:
         raise RuntimeError("the smg router is not installed (pip install 'kvserve[test]')")
     port = free_port()
-    log_path = Path(log_dir) / f"smg-{policy}-{port}.log"
     cmd = [
         binary, "launch", "--host", "127.0.0.1", "--port", str(port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         "--policy", policy, "--worker-urls", *worker_urls,
+        "--load-monitor-interval", "1",
         "--health-check-endpoint", "/ready", "--health-check-interval-secs", "1",
         "--health-failure-threshold", "1",
         "--disable-tokenizer-autoload", "--shutdown-grace-period-secs", "5",
         "--log-level", "info", *flags,
     ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NO_COLOR": "1"})
-    router = RouterProcess(proc, port, log_path)
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"smg exited early:\n{router.log()[-4000:]}")
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if router.healthy_workers() == len(worker_urls):
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"smg not ready with {len(worker_urls)} workers in time:\n{router.log()[-4000:]}")
-            time.sleep(0.2)
-        yield router
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+
+    def ready(router: RouterProcess) -> bool:
+        return router.healthy_workers() == len(worker_urls) and router.workers_with_loads() >= set(worker_urls)
+
+    return started(
+        RouterProcess, cmd, port, Path(log_dir) / f"smg-{policy}-{port}.log", ready,
+        env={"NO_COLOR": "1"}, ready_timeout_s=ready_timeout_s, stop_timeout_s=15,
+    )
 
 
 def session_document(i: int, doc_tokens: int) -> str:
@@ -156,13 +144,19 @@ def finished_requests(replica) -> float:
                if line.startswith("kvserve_request_finished_total{"))
 
 
+def holds(replica, session: str) -> bool:
+    """Whether the replica has the session's KV cache (keyless: the id is presented as the header)."""
+    return bool(httpx.get(replica.base_url + "/sessions", headers={"X-Session-ID": session}).json()["data"])
+
+
 @dataclass(slots=True)
 class PolicyResult:
     policy: str
     later_ttft: float
     hit_share: float  # later turns with cached_tokens > 0
     token_share: float  # later turns' prompt tokens served from cache
-    per_replica: list[int]
+    per_replica: list[int]  # requests
+    sessions_per_replica: list[int]  # sessions whose cache each replica holds at the end
     prompt_tokens: int
 
 
@@ -171,12 +165,14 @@ def measure(policy: str, replicas, logs: Path, args) -> PolicyResult:
     with launch_router(logs, [r.url for r in replicas], policy) as router:
         records = run_sessions(router.base_url, f"bench-{policy}", args.sessions, args.turns, args.doc_tokens, args.max_tokens)
     later = [r for r in records if r.turn > 0]
+    sessions = {r.session for r in records}
     return PolicyResult(
         policy=policy,
         later_ttft=statistics.median(r.ttft for r in later),
         hit_share=sum(r.cached_tokens > 0 for r in later) / len(later),
         token_share=sum(r.cached_tokens for r in later) / sum(r.prompt_tokens for r in later),
         per_replica=[round(finished_requests(r) - b) for r, b in zip(replicas, before)],
+        sessions_per_replica=[sum(holds(r, s) for s in sessions) for r in replicas],
         prompt_tokens=max(r.prompt_tokens for r in records),
     )
 
@@ -186,12 +182,12 @@ def report(args, aware: PolicyResult, rr: PolicyResult) -> None:
           f"~{aware.prompt_tokens} prompt tokens by the last turn, {args.max_tokens} tokens per answer, "
           "streamed (SmolLM2-135M fp32, CPU)\n")
     print("| router policy | later turns with cached tokens | later-turn prompt tokens from cache "
-          "| median later-turn TTFT (s) | requests per replica |")
-    print("|---|---|---|---|---|")
+          "| median later-turn TTFT (s) | requests per replica | sessions cached per replica |")
+    print("|---|---|---|---|---|---|")
     for r in (aware, rr):
         print(f"| smg `{r.policy}` | {r.hit_share:.0%} | {r.token_share:.0%} | {r.later_ttft:.3f} "
-              f"| {' / '.join(map(str, r.per_replica))} |")
-    print(f"| **ratio cache_aware / round_robin** | | | **{aware.later_ttft / rr.later_ttft:.2f}** | |")
+              f"| {' / '.join(map(str, r.per_replica))} | {' / '.join(map(str, r.sessions_per_replica))} |")
+    print(f"| **ratio cache_aware / round_robin** | | | **{aware.later_ttft / rr.later_ttft:.2f}** | | |")
     print("\n    " + shlex.join([".venv/bin/python", "-m", "bench.scaleout", *sys.argv[1:]]))
 
 
