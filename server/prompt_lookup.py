@@ -21,7 +21,7 @@ class NgramProposer:
     Per sequence an index {n-gram: end position of its latest occurrence}, grown incrementally
     (only ever appended to: drafts never enter a sequence's ids, accepted tokens do)."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError("need 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n

@@ -145,7 +145,9 @@ class Settings(BaseSettings):
         "when its recent acceptance rate or the batch makes them not worth their cost.",
     )
     speculative_ngram_min: int = Field(
-        2, ge=1, le=16, description="Prompt lookup: the shortest suffix (in tokens) that it matches."
+        1, ge=1, le=16,
+        description="Prompt lookup: the shortest suffix (in tokens) that it matches; a one-token "
+        "match drafts only when the acceptance rate and step cost make it worth it.",
     )
     speculative_ngram_max: int = Field(
         4, ge=1, le=16, description="Prompt lookup: the longest suffix it tries first."
