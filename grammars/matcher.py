@@ -27,6 +27,12 @@ _ll_executor: LLExecutor | None = None
 _executor_lock = threading.Lock()
 
 
+def _allowed_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """llguidance's mask words [..., n_words] (int32, bit i of the mask = token i allowed) as
+    one uint8 0/1 per token [..., vocab_size]."""
+    return np.unpackbits(words.view(np.uint8), axis=-1, count=vocab_size, bitorder="little")
+
+
 def _mask_executor() -> ThreadPoolExecutor:
     """One worker for all matchers: masks are tens of µs, the forward pass they hide behind ms."""
     global _executor
@@ -170,7 +176,7 @@ class Matcher:
         self._wait()
         if self._draft_words is None:
             raise RuntimeError("no draft masks were started")
-        bits = np.unpackbits(self._draft_words.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
+        bits = _allowed_bits(self._draft_words, self.vocab_size)
         self._draft_words = None
         return torch.from_numpy(_LUT[bits])
 
@@ -187,7 +193,7 @@ class Matcher:
         self.last_mask_s = time.perf_counter() - t0
 
     def _bias_from_words(self) -> None:
-        bits = np.unpackbits(self._words.view(np.uint8), count=self.vocab_size, bitorder="little")
+        bits = _allowed_bits(self._words, self.vocab_size)
         if self._bias is None:
             self._bias = torch.empty(self.vocab_size, dtype=torch.float32)
         np.take(_LUT, bits, out=self._bias.numpy())

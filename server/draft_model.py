@@ -19,13 +19,14 @@ Shapes: draft logits [rows, vocab] float32; a sampled row's proposal distributio
 
 from __future__ import annotations
 
+import math
 import time
-from collections import OrderedDict
 
 import torch
 
 from cache_manager import kv
 from cache_manager.prefix import decide_reuse
+from cache_manager.sessions import Entry, SessionStore
 from server.sampling import filtered_probs
 from server.speculative import Draft
 
@@ -40,8 +41,9 @@ class DraftModelProposer:
         self.model = model
         self.max_context = max_context
         self.keep_bytes = keep_bytes
-        self._kept: OrderedDict[object, tuple[list[int], kv.SequenceKV]] = OrderedDict()
-        self._kept_bytes = 0
+        # idle sessions' draft caches, least recently committed first out (no TTL: the
+        # sessions' own expiry is the model's cache manager's business)
+        self._kept = SessionStore(keep_bytes, math.inf, remember_dropped=0)
         self._token_s = 0.0  # measured seconds per drafted token (0 until the first draft)
 
     # -- Proposer ------------------------------------------------------------------------------
@@ -132,23 +134,20 @@ class DraftModelProposer:
         seq.spec.proposer = kv.allocate(self.model.config, capacity, device, self.model.dtype)
         return seq.spec.proposer
 
-    def _take(self, key):
-        kept = self._kept.pop(key, None)
-        if kept is not None:
-            self._kept_bytes -= kv.nbytes(kept[1])
-        return kept
+    def _take(self, key) -> tuple[list[int], kv.SequenceKV] | None:
+        kept = self._kept.get(key)
+        if kept is None:
+            return None
+        self._kept.delete(key)
+        return kept.tokens, kept.kv
 
     def _keep(self, key, tokens: list[int], cache: kv.SequenceKV) -> None:
-        """Least recently committed first out, until the kept caches fit `keep_bytes`."""
-        self._take(key)
+        """Keep the session's draft cache, evicting the least recently kept ones until it fits
+        `keep_bytes` (not kept when it alone does not)."""
+        self._kept.delete(key)
         size = kv.nbytes(cache)
-        if not tokens or size > self.keep_bytes:
-            return
-        while self._kept and self._kept_bytes + size > self.keep_bytes:
-            _, (_, old) = self._kept.popitem(last=False)
-            self._kept_bytes -= kv.nbytes(old)
-        self._kept[key] = (tokens, cache)
-        self._kept_bytes += size
+        if tokens and self._kept.make_room(size):
+            self._kept.put(Entry(key, tokens, cache, size))
 
 
 def check_compatible(model, tokenizer, draft_model, draft_tokenizer) -> None:
