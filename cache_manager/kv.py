@@ -275,27 +275,35 @@ def enable(model) -> None:
     if model.device.type == "cpu":
         for module in model.modules():
             if type(module) is torch.nn.Linear:
-                module.forward = _few_rows_linear.__get__(module)
+                module.forward = _cpu_linear.__get__(module)
 
 
-FEW_ROWS = 8  # on CPU, a linear layer over at most this many positions goes as weight @ x.T
+ROW_BLOCK = 8  # on CPU, linear layers over 9-32 positions run on a multiple of this many
+MAX_TRANSPOSED = 32  # ... and over more positions (prefill chunks) through F.linear
 
 
-def _few_rows_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _cpu_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` ([..., in] -> [..., out]) on CPU, fast for the few positions of a decode
     step (one per sequence, plus drafted tokens).
 
-    NOTE: for 1-8 rows MKL's sgemm against a (out x in) weight, and its gemv for one row, run
-    far below what the transposed product weight @ x.T (2+ columns) reaches: one decode step
-    of SmolLM2-135M on 2 cores takes 26 ms this way against 41 ms through `F.linear`. One row
-    is computed as two (the same row twice). More rows (prefill chunks) take `F.linear`. The
-    two ways differ only in rounding (the near-ties of docs/architecture.md).
+    NOTE: measured on a 2-core AVX2 box (SmolLM2-135M, its 211 linear layers): for 1-32 rows,
+    MKL's gemv (one row) and its sgemm against a (out x in) weight run far below the
+    transposed product weight @ x.T (one decode step: 26 ms instead of 41), and that product
+    itself slows down at row counts that are not a multiple of 8 (the linear layers over
+    12-15 rows: 57-87 ms, over 16: 46 ms). So one row is computed as two (itself twice), 2-8
+    rows as they are, 9-32 rows padded (with copies of the first) to a multiple of ROW_BLOCK:
+    a speculative verification of 9-16 positions costs what 16 do (a whole step: 62 ms
+    instead of 73-81). Prefill chunks keep `F.linear`, which wins there. Padding never
+    changes the real rows' results beyond rounding (the near-ties of docs/architecture.md).
     """
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    if n > FEW_ROWS or x.device.type != "cpu":
+    if n > MAX_TRANSPOSED:
         return F.linear(x, layer.weight, layer.bias)
-    out = (layer.weight @ (rows.repeat(2, 1) if n == 1 else rows).T)[:, :n].T
+    padded = 2 if n == 1 else n if n <= ROW_BLOCK else -(-n // ROW_BLOCK) * ROW_BLOCK
+    if padded != n:
+        rows = torch.cat([rows, rows[:1].expand(padded - n, -1)])
+    out = (layer.weight @ rows.T)[:, :n].T
     if layer.bias is not None:
         out = out + layer.bias
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -136,6 +136,19 @@ def test_a_batch_of_rows_equals_each_sequence_alone(models, name):
         assert (logits[row] - stock_logits(model, s)).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_linear_equals_f_linear_at_every_row_count(bias):
+    """The CPU product (one row as two, 9-32 rows padded to a multiple of 8, more through
+    F.linear) returns exactly the rows asked for, equal to F.linear up to rounding."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 80, bias=bias)
+    for n in range(1, 41):
+        x = torch.randn(1, n, 96)
+        out = kv._cpu_linear(layer, x)
+        assert out.shape == (1, n, 80)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_fallback_attention_is_untouched_outside_the_engine(models):
     model = models["mistral-sliding"]
     kv.forward(model, [kv.Row(kv.allocate(model.config, 64, CPU, torch.float32), 4)], IDS[:4], [0])
