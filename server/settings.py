@@ -140,7 +140,7 @@ class Settings(BaseSettings):
         None, description="With --speculative draft: the draft model (HF directory, hub id or .gguf)."
     )
     speculative_max_draft: int = Field(
-        12, ge=1, le=64,
+        15, ge=1, le=64,
         description="Most tokens one sequence drafts per step; each step drafts fewer (or none) "
         "when its recent acceptance rate or the batch makes them not worth their cost.",
     )

@@ -253,7 +253,7 @@ class Proposer(Protocol):
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    max_draft: int = 12  # tokens one row may draft per step
+    max_draft: int = 15  # tokens one row may draft per step (16 positions: a padded CPU product)
     adaptive: bool = True  # False: every eligible row drafts what its proposer offers (tests)
 
     def __post_init__(self) -> None:
