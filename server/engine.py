@@ -125,7 +125,7 @@ class Engine:
         self.cache_manager = cache_manager
         self.metrics = metrics
         self._last_expiry = 0.0
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = end_of_turn_ids(model, tokenizer)
         self.scheduler = Scheduler(config.max_batch_tokens)
         # speculative decoding with a server/speculative.py proposer, or a speculator doing nothing
         self.speculator = (
@@ -483,7 +483,7 @@ class Engine:
         handle._put(seq.final_output(reason, error=error, text=text))
 
 
-def _eos_ids(model, tokenizer) -> frozenset[int]:
+def end_of_turn_ids(model, tokenizer) -> frozenset[int]:
     """End-of-turn ids: the generation config's (int or list) plus the tokenizer's."""
     ids: set[int] = set()
     configured = getattr(model.generation_config, "eos_token_id", None)
