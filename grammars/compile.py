@@ -329,6 +329,7 @@ class GrammarCompiler:
         eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
         n_vocab = max(vocab_size, len(tokenizer))
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+        self._bytes_in_vocab = _bytes_in_vocab(self.ll_tokenizer)
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos)
         self.cache_size = cache_size
@@ -424,6 +425,8 @@ class GrammarCompiler:
         size = sum(len(p.encode()) for p in parts)
         if size > self.max_payload_bytes:
             raise GrammarError(f"{spec.kind} too large: {size} > {self.max_payload_bytes} bytes")
+        if spec.kind == "choice":
+            self._check_producible(spec)
         grammar = self._to_llguidance(spec, ws)
         deadline = t0 + self.compile_timeout_s
         if not self._slots.acquire(timeout=max(0.0, deadline - time.perf_counter())):
@@ -441,6 +444,23 @@ class GrammarCompiler:
                                    self.ll_tokenizer.is_canonical)
         _check_not_empty(compiled)
         return compiled
+
+    def _check_producible(self, spec: GrammarSpec) -> None:
+        """Refuse a choice with a byte no token of the vocabulary holds (SmolLM2 has none for
+        the control characters 0x04, 0x06, 0x14, ...): the model could never write it.
+
+        NOTE: llguidance's mask does not stop there: past a byte it cannot force it allows the
+        bytes that follow, which the parser then refuses (a 400 `grammar_dead_end` mid-output
+        for regex and Lark literals, which are not checked here).
+        """
+        for i, choice in enumerate(spec.payload):  # type: ignore[union-attr]
+            if self._bytes_in_vocab.issuperset(choice.encode("utf-8", "surrogatepass")):
+                continue
+            missing = next(ch for ch in choice if not self._bytes_in_vocab.issuperset(ch.encode("utf-8", "surrogatepass")))
+            raise GrammarError(
+                f"{spec.param}[{i}] contains {missing!r}, which no token of the model's vocabulary can produce",
+                spec.param,
+            )
 
     def _construct(self, grammar: str) -> LLMatcher:
         try:  # NOTE: runs in the pool; LLMatcher() drops the GIL and never raises on bad grammars
@@ -543,6 +563,15 @@ def _find_bad_pattern(schema: Any, path: str = "") -> str | None:
             if (hit := _find_bad_pattern(value, f"{path}/{key}")) is not None:
                 return hit
     return None
+
+
+def _bytes_in_vocab(ll_tokenizer) -> frozenset[int]:
+    """Every byte value that occurs in some non-special token."""
+    seen: set[int] = set()
+    for i in range(ll_tokenizer.vocab_size):
+        if not ll_tokenizer.is_special_token(i):
+            seen.update(ll_tokenizer.decode_bytes([i]))
+    return frozenset(seen)
 
 
 def _check_not_empty(compiled: CompiledGrammar) -> None:

@@ -410,8 +410,10 @@ class Engine:
             self._finish(seq, handle, "stop")  # the mask allows end-of-turn only where it accepts
             return
         if matcher is not None and not matcher.accept(token.token_id):
-            log.error("grammar refused a masked token in %s: %s", seq.request_id, matcher.error)
-            self._finish(seq, handle, "error", error="internal")
+            # NOTE: llguidance's mask can allow a token its parser then refuses, past a byte no
+            # token holds (a Lark or regex literal with such a byte): a dead end of the grammar.
+            log.warning("grammar refused a masked token in %s: %s", seq.request_id, matcher.error)
+            self._finish(seq, handle, "error", error="grammar")
             return
         if self._emit(seq, handle, [token]):
             return
