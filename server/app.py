@@ -22,7 +22,7 @@ from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
-from server.draft_model import DraftModelProposer, check_compatible, keep_bytes_for
+from server.draft_model import DraftModelProposer, check_compatible, draft_budget_for
 from server.engine import Engine, EngineConfig
 from server.errors import APIError, install_handlers
 from server.metrics import Metrics
@@ -111,27 +111,29 @@ def kv_tiers(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> tuple
     return host, disk
 
 
-def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None, max_context: int):
+def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None, max_context: int, draft_bytes: int):
     """The --speculative proposer, chosen once (None: no speculation)."""
     if settings.speculative == "ngram":
         return NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max)
     if settings.speculative == "draft":
         check_compatible(loaded.model, loaded.tokenizer, draft.model, draft.tokenizer)
-        keep = keep_bytes_for(loaded.model, draft.model, kv_budget(settings, loaded.device), max_context)
-        return DraftModelProposer(draft.model, max_context, keep)
+        return DraftModelProposer(draft.model, max_context, draft_bytes)
     return None
 
 
 def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, draft: LoadedModel | None = None) -> ServingContext:
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
     host, disk = kv_tiers(settings, loaded, metrics)
+    budget = kv_budget(settings, loaded.device)
+    # a draft model's caches (running and kept for sessions) take their share of the budget
+    draft_bytes = draft_budget_for(loaded.model, draft.model, budget, max_context) if settings.speculative == "draft" else 0
     cache_manager = CacheManager(
         loaded.model.config,
         loaded.device,
         loaded.dtype,
         max_context,
         CacheConfig(
-            budget_bytes=kv_budget(settings, loaded.device),
+            budget_bytes=budget - draft_bytes,
             ttl_s=settings.session_ttl_s,
             anonymous_reuse=settings.anonymous_reuse,
             reuse=settings.session_reuse,
@@ -155,7 +157,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         ),
         cache_manager,
         metrics=metrics,
-        proposer=proposer(settings, loaded, draft, max_context),
+        proposer=proposer(settings, loaded, draft, max_context, draft_bytes),
     )
     compiler = GrammarCompiler(
         loaded.tokenizer,

@@ -9,10 +9,16 @@ target's cache:
   over all drafting rows, then one batched pass per further drafted token;
 * after verification it is cropped back to the accepted prefix (`kv.crop`); a sliding-window
   draft model whose ring would wrap does not draft (no speculation for that sequence);
-* when a session's request commits, its draft cache stays with the session in a small LRU
-  (bounded in bytes), and the session's next request reuses it up to the longest common token
-  prefix (`cache_manager.prefix.decide_reuse`), so a later turn does not run the draft model
-  over the whole conversation again.
+* when a session's request commits, its draft cache stays with the session in a small LRU,
+  and the session's next request reuses it up to the longest common token prefix
+  (`cache_manager.prefix.decide_reuse`), so a later turn does not run the draft model over the
+  whole conversation again.
+
+Memory: the draft caches of running sequences and those kept for idle sessions share
+`budget_bytes`, the draft's part of the KV budget (`draft_budget_for`): kept ones are evicted
+(least recently kept first) whenever running ones need the room. A running sequence's draft
+cache is as large as its cache, so running ones alone fit as long as the model's caches fit
+the rest of the budget.
 
 Shapes: draft logits [rows, vocab] float32; a sampled row's proposal distributions [k, vocab].
 """
@@ -32,18 +38,21 @@ from server.speculative import Draft
 
 
 class DraftModelProposer:
-    """Drafts with `model`; `keep_bytes` bounds the draft caches kept for idle sessions."""
+    """Drafts with `model`; `budget_bytes` bounds its caches, running and kept together."""
 
     EMA = 0.2
 
-    def __init__(self, model, max_context: int, keep_bytes: int) -> None:
+    def __init__(self, model, max_context: int, budget_bytes: int) -> None:
         kv.enable(model)
         self.model = model
         self.max_context = max_context
-        self.keep_bytes = keep_bytes
+        self.budget_bytes = budget_bytes
         # idle sessions' draft caches, least recently committed first out (no TTL: the
         # sessions' own expiry is the model's cache manager's business)
-        self._kept = SessionStore(keep_bytes, math.inf, remember_dropped=0)
+        self._kept = SessionStore(budget_bytes, math.inf, remember_dropped=0)
+        # bytes of the draft cache of each running sequence (by id: a failed draft drops the
+        # sequence's cache without telling; its release still comes)
+        self._running: dict[int, int] = {}
         self._token_s = 0.0  # measured seconds per drafted token (0 until the first draft)
 
     # -- Proposer ------------------------------------------------------------------------------
@@ -92,7 +101,15 @@ class DraftModelProposer:
         if kv.length(cache) > n_valid:
             kv.crop(cache, n_valid)
 
+    def used_bytes(self) -> int:
+        """Bytes of the draft caches of running sequences and idle sessions."""
+        return self._running_bytes() + self._kept.used_bytes
+
+    def _running_bytes(self) -> int:
+        return sum(self._running.values())
+
     def release(self, seq, committed: bool) -> None:
+        self._running.pop(id(seq), None)
         cache, seq.spec.proposer = seq.spec.proposer, None
         key = seq.lease.key if seq.lease is not None else None
         if cache is None or not committed or key is None:
@@ -128,11 +145,16 @@ class DraftModelProposer:
                 kv.crop(cache, decision.n_reused)
                 if kv.capacity(cache) < capacity:
                     cache = kv.grow(cache, self.model.config, capacity)
-                seq.spec.proposer = cache
-                return cache
+                return self._run_with(seq, cache)
         device = seq.cache.keys[0].device
-        seq.spec.proposer = kv.allocate(self.model.config, capacity, device, self.model.dtype)
-        return seq.spec.proposer
+        return self._run_with(seq, kv.allocate(self.model.config, capacity, device, self.model.dtype))
+
+    def _run_with(self, seq, cache: kv.SequenceKV) -> kv.SequenceKV:
+        """`cache` is the running sequence's draft cache: kept ones make room for it."""
+        seq.spec.proposer = cache
+        self._running[id(seq)] = kv.nbytes(cache)
+        self._kept.make_room(self._running_bytes())
+        return cache
 
     def _take(self, key) -> tuple[list[int], kv.SequenceKV] | None:
         kept = self._kept.get(key)
@@ -143,10 +165,10 @@ class DraftModelProposer:
 
     def _keep(self, key, tokens: list[int], cache: kv.SequenceKV) -> None:
         """Keep the session's draft cache, evicting the least recently kept ones until it fits
-        `keep_bytes` (not kept when it alone does not)."""
+        beside the running ones (not kept when it does not fit at all)."""
         self._kept.delete(key)
         size = kv.nbytes(cache)
-        if tokens and self._kept.make_room(size):
+        if tokens and self._kept.make_room(self._running_bytes() + size):
             self._kept.put(Entry(key, tokens, cache, size))
 
 
@@ -163,7 +185,9 @@ def check_compatible(model, tokenizer, draft_model, draft_tokenizer) -> None:
         raise ValueError("the draft model must be on the model's device, in its dtype")
 
 
-def keep_bytes_for(model, draft_model, budget_bytes: int, max_context: int) -> int:
-    """Bytes for idle sessions' draft caches: as many tokens as the KV budget holds of the model's."""
+def draft_budget_for(model, draft_model, budget_bytes: int, max_context: int) -> int:
+    """The draft caches' part of a KV budget: r / (1 + r) of it, r the draft's KV bytes per
+    token over the model's, so every token the model's caches hold (in the rest) has room for
+    its draft KV too."""
     ratio = kv.bytes_for(draft_model.config, max_context, draft_model.dtype) / kv.bytes_for(model.config, max_context, model.dtype)
-    return int(budget_bytes * ratio)
+    return int(budget_bytes * ratio / (1 + ratio))

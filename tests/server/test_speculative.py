@@ -335,7 +335,7 @@ def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2)
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
     for draft_model, all_accepted in ((smollm2.model, True), (tiny, False)):
-        proposer = DraftModelProposer(draft_model, 2048, keep_bytes=2**28)
+        proposer = DraftModelProposer(draft_model, 2048, budget_bytes=2**28)
         s = spec(proposer=proposer, max_draft=4)
         tally = []
 
@@ -351,6 +351,37 @@ def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2)
         drafted, accepted = s.counter("kvserve_spec_decode_draft_tokens_total"), s.counter("kvserve_spec_decode_accepted_tokens_total")
         assert drafted > 8 and (accepted == drafted if all_accepted else accepted < drafted / 2), (drafted, accepted)
         s.stop()
+
+
+def test_draft_caches_running_and_kept_stay_within_their_budget(spec):
+    """A budget of one draft cache: the next session's running draft cache evicts the kept one
+    of the first session, whose next turn then drafts from scratch, output unchanged."""
+    torch.manual_seed(0)
+    tiny = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
+    budget = kv.bytes_for(tiny.config, 256, torch.float32)  # the caches of these short requests
+    proposer = DraftModelProposer(tiny, 2048, budget_bytes=budget)
+    used = []  # at every draft
+    propose = proposer.propose
+    proposer.propose = lambda seqs, ks: used.append(proposer.used_bytes()) or propose(seqs, ks)
+    s = spec(proposer=proposer, max_draft=4)
+    tally = []
+
+    async def go():
+        a = GenerationRequest("a1", s.prompt(COPY_PROMPTS[0]), greedy(12), session_id="a")
+        got = await s.run(a)
+        assert len(proposer._kept) == 1 and proposer.used_bytes() == budget
+        b = GenerationRequest("b1", s.prompt(COPY_PROMPTS[1]), greedy(12), session_id="b")
+        check(s, b, await s.run(b), await s.run(plain(b)), tally)
+        kept = proposer._kept.entries()
+        assert len(kept) == 1 and kept[0].tokens[: len(b.prompt_ids)] == b.prompt_ids  # a's gave way
+        again = GenerationRequest("a2", a.prompt_ids + got.tokens + [2, 198, 1, 4093, 198], greedy(8), session_id="a")
+        check(s, again, await s.run(again), await s.run(plain(again)), tally)
+
+    asyncio.run(go())
+    assert used and max(used) <= budget
+    s.stop()
 
 
 def test_a_sliding_window_about_to_wrap_stops_drafting(spec, smollm2):
@@ -391,17 +422,22 @@ async def test_http_opt_out_and_metrics(app_client):
 @pytest.mark.anyio
 async def test_http_draft_model_from_a_directory(app_client, smollm2, tmp_path):
     """--speculative draft --draft-model DIR loads the draft like --model (here a tiny random
-    model saved with SmolLM2's tokenizer) and never changes the output."""
+    model saved with SmolLM2's tokenizer), never changes the output, and takes its share of
+    the KV budget."""
     torch.manual_seed(1)
     tiny = AutoModelForCausalLM.from_config(LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32)
     tiny.save_pretrained(tmp_path)
     smollm2.tokenizer.save_pretrained(tmp_path)
-    async with app_client(speculative="draft", draft_model=str(tmp_path)) as client:
+    async with app_client(speculative="draft", draft_model=str(tmp_path), kv_budget_bytes=2**30) as client:
         body = {"model": MODEL, "temperature": 0, "max_tokens": 16, "messages": [{"role": "user", "content": COPY_PROMPTS[2]}]}
         on = (await client.post("/v1/chat/completions", json=body)).json()
         off = (await client.post("/v1/chat/completions", json={**body, "speculative": False})).json()
         metrics = (await client.get("/metrics")).text
         assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
         assert "kvserve_spec_decode_draft_tokens_total 0.0" not in metrics
+        # the draft's caches take r / (1 + r) of the KV budget: r = 2 * 2 * 16 / (30 * 3 * 64) here
+        r = (2 * 2 * 16) / (30 * 3 * 64)
+        budget = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("kvserve_kv_cache_bytes_budget "))
+        assert budget == 2**30 - int(2**30 * r / (1 + r))
