@@ -52,19 +52,29 @@ def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
     for i, seq in enumerate(seqs):
         if seq.matcher is not None:
             seq.matcher.apply_mask(logits[i])
-        params = seq.params
-        if params.uses_penalties and seq.counts is None:
-            seq.counts = torch.zeros(logits.shape[-1], dtype=torch.int32, device=logits.device)
-        if params.logit_bias or seq.counts is not None:
-            logits[i] = process_logits(logits[i], params, seq.counts)
+        row = logits[i]
+        if (done := processed(seq, row)) is not row:
+            logits[i] = done
     token_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
-    chosen = []
-    for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
-        if seq.counts is not None:
-            seq.counts[token_id] += 1
-        if i not in logprobs:
-            chosen.append(TokenInfo(token_id))
-            continue
-        lp = logprobs[i]
-        chosen.append(TokenInfo(token_id, logprob=float(lp[token_id]), top=top_logprobs(lp, seq.params.top_logprobs)))
-    return chosen
+    return [taken(seq, token_id, logprobs.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
+
+
+def processed(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    """One position's logits [vocab] after the request's logit bias and penalties (`logits`
+    itself when it has neither); a request with penalties starts counting its tokens here."""
+    params = seq.params
+    if params.uses_penalties and seq.counts is None:
+        seq.counts = torch.zeros(logits.shape[-1], dtype=torch.int32, device=logits.device)
+    if params.logit_bias or seq.counts is not None:
+        return process_logits(logits, params, seq.counts)
+    return logits
+
+
+def taken(seq: Sequence, token_id: int, logprobs: torch.Tensor | None) -> TokenInfo:
+    """The token chosen at one position, counted for penalties; with the position's
+    log-softmax [vocab] (when the request asks for logprobs), its logprob and top ones."""
+    if seq.counts is not None:
+        seq.counts[token_id] += 1
+    if logprobs is None:
+        return TokenInfo(token_id)
+    return TokenInfo(token_id, logprob=float(logprobs[token_id]), top=top_logprobs(logprobs, seq.params.top_logprobs))

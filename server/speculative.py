@@ -50,7 +50,8 @@ import torch
 
 from cache_manager import kv
 from grammars.matcher import start_draft_masks
-from server.sampling import filtered_probs, process_logits, sample_rows, top_logprobs
+from server.model_runner import processed, taken
+from server.sampling import filtered_probs, sample_rows
 from server.sequence import Status, TokenInfo
 
 log = logging.getLogger(__name__)
@@ -379,16 +380,12 @@ class Speculator:
         logprobs = torch.log_softmax(logits, dim=-1) if params.logprobs else None
         if seq.matcher is not None:
             logits.add_(seq.matcher.draft_masks().to(logits.device))
-        if params.uses_penalties and seq.counts is None:
-            seq.counts = torch.zeros(logits.shape[-1], dtype=torch.int32, device=logits.device)
         tokens: list[TokenInfo] = []
         accepted = 0
         for j in range(k + 1):
             if j == k and draft.ends_forced:
                 break
-            x = logits[j]
-            if params.logit_bias or seq.counts is not None:
-                x = process_logits(x, params, seq.counts)
+            x = processed(seq, logits[j])
             if j == k:
                 ok, token = False, sample_rows(x[None], [params], [seq.generator])[0]
             elif params.greedy:
@@ -399,13 +396,7 @@ class Speculator:
                     ok, token = accept_point_mass(p, draft.tokens[j], seq.generator)
                 else:
                     ok, token = accept_or_resample(p, draft.probs[j], draft.tokens[j], seq.generator)
-            if seq.counts is not None:
-                seq.counts[token] += 1
-            if logprobs is None:
-                tokens.append(TokenInfo(token))
-            else:
-                lp = logprobs[j]
-                tokens.append(TokenInfo(token, logprob=float(lp[token]), top=top_logprobs(lp, params.top_logprobs)))
+            tokens.append(taken(seq, token, None if logprobs is None else logprobs[j]))
             if not ok:
                 break
             accepted += 1
