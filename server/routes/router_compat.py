@@ -149,7 +149,6 @@ async def loads(request: Request, include: str | None = None, dp_rank: str | Non
 async def loads_of_model(request: Request, model: str | None = None, include: str | None = None) -> Loads:
     """/v1/loads for one model (`model`: the served model or an alias)."""
     ctx = request.app.state.kv.require_ctx()
-    if model is not None and model != ctx.model_id and model not in ctx.model_aliases:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{ctx.model_id}'.",
-                       code="model_not_found", param="model")
+    if model is not None:
+        ctx.check_model(model)
     return load_report(ctx, _sections(include))
