@@ -29,10 +29,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import httpx
 from openai import AsyncOpenAI
 
-from bench.common import launch
+from bench.common import ServerProcess, launch
 
 GOALS = {"code-edit (Python)": 2.0, "code-edit (JavaScript)": 2.0, "extraction": 1.5, "chat": 0.95}
 
@@ -203,14 +202,9 @@ async def wave(client: AsyncOpenAI, model: str, workload: str, streams: int, spe
     return Wave(sum(n for _, n in results) / wall, [t for t, _ in results])
 
 
-def counters(metrics_url: str) -> tuple[float, float]:
-    text = httpx.get(metrics_url, timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        if line.startswith(("kvserve_spec_decode_draft_tokens_total ", "kvserve_spec_decode_accepted_tokens_total ")):
-            name, value = line.split()
-            values[name] = float(value)
-    return values.get("kvserve_spec_decode_draft_tokens_total", 0.0), values.get("kvserve_spec_decode_accepted_tokens_total", 0.0)
+def counters(server: ServerProcess) -> tuple[float, float]:
+    """The server's drafted and accepted token counts so far."""
+    return server.metric("kvserve_spec_decode_draft_tokens_total"), server.metric("kvserve_spec_decode_accepted_tokens_total")
 
 
 @dataclass(slots=True)
@@ -225,10 +219,9 @@ class Row:
     accepted: float
 
 
-async def run(base_url: str, args: argparse.Namespace) -> list[Row]:
-    client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=900)
+async def run(server: ServerProcess, args: argparse.Namespace) -> list[Row]:
+    client = AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=900)
     model = (await client.models.list()).data[0].id
-    metrics_url = base_url.removesuffix("/v1") + "/metrics"
     for workload in args.workloads:  # warm-up: every kernel shape a workload meets, both modes
         await wave(client, model, workload, 1, True)
     rows = []
@@ -240,9 +233,9 @@ async def run(base_url: str, args: argparse.Namespace) -> list[Row]:
                 w = await wave(client, model, workload, streams, False)
                 off.append(w.tok_s)
                 texts_off = w.texts
-                d0, a0 = counters(metrics_url)
+                d0, a0 = counters(server)
                 w = await wave(client, model, workload, streams, True)
-                d1, a1 = counters(metrics_url)
+                d1, a1 = counters(server)
                 on.append(w.tok_s)
                 texts_on = w.texts
                 drafted, accepted = drafted + d1 - d0, accepted + a1 - a0
@@ -275,7 +268,7 @@ def main() -> None:
     args = parser.parse_args()
     flags = [part for flag in args.server_flag for part in shlex.split(flag)] or ["--speculative=ngram"]
     with tempfile.TemporaryDirectory() as logs, launch(logs, *flags) as server:
-        rows = asyncio.run(run(server.base_url, args))
+        rows = asyncio.run(run(server, args))
     report(rows, flags, args)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from bench.common import launch_with_metrics_port
 from tests.conftest import test_cache_dir as cache_dir
+from tests.server.test_api import sample
 
 KEY = "metrics-port-key"
 
@@ -20,13 +21,6 @@ def server(tmp_path_factory):
         tmp_path_factory.mktemp("server"), "--cache-dir", str(cache_dir()), "--api-key", KEY,
     ) as s:
         yield s
-
-
-def sample(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
 
 
 def test_api_port_metrics_need_the_key(server):

@@ -25,6 +25,14 @@ def assert_error_shape(response, status, code=None, param=None):
     return body["error"]
 
 
+def sample(text: str, name: str) -> float:
+    """The value of sample `name` (with its labels, if any) in a /metrics text."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
 def sse_payloads(text: str) -> list:
     out = []
     for line in text.splitlines():

@@ -40,7 +40,7 @@ from server.speculative import (
     expected_tokens,
 )
 from tests.equivalence import assert_equivalent
-from tests.server.test_api import MODEL
+from tests.server.test_api import MODEL, sample
 
 CODE = '''def cheapest(items):
     best = None
@@ -49,6 +49,7 @@ CODE = '''def cheapest(items):
             best = item
     return best
 '''
+DRAFTED, ACCEPTED = "kvserve_spec_decode_draft_tokens_total", "kvserve_spec_decode_accepted_tokens_total"
 COPY_PROMPTS = [
     "Rename cheapest to lowest in this code and reply with the code only:\n" + CODE,
     "Repeat this list exactly: apples, pears, plums, cherries, apricots, peaches, figs.",
@@ -268,7 +269,7 @@ def test_prompt_lookup_greedy_equals_no_speculation_with_sessions_and_n(spec):
 
     asyncio.run(go())
     print(f"\nprompt lookup vs none: {sum(tally)}/{len(tally)} outputs token-identical, the rest near-ties")
-    drafted, accepted = s.counter("kvserve_spec_decode_draft_tokens_total"), s.counter("kvserve_spec_decode_accepted_tokens_total")
+    drafted, accepted = s.counter(DRAFTED), s.counter(ACCEPTED)
     assert drafted > 40 and 0 < accepted < drafted  # drafts were accepted and rejected (cropped)
     assert any(len({k for _, k in step}) > 1 for step in s.steps)  # rows with different drafts
     assert s.counter("kvserve_spec_decode_acceptance_rate_count") >= 5
@@ -302,7 +303,7 @@ def test_logprobs_stop_strings_max_tokens_and_seeded_sampling_match(spec):
         return stop
 
     stop = asyncio.run(go())
-    assert stop and s.counter("kvserve_spec_decode_accepted_tokens_total") > 0
+    assert stop and s.counter(ACCEPTED) > 0
 
 
 def test_structured_output_with_drafts_is_valid_and_equal(spec, smollm2):
@@ -322,7 +323,7 @@ def test_structured_output_with_drafts_is_valid_and_equal(spec, smollm2):
 
     for value in asyncio.run(go()):
         jsonschema.validate(value, TICKET)
-    assert s.counter("kvserve_spec_decode_accepted_tokens_total") > 0
+    assert s.counter(ACCEPTED) > 0
 
 
 def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2):
@@ -348,7 +349,7 @@ def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2)
             check(s, second, await s.run(second), await s.run(plain(second)), tally)
 
         asyncio.run(go())
-        drafted, accepted = s.counter("kvserve_spec_decode_draft_tokens_total"), s.counter("kvserve_spec_decode_accepted_tokens_total")
+        drafted, accepted = s.counter(DRAFTED), s.counter(ACCEPTED)
         assert drafted > 8 and (accepted == drafted if all_accepted else accepted < drafted / 2), (drafted, accepted)
         s.stop()
 
@@ -408,14 +409,11 @@ async def test_http_opt_out_and_metrics(app_client):
         body = {"model": MODEL, "temperature": 0, "max_tokens": 24,
                 "messages": [{"role": "user", "content": COPY_PROMPTS[1]}]}
 
-        def drafted(text):
-            return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("kvserve_spec_decode_draft_tokens_total"))
-
         off = (await client.post("/v1/chat/completions", json={**body, "speculative": False})).json()
-        assert drafted((await client.get("/metrics")).text) == 0
+        assert sample((await client.get("/metrics")).text, DRAFTED) == 0
         on = (await client.post("/v1/chat/completions", json=body)).json()
         metrics = (await client.get("/metrics")).text
-        assert drafted(metrics) > 0 and "kvserve_spec_decode_acceptance_rate_count 1.0" in metrics
+        assert sample(metrics, DRAFTED) > 0 and "kvserve_spec_decode_acceptance_rate_count 1.0" in metrics
         assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
 
 
@@ -436,8 +434,7 @@ async def test_http_draft_model_from_a_directory(app_client, smollm2, tmp_path):
         off = (await client.post("/v1/chat/completions", json={**body, "speculative": False})).json()
         metrics = (await client.get("/metrics")).text
         assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
-        assert "kvserve_spec_decode_draft_tokens_total 0.0" not in metrics
+        assert sample(metrics, DRAFTED) > 0
         # the draft's caches take r / (1 + r) of the KV budget: r = 2 * 2 * 16 / (30 * 3 * 64) here
         r = (2 * 2 * 16) / (30 * 3 * 64)
-        budget = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith("kvserve_kv_cache_bytes_budget "))
-        assert budget == 2**30 - int(2**30 * r / (1 + r))
+        assert sample(metrics, "kvserve_kv_cache_bytes_budget") == 2**30 - int(2**30 * r / (1 + r))
