@@ -5,8 +5,8 @@ with a plain-data plan between them: `Scheduler.schedule()` picks the rows (ever
 sequence, then prefill chunks under the token budget), `model_runner.run(plan)` does ONE forward
 pass for all of them, and `_postprocess(plan, logits)` samples, appends, emits and finishes.
 With speculative decoding the speculator completes the plan with drafts after scheduling, and
-postprocess verifies them (server/speculative.py). Outputs cross back to the event loop through `loop.call_soon_threadsafe` onto the request's own
-asyncio queue.
+postprocess verifies them (server/speculative.py). Outputs cross back to the event loop through
+`loop.call_soon_threadsafe` onto the request's own asyncio queue.
 """
 
 from __future__ import annotations
