@@ -254,7 +254,7 @@ class Proposer(Protocol):
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    max_draft: int = 15  # tokens one row may draft per step (16 positions: a padded CPU product)
+    max_draft: int = 15  # tokens one row may draft per step
     adaptive: bool = True  # False: every eligible row drafts what its proposer offers (tests)
 
     def __post_init__(self) -> None:
