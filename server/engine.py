@@ -131,7 +131,7 @@ class Engine:
         self.speculator = (
             NoSpeculation() if proposer is None else Speculator(proposer, self.eos_ids, config.speculative, metrics)
         )
-        kv.enable(model)  # kvserve's batched attention over each sequence's own KV
+        kv.enable(model, packed=proposer is not None)  # kvserve's batched attention over each sequence's own KV
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
         self._cond = threading.Condition()
