@@ -266,7 +266,8 @@ def enable(model, packed: bool = False) -> None:
     """Switch `model` to kvserve's attention. Calls without `kvserve_rows` (transformers'
     own `generate`, say) still run the model's original attention. On CPU its linear layers
     take the path for the steps it will run: `packed` (oneDNN, `_pack`) for the many positions
-    of speculative verification, else the transposed product for decode steps (`_cpu_linear`)."""
+    of speculative verification, else the transposed product for decode steps (`_cpu_linear`).
+    The first call on a model decides (`forward` makes one, unpacked, when none was made)."""
     original = model.config._attn_implementation
     if original == ATTN_IMPLEMENTATION:
         return
@@ -327,7 +328,7 @@ def _cpu_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` ([..., in] -> [..., out]) on CPU, fast for the few positions of a decode
     step (one per sequence, plus drafted tokens).
 
-    NOTE: measured on a 2-core AVX2 box (SmolLM2-135M, its 211 linear layers): for 1-32 rows,
+    NOTE: measured on a 2-core AVX-512 box (SmolLM2-135M, its 211 linear layers): for 1-32 rows,
     MKL's gemv (one row) and its sgemm against a (out x in) weight run far below the
     transposed product weight @ x.T (one decode step: 26 ms instead of 41), and that product
     itself slows down at row counts that are not a multiple of 8 (the linear layers over
