@@ -148,7 +148,6 @@ def main() -> None:
     args = parser.parse_args()
     settings = Settings()
     loaded = load_model(None, cache_dir=default_cache_dir(), device="cpu", dtype="float32")
-    kv.enable(loaded.model, packed=True)  # the linear-layer path of a speculating server
     tok = loaded.tokenizer
     eos = end_of_turn_ids(loaded.model, tok)
     max_draft = settings.speculative_max_draft

@@ -262,12 +262,15 @@ class Row:
     offset: int = 0
 
 
-def enable(model, packed: bool = False) -> None:
+def enable(model) -> None:
     """Switch `model` to kvserve's attention. Calls without `kvserve_rows` (transformers'
     own `generate`, say) still run the model's original attention. On CPU its linear layers
-    take the path for the steps it will run: `packed` (oneDNN, `_pack`) for the many positions
-    of speculative verification, else the transposed product for decode steps (`_cpu_linear`).
-    The first call on a model decides (`forward` makes one, unpacked, when none was made)."""
+    run on oneDNN-packed weights (`_pack`), or on the transposed product (`_cpu_linear`) where
+    this build cannot pack. Later calls do nothing (`forward` makes the first when none was made).
+
+    NOTE: call it on the thread that will run the model (the server's engine thread): packing
+    runs multi-threaded, and a second thread that runs multi-threaded torch ops slows every
+    step down (docs/architecture.md, "One OpenMP team")."""
     original = model.config._attn_implementation
     if original == ATTN_IMPLEMENTATION:
         return
@@ -277,9 +280,8 @@ def enable(model, packed: bool = False) -> None:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.device.type == "cpu":
         for module in model.modules():
-            if type(module) is torch.nn.Linear:
-                if not (packed and _pack(module)):
-                    module.forward = _cpu_linear.__get__(module)
+            if type(module) is torch.nn.Linear and not _pack(module):
+                module.forward = _cpu_linear.__get__(module)
 
 
 PACKED_FOR_ROWS = 16  # the row count oneDNN lays a packed weight out for (any count runs on it)
@@ -297,11 +299,6 @@ def _pack(layer: torch.nn.Linear) -> bool:
     twice (the dense ones stay the model's, for its state_dict and transformers' own calls).
     Any other row count gives each row's result up to rounding (docs/architecture.md's
     near-ties).
-
-    NOTE: in the server's engine thread (not the main one) a one-position decode step runs
-    slower on it than on `_cpu_linear` (bench.decode: 33 vs 41 tok/s), and switching between
-    the two per row count in one process measured slower still (22 tok/s): so a server takes
-    one path, this one only when it speculates.
     """
     try:
         with torch.no_grad():
@@ -325,8 +322,8 @@ MAX_TRANSPOSED = 32  # ... and over more positions (prefill chunks) through F.li
 
 
 def _cpu_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` ([..., in] -> [..., out]) on CPU, fast for the few positions of a decode
-    step (one per sequence, plus drafted tokens).
+    """`layer(x)` ([..., in] -> [..., out]) on CPU where `_pack` cannot, fast for the few
+    positions of a decode step (one per sequence, plus drafted tokens).
 
     NOTE: measured on a 2-core AVX-512 box (SmolLM2-135M, its 211 linear layers): for 1-32 rows,
     MKL's gemv (one row) and its sgemm against a (out x in) weight run far below the

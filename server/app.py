@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from fastapi import FastAPI
@@ -201,17 +203,30 @@ async def warm_up(ctx: ServingContext) -> None:
             pass
 
 
+async def _in_own_thread(fn, /, *args, **kwargs):
+    """fn(*args, **kwargs) on a thread that ends with it.
+
+    NOTE: not the event loop's executor, whose threads stay: loading runs multi-threaded torch
+    ops, and a thread that did keeps its OpenMP team while it lives, which slows every engine
+    step down (docs/architecture.md, "One OpenMP team")."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-load")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+    finally:
+        pool.shutdown(wait=False)
+
+
 async def _load(state: AppState, loaded: LoadedModel | None) -> None:
     s = state.settings
     try:
         if loaded is None:
-            loaded = await asyncio.to_thread(
+            loaded = await _in_own_thread(
                 load_model, s.model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
                 trust_remote_code=s.trust_remote_code,
             )
         draft = None
         if s.speculative == "draft":
-            draft = await asyncio.to_thread(
+            draft = await _in_own_thread(
                 load_model, s.draft_model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
                 trust_remote_code=s.trust_remote_code,
             )

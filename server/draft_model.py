@@ -43,7 +43,7 @@ class DraftModelProposer:
     EMA = 0.2
 
     def __init__(self, model, max_context: int, budget_bytes: int) -> None:
-        kv.enable(model)
+        kv.layout(model.config)  # refuse layer kinds kv cannot batch now, not on the engine thread
         self.model = model
         self.max_context = max_context
         self.budget_bytes = budget_bytes
@@ -56,6 +56,9 @@ class DraftModelProposer:
         self._token_s = 0.0  # measured seconds per drafted token (0 until the first draft)
 
     # -- Proposer ------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        kv.enable(self.model)
 
     def limit(self, seq, k: int) -> int:
         cache = self._cache(seq)

@@ -131,7 +131,7 @@ class Engine:
         self.speculator = (
             NoSpeculation() if proposer is None else Speculator(proposer, self.eos_ids, config.speculative, metrics)
         )
-        kv.enable(model, packed=proposer is not None)  # kvserve's batched attention over each sequence's own KV
+        kv.layout(model.config)  # refuse layer kinds the engine cannot batch now, not on its thread
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
         self._cond = threading.Condition()
@@ -264,6 +264,10 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        # NOTE: the models are prepared here, on the thread that runs them, so that it is the
+        # only one with an OpenMP team (kv.enable).
+        kv.enable(self.model)  # kvserve's batched attention over each sequence's own KV
+        self.speculator.prepare()
         # NOTE: logits are inference tensors; the grammar mask and penalties modify them in
         # place, which torch allows only inside inference mode.
         with torch.inference_mode():

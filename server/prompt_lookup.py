@@ -26,6 +26,9 @@ class NgramProposer:
             raise ValueError("need 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
 
+    def prepare(self) -> None:
+        pass
+
     def limit(self, seq, k: int) -> int:
         index = seq.spec.proposer
         if index is None:

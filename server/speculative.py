@@ -230,6 +230,9 @@ class SpecState:
 class Proposer(Protocol):
     """Where drafts come from. Engine thread only."""
 
+    def prepare(self) -> None:
+        """Before the engine's first step (a draft model: `kv.enable` on the engine thread)."""
+
     def limit(self, seq, k: int) -> int:
         """How many tokens (<= k) it could draft for `seq` now (prompt lookup: the match)."""
 
@@ -265,6 +268,9 @@ class SpeculativeConfig:
 class NoSpeculation:
     """Speculation off: every verb does nothing."""
 
+    def prepare(self) -> None:
+        pass
+
     def draft(self, plan, max_batch_tokens: int) -> None:
         pass
 
@@ -284,6 +290,9 @@ class Speculator:
         self.config = config or SpeculativeConfig()
         self.metrics = metrics
         self.cost = StepCost()
+
+    def prepare(self) -> None:
+        self.proposer.prepare()
 
     # -- before the forward pass ---------------------------------------------------------------
 

@@ -138,9 +138,8 @@ def test_a_batch_of_rows_equals_each_sequence_alone(models, name):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_cpu_linear_equals_f_linear_at_every_row_count(bias):
-    """enable(packed=True) (a speculating server) runs a CPU linear layer on its oneDNN-packed
-    weight: any row count (one decode token, a verification, a prefill chunk) gives F.linear's
-    rows up to rounding."""
+    """enable() runs a CPU linear layer on its oneDNN-packed weight: any row count (one decode
+    token, a verification, a prefill chunk) gives F.linear's rows up to rounding."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 80, bias=bias)
     assert kv._pack(layer), "this CPU build has oneDNN: the layer must be packed"
@@ -153,8 +152,9 @@ def test_packed_cpu_linear_equals_f_linear_at_every_row_count(bias):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_linear_equals_f_linear_at_every_row_count(bias):
-    """The CPU product (one row as two, 9-32 rows padded to a multiple of 8, more through
-    F.linear) returns exactly the rows asked for, equal to F.linear up to rounding."""
+    """The CPU product where oneDNN cannot pack (one row as two, 9-32 rows padded to a multiple
+    of 8, more through F.linear) returns exactly the rows asked for, equal to F.linear up to
+    rounding."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 80, bias=bias)
     for n in range(1, 41):
