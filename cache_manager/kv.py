@@ -389,29 +389,30 @@ def forward(model, rows: list[Row], token_ids: list[int], logits_rows: list[int]
         use_cache=False,
         logits_to_keep=keep,
         kvserve_rows=rows,
+        kvserve_masks={},  # each row's masks, built at the first layer that needs them
     )
     for row in rows:
         row.kv.length += row.n
     return out.logits[0].float()
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, kvserve_rows=None, **kwargs):
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, kvserve_rows=None, kvserve_masks=None, **kwargs):
     """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] (the
-    step's new tokens) -> ([1, N, H, D], None)."""
+    step's new tokens) -> ([1, N, H, D], None). `kvserve_masks`: the step's masks so far."""
     if kvserve_rows is None:
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)
     layer = module.layer_idx
     heads, kv_heads = query.shape[1], key.shape[1]
     groups = heads // kv_heads
+    masks = {} if kvserve_masks is None else kvserve_masks
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = query.new_empty(1, query.shape[2], heads, query.shape[3])
-    for row in kvserve_rows:
+    for i, row in enumerate(kvserve_rows):
         lo, hi = row.offset, row.offset + row.n
-        keys, values, mask = _write_and_read(row.kv, layer, key[:, :, lo:hi], value[:, :, lo:hi])
+        mask = _mask(row.kv, layer, row.n, groups, query.dtype, masks, i)
+        keys, values = _write_and_read(row.kv, layer, key[:, :, lo:hi], value[:, :, lo:hi])
         # [1, H, T, D] -> [1, Hkv, groups * T, D]: a KV head's query heads side by side
         q = query[:, :, lo:hi].reshape(1, kv_heads, groups * row.n, query.shape[3])
-        if mask is not None:
-            mask = mask.repeat(groups, 1)
         o = _attend(q, keys, values, mask, scale, softcap)
         out[:, lo:hi] = o.reshape(1, heads, row.n, -1).transpose(1, 2)
     return out, None
@@ -419,32 +420,57 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 def _write_and_read(kv: SequenceKV, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
     """Store the row's new keys/values in its layer tensors; return what its queries attend
-    over (views, except for a wrapping prefill chunk of a sliding layer) and a bool mask
-    [T, L] (None: every query sees every key)."""
+    over (views, except for a wrapping prefill chunk of a sliding layer), in position order
+    but for a wrapped ring's decode step (one query sees the whole window)."""
     keys, values, window = kv.keys[layer], kv.values[layer], kv.windows[layer]
     start, n, size = kv.length, k_new.shape[2], keys.shape[2]
     end = start + n
     if end <= size:  # no wrap: positions are slots
         keys[:, :, start:end] = k_new
         values[:, :, start:end] = v_new
-        mask = None if n == 1 else _causal(start, n, torch.arange(end, device=keys.device), window)
-        return keys[:, :, :end], values[:, :, :end], mask
-    if size < window:
+        return keys[:, :, :end], values[:, :, :end]
+    if window is None or size < window:
         raise ValueError(f"{end} tokens exceed the cache's capacity {size}")
     if n == 1:  # a decode step of a wrapped ring: it holds exactly the window
         slot = start % size
         keys[:, :, slot] = k_new[:, :, 0]
         values[:, :, slot] = v_new[:, :, 0]
-        return keys, values, None
+        return keys, values
     # A prefill chunk past the ring: the old window in position order, then the chunk.
-    first = max(0, start - window + 1)
-    old = torch.arange(first, start, device=keys.device)
+    old = torch.arange(_first_key(start, window), start, device=keys.device)
     k_all = torch.cat([keys.index_select(2, old % size), k_new], dim=2)
     v_all = torch.cat([values.index_select(2, old % size), v_new], dim=2)
     kept = torch.arange(max(start, end - size), end, device=keys.device)
     keys.index_copy_(2, kept % size, k_new[:, :, kept - start])
     values.index_copy_(2, kept % size, v_new[:, :, kept - start])
-    return k_all, v_all, _causal(start, n, torch.arange(first, end, device=keys.device), window)
+    return k_all, v_all
+
+
+def _first_key(start: int, window: int) -> int:
+    """The first position a wrapping chunk starting at `start` attends to."""
+    return max(0, start - window + 1)
+
+
+def _mask(kv: SequenceKV, layer: int, n: int, groups: int, dtype: torch.dtype, masks: dict, row: int) -> torch.Tensor | None:
+    """The additive mask [groups * n, L] of the row's `n` queries (a KV head's query heads
+    stacked, as `_attention` folds them) over the keys `_write_and_read` returns at `layer`;
+    None where every query sees every key (one query). Built once per step for all the
+    layers with the same window (`masks`, keyed by row and window).
+
+    NOTE: additive (0 / -inf in the query's dtype) because sdpa turns a bool mask into exactly
+    that at every call; a step of 4 rows x 4 positions spent ~4 of its 44 ms building and
+    converting masks per layer."""
+    if n == 1:
+        return None
+    window, size = kv.windows[layer], kv.keys[layer].shape[2]
+    mask = masks.get((row, window))
+    if mask is None:
+        start = kv.length
+        first = 0 if window is None or start + n <= size else _first_key(start, window)
+        allowed = _causal(start, n, torch.arange(first, start + n, device=kv.keys[layer].device), window)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
+        mask = masks[(row, window)] = mask.repeat(groups, 1)
+    return mask
 
 
 def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -464,7 +490,7 @@ def _attend(q, keys, values, mask, scale, softcap):
     scores = torch.matmul(q, keys.transpose(2, 3)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)
+        scores = scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, values)
 
