@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 from types import SimpleNamespace
 
 import jsonschema
@@ -326,15 +327,19 @@ def test_structured_output_with_drafts_is_valid_and_equal(spec, smollm2):
     assert s.counter(ACCEPTED) > 0
 
 
+def tiny_llama(seed):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
+
+
 def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2):
     """SmolLM2 drafting for itself accepts every drafted token; a tiny random model with its
     vocabulary is nearly always rejected (each rejection cropped from both caches). Both
     outputs equal decoding without a draft; the second turn of a session reuses the kept
     draft cache."""
-    torch.manual_seed(0)
-    tiny = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
+    tiny = tiny_llama(0)
     for draft_model, all_accepted in ((smollm2.model, True), (tiny, False)):
         proposer = DraftModelProposer(draft_model, 2048, budget_bytes=2**28)
         s = spec(proposer=proposer, max_draft=4)
@@ -354,13 +359,36 @@ def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2)
         s.stop()
 
 
+def test_the_engine_thread_prepares_the_model_and_the_draft_model(smollm2, monkeypatch):
+    """Both models' CPU linear layers are packed on the engine thread, the only thread that
+    runs multi-threaded torch ops (docs/architecture.md, "One OpenMP team"), not on the thread
+    that builds the engine; then they serve as usual."""
+    packed_on = []
+    pack = kv._pack
+    monkeypatch.setattr(kv, "_pack", lambda layer: packed_on.append(threading.current_thread().name) or pack(layer))
+    model, draft = tiny_llama(0), tiny_llama(1)
+    cache = CacheManager(model.config, smollm2.device, smollm2.dtype, 2048, CacheConfig(budget_bytes=2**28))
+    proposer = DraftModelProposer(draft, 2048, budget_bytes=2**26)
+    engine = Engine(model, smollm2.tokenizer, EngineConfig(max_context=2048), cache, proposer=proposer)
+    assert not packed_on and model.config._attn_implementation != kv.ATTN_IMPLEMENTATION
+    engine.start()
+    try:
+        async def go():
+            request = GenerationRequest("t", [1, 4093, 198, 28, 29, 30], greedy(6, logit_bias={2: -100.0}))
+            return [t.token_id for out in [o async for o in engine.submit(request, asyncio.get_running_loop())] for t in out.tokens]
+
+        assert len(asyncio.run(go())) == 6
+    finally:
+        engine.stop()
+    linear = [m for net in (model, draft) for m in net.modules() if type(m) is torch.nn.Linear]
+    assert len(packed_on) == len(linear) and set(packed_on) == {"kvserve-engine"}
+    assert all(hasattr(m, "kvserve_packed") for m in linear)
+
+
 def test_draft_caches_running_and_kept_stay_within_their_budget(spec):
     """A budget of one draft cache: the next session's running draft cache evicts the kept one
     of the first session, whose next turn then drafts from scratch, output unchanged."""
-    torch.manual_seed(0)
-    tiny = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
+    tiny = tiny_llama(0)
     budget = kv.bytes_for(tiny.config, 256, torch.float32)  # the caches of these short requests
     proposer = DraftModelProposer(tiny, 2048, budget_bytes=budget)
     used = []  # at every draft
