@@ -298,17 +298,18 @@ class Speculator:
 
     def draft(self, plan, max_batch_tokens: int) -> None:
         """Give the plan's eligible decode rows their drafts (may run a draft model). A row is
-        eligible when it opted in, has exactly its last sampled token pending (tokens a grammar
-        forced need no draft), has room for another token after the draft, and its cache can
-        take the draft and crop it again (a sliding window about to wrap cannot: no speculation
-        for that sequence). Drafting never fails a request: on an error nobody drafts."""
+        eligible when it opted in, completes its pending tokens this step (its last sampled
+        token, and the run a grammar forced after it: those need no draft, the draft follows
+        them), has room for another token after the draft, and its cache can take the draft and
+        crop it again (a sliding window about to wrap cannot: no speculation for that
+        sequence). Drafting never fails a request: on an error nobody drafts."""
         rows, limits = [], []
         for row in plan.rows:
             seq = row.seq
-            if not (row.completes and row.n_tokens == 1 and seq.status is Status.DECODE and seq.request.speculative):
+            if not (row.completes and seq.status is Status.DECODE and seq.request.speculative):
                 continue
             k = min(self.config.max_draft, seq.params.max_tokens - len(seq.generated) - 1)
-            while k > 0 and not kv.can_crop_after(seq.cache, 1 + k):
+            while k > 0 and not kv.can_crop_after(seq.cache, row.n_tokens + k):
                 k -= 1
             if k <= 0:
                 continue

@@ -188,11 +188,13 @@ class Spec:
         config = EngineConfig(max_context=2048, speculative=SpeculativeConfig(max_draft=max_draft, adaptive=adaptive), **engine_kw)
         self.engine = Engine(self.model, self.tokenizer, config, cache, metrics=self.metrics, proposer=proposer or NgramProposer())
         self.steps: list[list[tuple[int, int]]] = []  # per step: (cache length, drafted) of rows with drafts
+        self.pending: list[int] = []  # the pending tokens of each row that drafted (a forced run: > 1)
         draft = self.engine.speculator.draft
 
         def spy(plan, budget):
             draft(plan, budget)
             self.steps.append([(kv.length(r.seq.cache), r.n_draft) for r in plan.rows if r.n_draft])
+            self.pending += [r.n_tokens for r in plan.rows if r.n_draft]
 
         self.engine.speculator.draft = spy
         self.engine.start()
@@ -308,23 +310,30 @@ def test_logprobs_stop_strings_max_tokens_and_seeded_sampling_match(spec):
 
 
 def test_structured_output_with_drafts_is_valid_and_equal(spec, smollm2):
+    """JSON from an email, and from JSON in the prompt, where the draft follows the keys the
+    grammar forces (fast-forwarded, in the same forward pass as the draft)."""
     s = spec()
     compiler = GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, eos_token_ids=[smollm2.tokenizer.eos_token_id])
     grammar = compiler.compile(spec_from_request({"type": "json_schema", "json_schema": {"name": "t", "schema": TICKET}}, None))
-    ids = s.prompt("Extract name, order and city as JSON from: " + EMAIL)
+    prompts = [
+        s.prompt("Extract name, order and city as JSON from: " + EMAIL),
+        s.prompt('Repeat this JSON exactly: {"name": "Maria Lindqvist", "order": "A-48213", "city": "Bergen"}'),
+    ]
 
     async def go():
         out = []
-        for params in (greedy(60), greedy(60, logprobs=True)):  # with logprobs: no fast-forward
-            request = GenerationRequest("j", ids, params, grammar=grammar)
-            got, want = await s.run(request), await s.run(plain(request))
-            assert got.final.finish_reason == "stop" and got.tokens == want.tokens
-            out.append(json.loads(got.text))
+        for ids in prompts:
+            for params in (greedy(60), greedy(60, logprobs=True)):  # with logprobs: no fast-forward
+                request = GenerationRequest("j", ids, params, grammar=grammar)
+                got, want = await s.run(request), await s.run(plain(request))
+                assert got.final.finish_reason == "stop" and got.tokens == want.tokens
+                out.append(json.loads(got.text))
         return out
 
     for value in asyncio.run(go()):
         jsonschema.validate(value, TICKET)
     assert s.counter(ACCEPTED) > 0
+    assert any(n > 1 for n in s.pending)
 
 
 def tiny_llama(seed):
