@@ -13,7 +13,11 @@ step by step with drafts from
   best source  at every step the earlier occurrence of the last token whose continuation
                matches the reply longest (knows the future), draft lengths as shipped;
   perfect      exactly the longest run of the reply's next tokens that follows an earlier
-               occurrence of the last token, when drafting it pays (knows the future).
+               occurrence of the last token, when drafting it pays (knows the future);
+  perfect, 4 streams
+               the 4 streams' replies of bench.speculative decoded in one batch, every row
+               drafting its perfect run at every step, against the same batch without drafts
+               (the forward pass of 4 rows timed at 1-16 positions each).
 
 Ratio = decode time with no drafts / with them: the sum over steps of the timed cost of each
 step's positions (prefill, HTTP and grammar work left out, so the server's own on/off ratios
@@ -37,11 +41,11 @@ from server.settings import Settings, default_cache_dir
 from server.speculative import Draft, SpecState, StepCost, allocate
 
 SIZES = (*range(1, 17), 20, 24, 28, 32)
+STREAMS = 4  # the perfect drafter also runs bench.speculative's 4 streams in one batch
 
 
-def greedy_reply(model, prompt: list[int], max_tokens: int, eos: frozenset[int]) -> tuple[list[int], StepCost]:
-    """The greedy reply (kvserve's forward pass, one token per step) and the step costs timed
-    at the end of it."""
+def greedy_reply(model, prompt: list[int], max_tokens: int, eos: frozenset[int]) -> tuple[list[int], kv.SequenceKV]:
+    """The greedy reply (kvserve's forward pass, one token per step) and the cache it leaves."""
     cache = kv.allocate(model.config, kv.capacity_bucket(len(prompt) + max_tokens + 64, 1 << 16), model.device, model.dtype)
     logits = kv.forward(model, [kv.Row(cache, len(prompt))], prompt, [0])
     reply: list[int] = []
@@ -51,16 +55,22 @@ def greedy_reply(model, prompt: list[int], max_tokens: int, eos: frozenset[int])
             break
         reply.append(token)
         logits = kv.forward(model, [kv.Row(cache, 1)], [token], [0])
+    return reply, cache
+
+
+def step_cost(model, cache: kv.SequenceKV, ids: list[int]) -> StepCost:
+    """The forward pass of one row at the end of `ids` (held in `cache`), timed at each of
+    SIZES positions (median of 7)."""
     cost = StepCost()
     for n in SIZES:
         times = []
         for _ in range(7):
             start = time.perf_counter()
-            kv.forward(model, [kv.Row(cache, n)], (prompt + reply)[-n:], [0], [n])  # any ids time alike
+            kv.forward(model, [kv.Row(cache, n)], ids[-n:], [0], [n])  # any ids time alike
             times.append(time.perf_counter() - start)
             kv.crop(cache, kv.length(cache) - n)
         cost.observe(n, statistics.median(times))
-    return reply, cost
+    return cost
 
 
 class _Seq:
@@ -130,15 +140,59 @@ def replay(prompt: list[int], reply: list[int], proposer, cost: StepCost, max_dr
 def perfect(prompt: list[int], reply: list[int], cost: StepCost, max_draft: int) -> float:
     """Decode seconds of `reply` when every step drafts exactly the longest run of the reply's
     next tokens that follows an earlier occurrence of the last token (if drafting it pays)."""
-    ids, seconds, i = prompt + reply, 0.0, 0
+    seconds, i = 0.0, 0
     while i < len(reply):
         i += 1
-        n = len(prompt) + i  # ids[:n] are known; the next ones are reply[i:]
-        run = max((_common(ids, end + 1, ids, n, min(max_draft, n - end - 1)) for end in range(n - 1) if ids[end] == ids[n - 1]), default=0)
+        run = _perfect_run(prompt, reply, i, max_draft)
         if run and (run + 1) / cost.seconds(1 + run) <= 1 / cost.seconds(1):
             run = 0
         seconds += cost.seconds(1 + run)
         i += run
+    return seconds
+
+
+def _perfect_run(prompt: list[int], reply: list[int], i: int, max_draft: int) -> int:
+    """The longest run of reply[i:] (at most max_draft) that follows an earlier occurrence of
+    the last known token, reply[i - 1]."""
+    ids, n = prompt + reply, len(prompt) + i  # ids[:n] are known
+    run = max((_common(ids, end + 1, ids, n, min(max_draft, n - end - 1)) for end in range(n - 1) if ids[end] == ids[n - 1]), default=0)
+    return min(run, len(reply) - i)
+
+
+def batch_cost(model, rows: list[tuple[list[int], list[int]]]) -> StepCost:
+    """The forward pass of all `rows` (prompt, reply) at the end of their replies, timed at
+    1-16 positions each (median of 5), by its total positions."""
+    caches = []
+    for prompt, reply in rows:
+        ids = prompt + reply
+        caches.append(kv.allocate(model.config, kv.capacity_bucket(len(ids) + 64, 1 << 16), model.device, model.dtype))
+        kv.forward(model, [kv.Row(caches[-1], len(ids))], ids, [0])
+    cost = StepCost()
+    for n in range(1, 17):
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            kv.forward(model, [kv.Row(c, n) for c in caches], [t for p, r in rows for t in (p + r)[-n:]], list(range(len(rows))), [n] * len(rows))
+            times.append(time.perf_counter() - start)
+            for c in caches:
+                kv.crop(c, kv.length(c) - n)
+        cost.observe(n * len(rows), statistics.median(times))
+    return cost
+
+
+def lockstep(rows: list[tuple[list[int], list[int]]], cost: StepCost, max_draft: int, drafts: bool) -> float:
+    """Decode seconds of the rows' replies in one batch: every step each unfinished row
+    computes its pending token and, with `drafts`, its perfect run (`_perfect_run`)."""
+    done, seconds = [0] * len(rows), 0.0
+    while any(i < len(reply) for i, (_, reply) in zip(done, rows)):
+        positions = 0
+        for j, (prompt, reply) in enumerate(rows):
+            if done[j] < len(reply):
+                done[j] += 1
+                run = _perfect_run(prompt, reply, done[j], max_draft) if drafts else 0
+                positions += 1 + run
+                done[j] += run
+        seconds += cost.seconds(positions)
     return seconds
 
 
@@ -153,20 +207,29 @@ def main() -> None:
     max_draft = settings.speculative_max_draft
     print(f"\nprompt lookup replayed against drafts that know the reply (SmolLM2-135M fp32, CPU, "
           f"decode only, up to {max_draft} drafted tokens per step)\n")
-    print("| workload | reply tokens | no drafts (s) | **shipped** | best source | perfect |")
-    print("|---|---|---|---|---|---|")
+    print(f"| workload | reply tokens | no drafts (s) | **shipped** | best source | perfect | perfect, {STREAMS} streams |")
+    print("|---|---|---|---|---|---|---|")
     for workload in args.workloads:
-        body = workloads.requests(workload, 0)
-        text = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
-        prompt = tok(text, add_special_tokens=False)["input_ids"]
-        reply, cost = greedy_reply(loaded.model, prompt, body["max_tokens"], eos)
+        rows = []  # (prompt, reply) of each stream's request
+        for i in range(STREAMS):
+            body = workloads.requests(workload, i)
+            text = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+            prompt = tok(text, add_special_tokens=False)["input_ids"]
+            reply, cache = greedy_reply(loaded.model, prompt, body["max_tokens"], eos)
+            rows.append((prompt, reply))
+            if i == 0:
+                cost = step_cost(loaded.model, cache, prompt + reply)
+            del cache
+        prompt, reply = rows[0]
         base = len(reply) * cost.seconds(1)
         ratios = [
             base / replay(prompt, reply, NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max), cost, max_draft),
             base / replay(prompt, reply, BestSource(prompt + reply), cost, max_draft),
             base / perfect(prompt, reply, cost, max_draft),
         ]
-        print(f"| {workload} | {len(reply)} | {base:.2f} | **{ratios[0]:.2f}** | {ratios[1]:.2f} | {ratios[2]:.2f} |", flush=True)
+        batch = batch_cost(loaded.model, rows)
+        ratios.append(lockstep(rows, batch, max_draft, drafts=False) / lockstep(rows, batch, max_draft, drafts=True))
+        print(f"| {workload} | {len(reply)} | {base:.2f} | **{ratios[0]:.2f}** | " + " | ".join(f"{r:.2f}" for r in ratios[1:]) + " |", flush=True)
     print("\n    .venv/bin/python -m bench.speculative_replay")
 
 
