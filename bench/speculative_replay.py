@@ -74,7 +74,8 @@ def step_cost(model, cache: kv.SequenceKV, ids: list[int]) -> StepCost:
 
 
 class _Seq:
-    def __init__(self) -> None:
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt_ids = prompt
         self.all_ids: list[int] = []
         self.spec = SpecState()
 
@@ -116,7 +117,7 @@ def _common(a: list[int], i: int, b: list[int], j: int, limit: int) -> int:
 def replay(prompt: list[int], reply: list[int], proposer, cost: StepCost, max_draft: int) -> float:
     """Decode seconds of `reply` with drafts as the server chooses them (Speculator.draft, one
     row): a step computes the pending token and its draft, keeps the accepted prefix."""
-    seq, seconds, i = _Seq(), 0.0, 0
+    seq, seconds, i = _Seq(prompt), 0.0, 0
     while i < len(reply):
         seq.all_ids = prompt + reply[: i + 1]
         i += 1

@@ -164,14 +164,31 @@ def test_step_cost_interpolates_measured_sizes():
 
 
 def test_ngram_proposer_drafts_what_followed_the_latest_longest_match():
+    """No prompt to resume (below): the latest occurrence of the longest match."""
     proposer = NgramProposer(min_n=2, max_n=3)
-    seq = SimpleNamespace(all_ids=[5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7], spec=SpecState())
+    seq = SimpleNamespace(prompt_ids=[], all_ids=[5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 6, 7], spec=SpecState())
     assert proposer.limit(seq, 5) == 4  # [6, 7] last seen at 6..7, then 2, 3, 6, 7
     assert proposer.propose([seq], [3])[0].tokens == [2, 3, 6]
     seq.all_ids += [2]  # now [6, 7, 2] matches, the longest first
     assert proposer.limit(seq, 2) == 2 and proposer.propose([seq], [2])[0].tokens == [3, 6]
     seq.all_ids += [4]
     assert proposer.limit(seq, 4) == 0
+
+
+def test_ngram_proposer_resumes_the_prompt_in_order_after_the_reply_departs_from_it():
+    """Three "functions" starting alike: the reply copies the first, writes its own second one,
+    then starts the next: the draft resumes the prompt past what was copied (the second
+    function), not at the latest occurrence (the reply's own first lines)."""
+    proposer = NgramProposer(min_n=2, max_n=2)
+    prompt = [1, 2, 10, 11, 1, 2, 20, 21, 1, 2, 30, 31]
+    seq = SimpleNamespace(prompt_ids=prompt, all_ids=prompt + [1, 2], spec=SpecState())
+    assert proposer.limit(seq, 2) == 2 and proposer.propose([seq], [2])[0].tokens == [10, 11]
+    seq.all_ids += [10, 11]  # copied
+    assert proposer.limit(seq, 2) == 2 and proposer.propose([seq], [2])[0].tokens == [1, 2]
+    seq.all_ids += [40, 41]  # its own
+    assert proposer.limit(seq, 2) == 0
+    seq.all_ids += [1, 2]
+    assert proposer.limit(seq, 4) == 4 and proposer.propose([seq], [4])[0].tokens == [20, 21, 1, 2]
 
 
 # -- the engine on the real model --------------------------------------------------------------
