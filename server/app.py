@@ -231,7 +231,7 @@ async def _load(state: AppState, loaded: LoadedModel | None) -> None:
                 trust_remote_code=s.trust_remote_code,
             )
         ctx = build_context(s, loaded, state.metrics, draft)
-        ctx.engine.start()
+        await asyncio.to_thread(ctx.engine.start)  # waits for the engine thread to prepare the models
         await warm_up(ctx)
         state.ctx = ctx
         log.info("ready: %s on %s (%s)", ctx.model_id, loaded.device, loaded.dtype)

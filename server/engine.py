@@ -16,6 +16,7 @@ import collections
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -138,11 +139,15 @@ class Engine:
         self._accepting = True
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
+        self._prepared: Future[None] = Future()  # settled by the thread once the models are ready
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine thread; returns once it has prepared the models (blocks: packing
+        a model's weights on CPU takes seconds) and raises what preparing them raised."""
         self._thread.start()
+        self._prepared.result()
 
     def stop(self) -> None:
         """Abort everything still running and end the thread."""
@@ -266,8 +271,15 @@ class Engine:
     def _loop(self) -> None:
         # NOTE: the models are prepared here, on the thread that runs them, so that it is the
         # only one with an OpenMP team (kv.enable).
-        kv.enable(self.model)  # kvserve's batched attention over each sequence's own KV
-        self.speculator.prepare()
+        try:
+            kv.enable(self.model)  # kvserve's batched attention over each sequence's own KV
+            self.speculator.prepare()
+        except BaseException as exc:
+            with self._cond:
+                self._accepting = False
+            self._prepared.set_exception(exc)
+            return
+        self._prepared.set_result(None)
         # NOTE: logits are inference tensors; the grammar mask and penalties modify them in
         # place, which torch allows only inside inference mode.
         with torch.inference_mode():

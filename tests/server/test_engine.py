@@ -5,8 +5,9 @@ import asyncio
 import pytest
 import torch
 
+from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
-from server.engine import Engine, EngineConfig, QueueFull
+from server.engine import Engine, EngineConfig, EngineStopped, QueueFull
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
 
@@ -192,3 +193,23 @@ def test_deadline_and_cancel_also_apply_while_waiting(smollm2, engine):
     finals = asyncio.run(go())
     assert finals["wait"].error == "timeout" and finals["cancel"].finish_reason == "abort"
     assert eng.idle
+
+
+def test_start_raises_when_the_engine_thread_cannot_prepare_the_model(smollm2, monkeypatch):
+    """Preparing the model happens on the engine thread (kv.enable); a failure there is raised
+    by start() (the server reports it on /ready) and the engine takes no requests."""
+
+    def refuse(model):
+        raise RuntimeError("this model cannot be prepared")
+
+    monkeypatch.setattr(kv, "enable", refuse)
+    cache = CacheManager(smollm2.model.config, smollm2.device, smollm2.dtype, smollm2.max_context, CacheConfig(budget_bytes=2**28))
+    eng = Engine(smollm2.model, smollm2.tokenizer, EngineConfig(max_context=smollm2.max_context), cache)
+    with pytest.raises(RuntimeError, match="cannot be prepared"):
+        eng.start()
+
+    async def submit():
+        eng.submit(GenerationRequest("x", [1, 2, 3], greedy(2)), asyncio.get_running_loop())
+
+    with pytest.raises(EngineStopped):
+        asyncio.run(submit())
