@@ -33,7 +33,6 @@ Grouped-query attention: the query heads of one KV head are folded into the quer
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -165,10 +164,9 @@ def grow(cache: SequenceKV, config: PretrainedConfig, new_capacity: int) -> Sequ
         raise ValueError(f"new capacity {new_capacity} < {n} cached tokens")
     first = cache.keys[0]
     bigger = allocate(config, new_capacity, first.device, first.dtype)
-    with _one_cpu_thread(first.device):
-        for old, new in zip(cache.keys + cache.values, bigger.keys + bigger.values):
-            kept = min(n, old.shape[2])
-            new[:, :, :kept].copy_(old[:, :, :kept])
+    for old, new in zip(cache.keys + cache.values, bigger.keys + bigger.values):
+        kept = min(n, old.shape[2])
+        new[:, :, :kept].copy_(old[:, :, :kept])
     bigger.length = n
     return bigger
 
@@ -205,8 +203,7 @@ def export(cache: SequenceKV) -> dict[str, torch.Tensor]:
 
 def to_cpu(tensors: dict[str, torch.Tensor], *, copy: bool) -> dict[str, torch.Tensor]:
     """`tensors` on the CPU: copied when `copy` or when they are elsewhere, else as they are."""
-    with _one_cpu_thread(next(iter(tensors.values())).device):
-        return {name: t.to("cpu", copy=copy) for name, t in tensors.items()}
+    return {name: t.to("cpu", copy=copy) for name, t in tensors.items()}
 
 
 def load(config: PretrainedConfig, tensors: dict[str, torch.Tensor], length: int, capacity: int, device: torch.device, dtype: torch.dtype) -> SequenceKV:
@@ -221,32 +218,15 @@ def load(config: PretrainedConfig, tensors: dict[str, torch.Tensor], length: int
     expected = {f"{kind}.{i}" for i in range(len(cache.keys)) for kind in "kv"}
     if set(tensors) != expected:
         raise ValueError("the tensors do not match this model's layers")
-    with _one_cpu_thread(device):
-        for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
-            kept = min(length, k.shape[2])
-            for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
-                src = tensors[name]
-                if src.dtype != dtype or tuple(src.shape) != (1, dst.shape[1], kept, dst.shape[3]):
-                    raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {kept} positions of {dtype}")
-                dst[:, :, :kept].copy_(src, non_blocking=src.is_pinned())
+    for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+        kept = min(length, k.shape[2])
+        for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
+            src = tensors[name]
+            if src.dtype != dtype or tuple(src.shape) != (1, dst.shape[1], kept, dst.shape[3]):
+                raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {kept} positions of {dtype}")
+            dst[:, :, :kept].copy_(src, non_blocking=src.is_pinned())
     cache.length = length
     return cache
-
-
-@contextlib.contextmanager
-def _one_cpu_thread(device: torch.device):
-    """CPU copies of a sequence's KV on one thread. NOTE: dozens of ~1 MB copies split over
-    intra-op threads spend more time waking threads than copying (measured: 7 ms on one
-    thread vs 80-470 ms on two for a 1.5k-token session on a 2-core box)."""
-    if device.type != "cpu":
-        yield
-        return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # -- a batched forward pass --------------------------------------------------------------------
