@@ -242,11 +242,13 @@ class Row:
     offset: int = 0
 
 
-def enable(model) -> None:
+def enable(model, packed: bool = True) -> None:
     """Switch `model` to kvserve's attention. Calls without `kvserve_rows` (transformers'
     own `generate`, say) still run the model's original attention. On CPU its linear layers
     run on oneDNN-packed weights (`_pack`), or on the transposed product (`_cpu_linear`) where
-    this build cannot pack. Later calls do nothing (`forward` makes the first when none was made).
+    this build cannot pack or `packed` is False (the dense weights only: half the memory of
+    the linear layers, slower). Later calls do nothing (`forward` makes the first when none
+    was made).
 
     NOTE: call it on the thread that will run the model (the server's engine thread): packing
     runs multi-threaded, and a second thread that runs multi-threaded torch ops slows every
@@ -260,7 +262,7 @@ def enable(model) -> None:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.device.type == "cpu":
         for module in model.modules():
-            if type(module) is torch.nn.Linear and not _pack(module):
+            if type(module) is torch.nn.Linear and not (packed and _pack(module)):
                 module.forward = _cpu_linear.__get__(module)
 
 

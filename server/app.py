@@ -119,7 +119,7 @@ def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None,
         return NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max)
     if settings.speculative == "draft":
         check_compatible(loaded.model, loaded.tokenizer, draft.model, draft.tokenizer)
-        return DraftModelProposer(draft.model, max_context, draft_bytes)
+        return DraftModelProposer(draft.model, max_context, draft_bytes, packed=settings.cpu_packed_weights)
     return None
 
 
@@ -156,6 +156,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
             max_batch_tokens=settings.max_batch_tokens,
             reject_busy_sessions=settings.reject_busy_sessions,
             speculative=SpeculativeConfig(max_draft=settings.speculative_max_draft),
+            cpu_packed_weights=settings.cpu_packed_weights,
         ),
         cache_manager,
         metrics=metrics,

@@ -42,9 +42,10 @@ class DraftModelProposer:
 
     EMA = 0.2
 
-    def __init__(self, model, max_context: int, budget_bytes: int) -> None:
+    def __init__(self, model, max_context: int, budget_bytes: int, packed: bool = True) -> None:
         kv.layout(model.config)  # refuse layer kinds kv cannot batch now, not on the engine thread
         self.model = model
+        self.packed = packed  # kv.enable's `packed`
         self.max_context = max_context
         self.budget_bytes = budget_bytes
         # idle sessions' draft caches, least recently committed first out (no TTL: the
@@ -58,7 +59,7 @@ class DraftModelProposer:
     # -- Proposer ------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        kv.enable(self.model)
+        kv.enable(self.model, packed=self.packed)
 
     def limit(self, seq, k: int) -> int:
         cache = self._cache(seq)

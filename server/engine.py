@@ -53,6 +53,7 @@ class EngineConfig:
     reject_busy_sessions: bool = False  # False: a second request on a session waits its turn
     expire_every_s: float = 1.0
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # with a proposer
+    cpu_packed_weights: bool = True  # kv.enable's `packed`
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -272,7 +273,7 @@ class Engine:
         # NOTE: the models are prepared here, on the thread that runs them, so that it is the
         # only one with an OpenMP team (kv.enable).
         try:
-            kv.enable(self.model)  # kvserve's batched attention over each sequence's own KV
+            kv.enable(self.model, packed=self.config.cpu_packed_weights)  # kvserve's batched attention
             self.speculator.prepare()
         except BaseException as exc:
             with self._cond:

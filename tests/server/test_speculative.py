@@ -22,11 +22,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from grammars import GrammarCompiler, spec_from_request
+from server.app import build_context
 from server.draft_model import DraftModelProposer
 from server.engine import Engine, EngineConfig
 from server.metrics import Metrics
 from server.sampling import SamplingParams, make_generator, sample_rows
 from server.sequence import GenerationRequest
+from server.settings import Settings
 from server.prompt_lookup import NgramProposer
 from server.speculative import (
     Draft,
@@ -385,17 +387,20 @@ def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2)
         s.stop()
 
 
-def test_the_engine_thread_prepares_the_model_and_the_draft_model(smollm2, monkeypatch):
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_engine_thread_prepares_the_model_and_the_draft_model(smollm2, monkeypatch, packed):
     """Both models' CPU linear layers are packed on the engine thread, the only thread that
     runs multi-threaded torch ops (docs/architecture.md, "One OpenMP team"), not on the thread
-    that builds the engine; then they serve as usual."""
+    that builds the engine; then they serve as usual. With --no-cpu-packed-weights neither is
+    packed (the dense weights only)."""
     packed_on = []
     pack = kv._pack
     monkeypatch.setattr(kv, "_pack", lambda layer: packed_on.append(threading.current_thread().name) or pack(layer))
     model, draft = tiny_llama(0), tiny_llama(1)
     cache = CacheManager(model.config, smollm2.device, smollm2.dtype, 2048, CacheConfig(budget_bytes=2**28))
-    proposer = DraftModelProposer(draft, 2048, budget_bytes=2**26)
-    engine = Engine(model, smollm2.tokenizer, EngineConfig(max_context=2048), cache, proposer=proposer)
+    proposer = DraftModelProposer(draft, 2048, budget_bytes=2**26, packed=packed)
+    config = EngineConfig(max_context=2048, cpu_packed_weights=packed)
+    engine = Engine(model, smollm2.tokenizer, config, cache, proposer=proposer)
     assert not packed_on and model.config._attn_implementation != kv.ATTN_IMPLEMENTATION
     engine.start()
     try:
@@ -407,8 +412,18 @@ def test_the_engine_thread_prepares_the_model_and_the_draft_model(smollm2, monke
     finally:
         engine.stop()
     linear = [m for net in (model, draft) for m in net.modules() if type(m) is torch.nn.Linear]
-    assert len(packed_on) == len(linear) and set(packed_on) == {"kvserve-engine"}
-    assert all(hasattr(m, "kvserve_packed") for m in linear)
+    if packed:
+        assert len(packed_on) == len(linear) and set(packed_on) == {"kvserve-engine"}
+        assert all(hasattr(m, "kvserve_packed") for m in linear)
+    else:
+        assert not packed_on and not any(hasattr(m, "kvserve_packed") for m in linear)
+
+
+def test_the_cpu_packed_weights_setting_reaches_the_model_and_the_draft_model(smollm2):
+    for packed in (True, False):
+        settings = Settings(speculative="draft", draft_model="unused: loaded below", cpu_packed_weights=packed)
+        ctx = build_context(settings, smollm2, Metrics(), draft=smollm2)
+        assert ctx.engine.config.cpu_packed_weights is packed and ctx.engine.speculator.proposer.packed is packed
 
 
 def test_draft_caches_running_and_kept_stay_within_their_budget(spec):
