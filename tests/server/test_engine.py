@@ -199,7 +199,7 @@ def test_start_raises_when_the_engine_thread_cannot_prepare_the_model(smollm2, m
     """Preparing the model happens on the engine thread (kv.enable); a failure there is raised
     by start() (the server reports it on /ready) and the engine takes no requests."""
 
-    def refuse(model):
+    def refuse(model, packed=True):
         raise RuntimeError("this model cannot be prepared")
 
     monkeypatch.setattr(kv, "enable", refuse)
