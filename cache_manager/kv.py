@@ -386,13 +386,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     layer = module.layer_idx
     heads, kv_heads = query.shape[1], key.shape[1]
     groups = heads // kv_heads
-    masks = {} if kvserve_masks is None else kvserve_masks
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = query.new_empty(1, query.shape[2], heads, query.shape[3])
     for i, row in enumerate(kvserve_rows):
         lo, hi = row.offset, row.offset + row.n
-        mask = _mask(row.kv, layer, row.n, groups, query.dtype, masks, i)
-        keys, values = _write_and_read(row.kv, layer, key[:, :, lo:hi], value[:, :, lo:hi])
+        keys, values, first = _write_and_read(row.kv, layer, key[:, :, lo:hi], value[:, :, lo:hi])
+        mask = _mask(row.kv, layer, row.n, first, groups, query.dtype, kvserve_masks, i)
         # [1, H, T, D] -> [1, Hkv, groups * T, D]: a KV head's query heads side by side
         q = query[:, :, lo:hi].reshape(1, kv_heads, groups * row.n, query.shape[3])
         o = _attend(q, keys, values, mask, scale, softcap)
@@ -400,55 +399,51 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out, None
 
 
-def _write_and_read(kv: SequenceKV, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+def _write_and_read(kv: SequenceKV, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """Store the row's new keys/values in its layer tensors; return what its queries attend
-    over (views, except for a wrapping prefill chunk of a sliding layer), in position order
-    but for a wrapped ring's decode step (one query sees the whole window)."""
+    over (views, except for a wrapping prefill chunk of a sliding layer), in position order,
+    and the position of the first of them. A wrapped ring's decode step attends over the
+    ring in slot order (first: None): its one query sees the whole window."""
     keys, values, window = kv.keys[layer], kv.values[layer], kv.windows[layer]
     start, n, size = kv.length, k_new.shape[2], keys.shape[2]
     end = start + n
     if end <= size:  # no wrap: positions are slots
         keys[:, :, start:end] = k_new
         values[:, :, start:end] = v_new
-        return keys[:, :, :end], values[:, :, :end]
+        return keys[:, :, :end], values[:, :, :end], 0
     if window is None or size < window:
         raise ValueError(f"{end} tokens exceed the cache's capacity {size}")
     if n == 1:  # a decode step of a wrapped ring: it holds exactly the window
         slot = start % size
         keys[:, :, slot] = k_new[:, :, 0]
         values[:, :, slot] = v_new[:, :, 0]
-        return keys, values
+        return keys, values, None
     # A prefill chunk past the ring: the old window in position order, then the chunk.
-    old = torch.arange(_first_key(start, window), start, device=keys.device)
+    first = max(0, start - window + 1)
+    old = torch.arange(first, start, device=keys.device)
     k_all = torch.cat([keys.index_select(2, old % size), k_new], dim=2)
     v_all = torch.cat([values.index_select(2, old % size), v_new], dim=2)
     kept = torch.arange(max(start, end - size), end, device=keys.device)
     keys.index_copy_(2, kept % size, k_new[:, :, kept - start])
     values.index_copy_(2, kept % size, v_new[:, :, kept - start])
-    return k_all, v_all
+    return k_all, v_all, first
 
 
-def _first_key(start: int, window: int) -> int:
-    """The first position a wrapping chunk starting at `start` attends to."""
-    return max(0, start - window + 1)
-
-
-def _mask(kv: SequenceKV, layer: int, n: int, groups: int, dtype: torch.dtype, masks: dict, row: int) -> torch.Tensor | None:
+def _mask(kv: SequenceKV, layer: int, n: int, first: int | None, groups: int, dtype: torch.dtype, masks: dict, row: int) -> torch.Tensor | None:
     """The additive mask [groups * n, L] of the row's `n` queries (a KV head's query heads
-    stacked, as `_attention` folds them) over the keys `_write_and_read` returns at `layer`;
-    None where every query sees every key (one query). Built once per step for all the
-    layers with the same window (`masks`, keyed by row and window).
+    stacked, as `_attention` folds them) over the keys `_write_and_read` returned at `layer`,
+    positions first..; None where every query sees every key (one query). Built once per
+    step for all the layers with the same window (`masks`, keyed by row and window).
 
     NOTE: additive (0 / -inf in the query's dtype) because sdpa turns a bool mask into exactly
     that at every call; a step of 4 rows x 4 positions spent ~4 of its 44 ms building and
     converting masks per layer."""
     if n == 1:
         return None
-    window, size = kv.windows[layer], kv.keys[layer].shape[2]
+    window = kv.windows[layer]
     mask = masks.get((row, window))
     if mask is None:
         start = kv.length
-        first = 0 if window is None or start + n <= size else _first_key(start, window)
         allowed = _causal(start, n, torch.arange(first, start + n, device=kv.keys[layer].device), window)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
         mask = masks[(row, window)] = mask.repeat(groups, 1)
