@@ -40,7 +40,7 @@ from server.prompt_lookup import NgramProposer
 from server.settings import Settings, default_cache_dir
 from server.speculative import Draft, SpecState, StepCost, allocate
 
-SIZES = (*range(1, 17), 20, 24, 28, 32)
+SIZES = (*range(1, 17), 20, 24, 28, 32)  # positions one row is timed at
 STREAMS = 4  # the perfect drafter also runs bench.speculative's 4 streams in one batch
 
 
@@ -58,18 +58,21 @@ def greedy_reply(model, prompt: list[int], max_tokens: int, eos: frozenset[int])
     return reply, cache
 
 
-def step_cost(model, cache: kv.SequenceKV, ids: list[int]) -> StepCost:
-    """The forward pass of one row at the end of `ids` (held in `cache`), timed at each of
-    SIZES positions (median of 7)."""
+def step_cost(model, rows: list[tuple[kv.SequenceKV, list[int]]], sizes, repeats: int) -> StepCost:
+    """The forward pass of all `rows` (a cache holding the ids, the ids) at the end of their
+    ids, timed at each of `sizes` positions per row (median of `repeats`), by its total
+    positions."""
     cost = StepCost()
-    for n in SIZES:
+    for n in sizes:
         times = []
-        for _ in range(7):
+        for _ in range(repeats):
             start = time.perf_counter()
-            kv.forward(model, [kv.Row(cache, n)], ids[-n:], [0], [n])  # any ids time alike
+            # any ids time alike
+            kv.forward(model, [kv.Row(c, n) for c, _ in rows], [t for _, ids in rows for t in ids[-n:]], list(range(len(rows))), [n] * len(rows))
             times.append(time.perf_counter() - start)
-            kv.crop(cache, kv.length(cache) - n)
-        cost.observe(n, statistics.median(times))
+            for c, _ in rows:
+                kv.crop(c, kv.length(c) - n)
+        cost.observe(n * len(rows), statistics.median(times))
     return cost
 
 
@@ -163,22 +166,13 @@ def _perfect_run(prompt: list[int], reply: list[int], i: int, max_draft: int) ->
 def batch_cost(model, rows: list[tuple[list[int], list[int]]]) -> StepCost:
     """The forward pass of all `rows` (prompt, reply) at the end of their replies, timed at
     1-16 positions each (median of 5), by its total positions."""
-    caches = []
+    held = []
     for prompt, reply in rows:
         ids = prompt + reply
-        caches.append(kv.allocate(model.config, kv.capacity_bucket(len(ids) + 64, 1 << 16), model.device, model.dtype))
-        kv.forward(model, [kv.Row(caches[-1], len(ids))], ids, [0])
-    cost = StepCost()
-    for n in range(1, 17):
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            kv.forward(model, [kv.Row(c, n) for c in caches], [t for p, r in rows for t in (p + r)[-n:]], list(range(len(rows))), [n] * len(rows))
-            times.append(time.perf_counter() - start)
-            for c in caches:
-                kv.crop(c, kv.length(c) - n)
-        cost.observe(n * len(rows), statistics.median(times))
-    return cost
+        cache = kv.allocate(model.config, kv.capacity_bucket(len(ids) + 64, 1 << 16), model.device, model.dtype)
+        kv.forward(model, [kv.Row(cache, len(ids))], ids, [0])
+        held.append((cache, ids))
+    return step_cost(model, held, range(1, 17), repeats=5)
 
 
 def lockstep(rows: list[tuple[list[int], list[int]]], cost: StepCost, max_draft: int, drafts: bool) -> float:
@@ -219,7 +213,7 @@ def main() -> None:
             reply, cache = greedy_reply(loaded.model, prompt, body["max_tokens"], eos)
             rows.append((prompt, reply))
             if i == 0:
-                cost = step_cost(loaded.model, cache, prompt + reply)
+                cost = step_cost(loaded.model, [(cache, prompt + reply)], SIZES, repeats=7)
             del cache
         prompt, reply = rows[0]
         base = len(reply) * cost.seconds(1)
