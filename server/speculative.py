@@ -26,7 +26,8 @@ draw): one draw per emitted token from the request's generator, as without specu
 seeded request draws the same tokens with or without prompt lookup.
 
 Draft lengths (`allocate`): row r's j-th drafted token is accepted with probability a_r ** j
-(a_r: the row's recent acceptance rate, `SpecState.alpha`) and the step's forward pass costs
+(a_r: the row's recent acceptance rate of drafts from the source its draft comes from this
+step, `SpecState.alpha`) and the step's forward pass costs
 `StepCost.seconds(tokens)`, learned from the steps the engine runs. Drafting maximises the
 step's expected tokens per second, so a row drafts less as its acceptance falls, and rows
 draft less as the batch (and with it the price of each extra token) grows; with nothing worth
@@ -43,7 +44,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -187,15 +188,16 @@ class Draft:
 
 @dataclass(slots=True)
 class SpecState:
-    """One sequence's speculation: its recent acceptance (decayed counts) and totals, and the
-    proposer's own state (an n-gram index, a draft model's cache)."""
+    """One sequence's speculation: its recent acceptance (decayed counts, kept apart for each
+    source the proposer copies from) and totals, and the proposer's own state (an n-gram
+    index, a draft model's cache)."""
 
-    hits: float = 0.0
-    misses: float = 0.0
     drafted: int = 0
     accepted: int = 0
     proposer: object | None = None
-    shadow: tuple[int, int] | None = None  # (position, token) a skipped draft would have begun with
+    source: str = ""  # where the proposer's draft comes from this step (set by `Proposer.limit`)
+    shadow: tuple[int, int, str] | None = None  # (position, token, source) of a skipped draft's start
+    rates: dict[str, list[float]] = field(default_factory=dict)  # source -> [hits, misses]
 
     PRIOR = (1.0, 1.0)  # pseudo-counts (hits, misses): alpha starts at 0.5
     DECAY = 0.85  # per observation: roughly the last seven weigh in
@@ -203,28 +205,34 @@ class SpecState:
 
     @property
     def alpha(self) -> float:
+        """The recent acceptance rate of drafts from the current `source`."""
+        hits, misses = self.rates.get(self.source, (0.0, 0.0))
         a, b = self.PRIOR
-        return (self.hits + a) / (self.hits + self.misses + a + b)
+        return (hits + a) / (hits + misses + a + b)
 
     def record(self, drafted: int, accepted: int) -> None:
-        self.hits = self.hits * self.DECAY + accepted
-        self.misses = self.misses * self.DECAY + (1 if accepted < drafted else 0)
+        self._observe(self.source, accepted, accepted < drafted)
         self.drafted += drafted
         self.accepted += accepted
 
+    def _observe(self, source: str, hits: float, missed: bool) -> None:
+        rate = self.rates.setdefault(source, [0.0, 0.0])
+        rate[0] = rate[0] * self.DECAY + hits
+        rate[1] = rate[1] * self.DECAY + missed
+
     def relax(self) -> None:
-        self.hits *= self.RELAX
-        self.misses *= self.RELAX
+        for rate in self.rates.values():
+            rate[0] *= self.RELAX
+            rate[1] *= self.RELAX
 
     def settle_shadow(self, ids: list[int]) -> None:
         """A step that did not draft still tells whether its draft would have begun right (a
         free observation, when the proposer knew its first token without work)."""
         if self.shadow is not None and len(ids) > self.shadow[0]:
-            position, token = self.shadow
+            position, token, source = self.shadow
             self.shadow = None
             hit = ids[position] == token
-            self.hits = self.hits * self.DECAY + hit
-            self.misses = self.misses * self.DECAY + (not hit)
+            self._observe(source, hit, not hit)
 
 
 class Proposer(Protocol):
@@ -348,7 +356,7 @@ class Speculator:
                 if token is None:
                     spec.relax()
                 else:
-                    spec.shadow = (len(row.seq.all_ids), token)
+                    spec.shadow = (len(row.seq.all_ids), token, spec.source)
         if not chosen:
             return
         drafts = self.proposer.propose([row.seq for row, _ in chosen], [k for _, k in chosen])

@@ -193,6 +193,38 @@ def test_ngram_proposer_resumes_the_prompt_in_order_after_the_reply_departs_from
     assert proposer.limit(seq, 4) == 4 and proposer.propose([seq], [4])[0].tokens == [20, 21, 1, 2]
 
 
+def test_acceptance_is_kept_apart_for_each_source():
+    """Drafts copied from the prompt and from the reply's own earlier text succeed at different
+    rates (an extraction copies values from its document, while what follows a JSON key earlier
+    in the reply is another key's value): misses of one source do not shorten the other's
+    drafts, and a skipped draft's free observation counts for the source it would have had."""
+    spec = SpecState()
+    spec.source = "output"
+    for _ in range(4):
+        spec.record(6, 0)
+    spec.source = "prompt"
+    assert spec.alpha == 0.5  # untouched: the prior
+    spec.record(6, 6)
+    prompt_alpha = spec.alpha
+    spec.source = "output"
+    assert spec.alpha < 0.5 < prompt_alpha
+    spec.shadow = (3, 42, "prompt")  # would have drafted 42 at position 3, from the prompt
+    spec.settle_shadow([0, 0, 0, 7])  # it was not 42
+    assert spec.rates["prompt"][1] > 0.85 and spec.drafted == 30 and spec.accepted == 6
+    spec.source = "prompt"
+    assert spec.alpha < prompt_alpha
+
+
+def test_ngram_proposer_names_where_its_draft_comes_from():
+    proposer = NgramProposer(min_n=1, max_n=2)
+    prompt = [1, 2, 3, 4]
+    seq = SimpleNamespace(prompt_ids=prompt, all_ids=prompt + [2], spec=SpecState())
+    assert proposer.limit(seq, 2) == 2 and seq.spec.source == "prompt"
+    seq.all_ids += [9, 8, 9]  # 9 last seen in the reply, followed by 8
+    assert proposer.limit(seq, 2) == 2 and seq.spec.source == "output"
+    assert proposer.propose([seq], [2])[0].tokens == [8, 9]
+
+
 # -- the engine on the real model --------------------------------------------------------------
 
 
