@@ -165,6 +165,19 @@ def test_step_cost_interpolates_measured_sizes():
     assert cost.seconds(18) > 0.090  # past the largest measured size: dearer, never free
 
 
+def test_step_cost_never_falls_as_the_step_grows():
+    """Noisy medians (one extraction run's, in ms) where bigger steps measured cheaper: the
+    cost stays non-decreasing, so more drafted tokens never look cheaper than fewer; where
+    the order holds, the medians are kept."""
+    cost = StepCost()
+    for n, ms in ((4, 46), (6, 56), (7, 52), (8, 58), (9, 53), (10, 59), (16, 72), (18, 70)):
+        cost.observe(n, ms / 1000)
+    curve = [cost.seconds(n) for n in range(1, 40)]
+    assert all(a <= b for a, b in zip(curve, curve[1:])), curve
+    assert cost.seconds(4) == 0.046 and cost.seconds(10) == 0.059
+    assert math.isclose(cost.seconds(6), 0.054) and math.isclose(cost.seconds(8), 0.0555)
+
+
 def test_ngram_proposer_drafts_what_followed_the_latest_longest_match():
     """No prompt to resume (below): the latest occurrence of the longest match."""
     proposer = NgramProposer(min_n=2, max_n=3)
