@@ -204,11 +204,38 @@ class Draft:
     ends_forced: bool = False
 
 
+class SharedAcceptance:
+    """The acceptance of drafts from each source across all of an engine's sequences (slowly
+    decayed counts): where a new sequence's own rate starts, instead of an even guess, so its
+    first drafts are as long as the server's recent experience with that source warrants.
+
+    NOTE: measured with bench.speculative's extraction at 4 streams (2-core CPU, 3 waves
+    each): from an even start each reply's first copies of the email drafted 1-2 tokens, and
+    a wave took 29-31 steps (154-157 drafted tokens accepted); starting from the shared rates,
+    26-27 steps (169-173 accepted), 110-116 -> 116-120 tok/s."""
+
+    WEIGHT = 2.0  # pseudo-counts (hits + misses) a sequence's own rate starts with
+    DECAY = 0.97  # per observation, over all sequences: roughly the last 30 weigh in
+
+    def __init__(self) -> None:
+        self._rates: dict[str, list[float]] = {}  # source -> [hits, misses]
+
+    def pseudo_counts(self, source: str) -> tuple[float, float]:
+        hits, misses = self._rates.get(source, (0.0, 0.0))
+        rate = (hits + 1) / (hits + misses + 2)
+        return self.WEIGHT * rate, self.WEIGHT * (1 - rate)
+
+    def observe(self, source: str, hits: float, missed: bool) -> None:
+        rate = self._rates.setdefault(source, [0.0, 0.0])
+        rate[0] = rate[0] * self.DECAY + hits
+        rate[1] = rate[1] * self.DECAY + missed
+
+
 @dataclass(slots=True)
 class SpecState:
     """One sequence's speculation: its recent acceptance (decayed counts, kept apart for each
-    source the proposer copies from) and totals, and the proposer's own state (an n-gram
-    index, a draft model's cache)."""
+    source the proposer copies from, starting from the engine's `shared` experience) and
+    totals, and the proposer's own state (an n-gram index, a draft model's cache)."""
 
     drafted: int = 0
     accepted: int = 0
@@ -216,8 +243,9 @@ class SpecState:
     source: str = ""  # where the proposer's draft comes from this step (set by `Proposer.limit`)
     shadow: tuple[int, int, str] | None = None  # (position, token, source) of a skipped draft's start
     rates: dict[str, list[float]] = field(default_factory=dict)  # source -> [hits, misses]
+    shared: SharedAcceptance | None = None
 
-    PRIOR = (1.0, 1.0)  # pseudo-counts (hits, misses): alpha starts at 0.5
+    PRIOR = (1.0, 1.0)  # pseudo-counts (hits, misses) without `shared`: alpha starts at 0.5
     DECAY = 0.85  # per observation: roughly the last seven weigh in
     RELAX = 0.95  # per step without a draft nor a shadow: alpha drifts back to the prior
 
@@ -225,7 +253,7 @@ class SpecState:
     def alpha(self) -> float:
         """The recent acceptance rate of drafts from the current `source`."""
         hits, misses = self.rates.get(self.source, (0.0, 0.0))
-        a, b = self.PRIOR
+        a, b = self.PRIOR if self.shared is None else self.shared.pseudo_counts(self.source)
         return (hits + a) / (hits + misses + a + b)
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -237,6 +265,8 @@ class SpecState:
         rate = self.rates.setdefault(source, [0.0, 0.0])
         rate[0] = rate[0] * self.DECAY + hits
         rate[1] = rate[1] * self.DECAY + missed
+        if self.shared is not None:
+            self.shared.observe(source, hits, missed)
 
     def relax(self) -> None:
         for rate in self.rates.values():
@@ -316,6 +346,7 @@ class Speculator:
         self.config = config or SpeculativeConfig()
         self.metrics = metrics
         self.cost = StepCost()
+        self.acceptance = SharedAcceptance()
 
     def prepare(self) -> None:
         self.proposer.prepare()
@@ -340,7 +371,7 @@ class Speculator:
             if k <= 0:
                 continue
             if seq.spec is None:
-                seq.spec = SpecState()
+                seq.spec = SpecState(shared=self.acceptance)
             seq.spec.settle_shadow(seq.all_ids)
             k = self.proposer.limit(seq, k)
             if k > 0:

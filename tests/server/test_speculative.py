@@ -32,6 +32,7 @@ from server.settings import Settings
 from server.prompt_lookup import NgramProposer
 from server.speculative import (
     Draft,
+    SharedAcceptance,
     SpeculativeConfig,
     Speculator,
     SpecState,
@@ -226,6 +227,27 @@ def test_acceptance_is_kept_apart_for_each_source():
     assert spec.rates["prompt"][1] > 0.85 and spec.drafted == 30 and spec.accepted == 6
     spec.source = "prompt"
     assert spec.alpha < prompt_alpha
+
+
+def test_a_new_sequence_starts_from_the_engines_acceptance_for_each_source():
+    """Sequences share what they learn (slowly decayed): a new one's first drafts from the
+    prompt are as long as the prompt's copies have been accepted lately, its drafts from its
+    own output as short; its own observations then take over."""
+    shared = SharedAcceptance()
+    first = SpecState(shared=shared)
+    for _ in range(5):
+        first.source = "prompt"
+        first.record(8, 8)
+        first.source = "output"
+        first.record(4, 0)
+    second = SpecState(shared=shared)
+    second.source = "prompt"
+    assert second.alpha > 0.8 and SpecState().alpha == 0.5
+    second.source = "output"
+    assert second.alpha < 0.3
+    for _ in range(3):
+        second.record(4, 4)
+    assert second.alpha > 0.7
 
 
 def test_ngram_proposer_names_where_its_draft_comes_from():
