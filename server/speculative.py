@@ -221,14 +221,25 @@ class SharedAcceptance:
         self._rates: dict[str, list[float]] = {}  # source -> [hits, misses]
 
     def pseudo_counts(self, source: str) -> tuple[float, float]:
-        hits, misses = self._rates.get(source, (0.0, 0.0))
-        rate = (hits + 1) / (hits + misses + 2)
+        rate = _rate(self._rates, source, SpecState.PRIOR)
         return self.WEIGHT * rate, self.WEIGHT * (1 - rate)
 
     def observe(self, source: str, hits: float, missed: bool) -> None:
-        rate = self._rates.setdefault(source, [0.0, 0.0])
-        rate[0] = rate[0] * self.DECAY + hits
-        rate[1] = rate[1] * self.DECAY + missed
+        _decayed(self._rates, source, hits, missed, self.DECAY)
+
+
+def _rate(rates: dict[str, list[float]], key: str, prior: tuple[float, float]) -> float:
+    """The acceptance rate of `key`'s decayed [hits, misses], with pseudo-counts `prior`."""
+    hits, misses = rates.get(key, (0.0, 0.0))
+    a, b = prior
+    return (hits + a) / (hits + misses + a + b)
+
+
+def _decayed(rates: dict[str, list[float]], key: str, hits: float, missed: bool, decay: float) -> None:
+    """Add one observation to `key`'s counts, the older ones weighing `decay` less."""
+    rate = rates.setdefault(key, [0.0, 0.0])
+    rate[0] = rate[0] * decay + hits
+    rate[1] = rate[1] * decay + missed
 
 
 @dataclass(slots=True)
@@ -252,9 +263,8 @@ class SpecState:
     @property
     def alpha(self) -> float:
         """The recent acceptance rate of drafts from the current `source`."""
-        hits, misses = self.rates.get(self.source, (0.0, 0.0))
-        a, b = self.PRIOR if self.shared is None else self.shared.pseudo_counts(self.source)
-        return (hits + a) / (hits + misses + a + b)
+        prior = self.PRIOR if self.shared is None else self.shared.pseudo_counts(self.source)
+        return _rate(self.rates, self.source, prior)
 
     def record(self, drafted: int, accepted: int) -> None:
         self._observe(self.source, accepted, accepted < drafted)
@@ -262,9 +272,7 @@ class SpecState:
         self.accepted += accepted
 
     def _observe(self, source: str, hits: float, missed: bool) -> None:
-        rate = self.rates.setdefault(source, [0.0, 0.0])
-        rate[0] = rate[0] * self.DECAY + hits
-        rate[1] = rate[1] * self.DECAY + missed
+        _decayed(self.rates, source, hits, missed, self.DECAY)
         if self.shared is not None:
             self.shared.observe(source, hits, missed)
 
