@@ -27,7 +27,8 @@ from server.draft_model import DraftModelProposer
 from server.engine import Engine, EngineConfig
 from server.metrics import Metrics
 from server.sampling import SamplingParams, make_generator, sample_rows
-from server.sequence import GenerationRequest
+from server.scheduler import Plan, ScheduledRow
+from server.sequence import GenerationRequest, Status
 from server.settings import Settings
 from server.prompt_lookup import NgramProposer
 from server.speculative import (
@@ -248,6 +249,30 @@ def test_a_new_sequence_starts_from_the_engines_acceptance_for_each_source():
     for _ in range(3):
         second.record(4, 4)
     assert second.alpha > 0.7
+
+
+def test_the_engine_starts_each_sequence_from_what_the_others_learned():
+    """`Speculator.draft` gives every new sequence the engine's shared rates: once a sequence's
+    copies of its prompt were all accepted, the next sequence's first copy of its own prompt
+    is drafted longer than from an even start."""
+    speculator = Speculator(NgramProposer(), eos_ids=frozenset())
+
+    def decoding(prompt):  # a sequence whose last token occurs at the start of its prompt
+        cache = SimpleNamespace(length=len(prompt) + 1, capacity=1024, windows=[None], keys=[torch.empty(1, 1, 1024, 1)])
+        seq = SimpleNamespace(status=Status.DECODE, num_pending=1, request=SimpleNamespace(speculative=True),
+                              params=SamplingParams(max_tokens=64), generated=[], spec=None, matcher=None,
+                              cache=cache, prompt_ids=prompt, all_ids=prompt + prompt[:1])
+        return ScheduledRow(seq, 1)
+
+    first = decoding(list(range(100, 140)))
+    speculator.draft(Plan([first]), 512)
+    from_even_start = first.n_draft
+    assert first.seq.spec.source == "prompt" and 0 < from_even_start < 15
+    for _ in range(6):
+        first.seq.spec.record(8, 8)
+    second = decoding(list(range(200, 240)))
+    speculator.draft(Plan([second]), 512)
+    assert second.n_draft > from_even_start
 
 
 def test_ngram_proposer_names_where_its_draft_comes_from():
