@@ -9,7 +9,8 @@ pass over 1-32 positions is timed at that context (median of 7); then the reply 
 step by step with drafts from
 
   shipped      prompt lookup as the server runs it (NgramProposer, draft lengths by `allocate`
-               from the row's acceptance rate and the timed step costs);
+               from the row's acceptance rate and the timed step costs), from an even start
+               (a server's new sequences start from its recent rates);
   best source  at every step the earlier occurrence of the last token whose continuation
                matches the reply longest (knows the future), draft lengths as shipped;
   perfect      exactly the longest run of the reply's next tokens that follows an earlier

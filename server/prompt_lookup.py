@@ -41,7 +41,8 @@ class NgramProposer:
     a rate per source: the Python code edits' 4 replies 2.85 / 3.14 / 3.02 / 3.06 -> 2.87 /
     3.24 / 3.14 / 3.13, the JavaScript ones 5.73 / 5.73 / 5.08 / 5.73 -> 6.17 / 6.17 / 5.03 /
     6.17, chat unchanged; bench.speculative's extraction at 4 streams took 27-28 steps a wave
-    instead of 31-33 (3 waves each: 163-168 drafted tokens accepted instead of 143-151).
+    instead of 31-33 (3 waves each, one server after the other on one box: 163-168 drafted
+    tokens accepted instead of 143-151).
 
     Per sequence an index {n-gram: end positions of its occurrences, ascending}, grown
     incrementally (only ever appended to: drafts never enter a sequence's ids, accepted tokens
@@ -64,7 +65,7 @@ class NgramProposer:
         index.match = self._lookup(index, seq.all_ids)
         if index.match is None:
             return 0
-        seq.spec.source = "prompt" if index.match < index.n_prompt else "output"
+        seq.spec.source = "prompt" if index.match + 1 < index.n_prompt else "output"  # where the draft starts
         return min(k, len(seq.all_ids) - index.match - 1)
 
     def propose(self, seqs: list, ks: list[int]) -> list[Draft]:

@@ -211,11 +211,15 @@ class SharedAcceptance:
 
     NOTE: measured with bench.speculative's extraction at 4 streams (2-core CPU, 3 waves
     each): from an even start each reply's first copies of the email drafted 1-2 tokens, and
-    a wave took 29-31 steps (154-157 drafted tokens accepted); starting from the shared rates,
-    26-27 steps (169-173 accepted), 110-116 -> 116-120 tok/s."""
+    a wave took 29-31 steps (154-157 drafted tokens accepted; with the per-source rates and
+    the step-cost fit, one run after the other on the same box); starting from the shared
+    rates, 26-27 steps (169-173 accepted), 110-116 -> 116-120 tok/s. Greedy and sampled
+    requests share apart: sampling accepts a drafted token with the model's probability.
+    """
 
     WEIGHT = 2.0  # pseudo-counts (hits + misses) a sequence's own rate starts with
     DECAY = 0.97  # per observation, over all sequences: roughly the last 30 weigh in
+    RELAX = 0.95  # per step a sequence can neither draft nor observe: back toward an even guess
 
     def __init__(self) -> None:
         self._rates: dict[str, list[float]] = {}  # source -> [hits, misses]
@@ -226,6 +230,13 @@ class SharedAcceptance:
 
     def observe(self, source: str, hits: float, missed: bool) -> None:
         _decayed(self._rates, source, hits, missed, self.DECAY)
+
+    def relax(self, source: str) -> None:
+        """A step taught nothing about `source` (no draft, no free observation: a draft
+        model's rows): its rate drifts back to an even guess, so a rate that fell low enough
+        to stop all drafting cannot stay there for good."""
+        if source in self._rates:
+            self._rates[source] = [count * self.RELAX for count in self._rates[source]]
 
 
 def _rate(rates: dict[str, list[float]], key: str, prior: tuple[float, float]) -> float:
@@ -259,6 +270,7 @@ class SpecState:
     PRIOR = (1.0, 1.0)  # pseudo-counts (hits, misses) without `shared`: alpha starts at 0.5
     DECAY = 0.85  # per observation: roughly the last seven weigh in
     RELAX = 0.95  # per step without a draft nor a shadow: alpha drifts back to the prior
+    # (with `shared`: the shared rate, which itself drifts back to 0.5)
 
     @property
     def alpha(self) -> float:
@@ -280,6 +292,8 @@ class SpecState:
         for rate in self.rates.values():
             rate[0] *= self.RELAX
             rate[1] *= self.RELAX
+        if self.shared is not None:
+            self.shared.relax(self.source)
 
     def settle_shadow(self, ids: list[int]) -> None:
         """A step that did not draft still tells whether its draft would have begun right (a
@@ -298,7 +312,9 @@ class Proposer(Protocol):
         """Before the engine's first step (a draft model: `kv.enable` on the engine thread)."""
 
     def limit(self, seq, k: int) -> int:
-        """How many tokens (<= k) it could draft for `seq` now (prompt lookup: the match)."""
+        """How many tokens (<= k) it could draft for `seq` now (prompt lookup: the match).
+        A proposer with several sources sets `seq.spec.source` to the one it would draft from
+        (prompt lookup: "prompt" or "output"); a single-source one leaves it "" ."""
 
     def propose(self, seqs: list, ks: list[int]) -> list[Draft]:
         """Drafts of ks[i] tokens (or fewer) for seqs[i]."""
@@ -354,7 +370,7 @@ class Speculator:
         self.config = config or SpeculativeConfig()
         self.metrics = metrics
         self.cost = StepCost()
-        self.acceptance = SharedAcceptance()
+        self.acceptance = {True: SharedAcceptance(), False: SharedAcceptance()}  # greedy or not
 
     def prepare(self) -> None:
         self.proposer.prepare()
@@ -379,7 +395,7 @@ class Speculator:
             if k <= 0:
                 continue
             if seq.spec is None:
-                seq.spec = SpecState(shared=self.acceptance)
+                seq.spec = SpecState(shared=self.acceptance[seq.params.greedy])
             seq.spec.settle_shadow(seq.all_ids)
             k = self.proposer.limit(seq, k)
             if k > 0:

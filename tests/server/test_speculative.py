@@ -178,6 +178,9 @@ def test_step_cost_never_falls_as_the_step_grows():
     assert all(a <= b for a, b in zip(curve, curve[1:])), curve
     assert cost.seconds(4) == 0.046 and cost.seconds(10) == 0.059
     assert math.isclose(cost.seconds(6), 0.054) and math.isclose(cost.seconds(8), 0.0555)
+    for _ in range(3):  # three more samples of 18: pooled with 16 by their weight, 4 to 1
+        cost.observe(18, 0.070)
+    assert math.isclose(cost.seconds(16), (0.072 + 4 * 0.070) / 5) and cost.seconds(16) == cost.seconds(18)
 
 
 def test_ngram_proposer_drafts_what_followed_the_latest_longest_match():
@@ -251,6 +254,20 @@ def test_a_new_sequence_starts_from_the_engines_acceptance_for_each_source():
     assert second.alpha > 0.7
 
 
+def test_a_low_shared_rate_cannot_stop_drafting_for_good():
+    """A draft model's rows that do not draft observe nothing (no free first token): steps
+    without drafts pull both the sequence's rate and the shared one back to an even guess,
+    so a new sequence after a bad spell drafts again."""
+    shared = SharedAcceptance()
+    for _ in range(60):
+        SpecState(shared=shared).record(4, 0)
+    waiting = SpecState(shared=shared)
+    assert waiting.alpha < 0.1
+    for _ in range(100):
+        waiting.relax()
+    assert SpecState(shared=shared).alpha > 0.45
+
+
 def test_the_engine_starts_each_sequence_from_what_the_others_learned():
     """`Speculator.draft` gives every new sequence the engine's shared rates: once a sequence's
     copies of its prompt were all accepted, the next sequence's first copy of its own prompt
@@ -273,6 +290,10 @@ def test_the_engine_starts_each_sequence_from_what_the_others_learned():
     second = decoding(list(range(200, 240)))
     speculator.draft(Plan([second]), 512)
     assert second.n_draft > from_even_start
+    greedy = decoding(list(range(300, 340)))  # greedy requests accept otherwise: their own rates
+    greedy.seq.params = SamplingParams(max_tokens=64, temperature=0.0)
+    speculator.draft(Plan([greedy]), 512)
+    assert greedy.n_draft == from_even_start
 
 
 def test_ngram_proposer_names_where_its_draft_comes_from():
@@ -283,6 +304,8 @@ def test_ngram_proposer_names_where_its_draft_comes_from():
     seq.all_ids += [9, 8, 9]  # 9 last seen in the reply, followed by 8
     assert proposer.limit(seq, 2) == 2 and seq.spec.source == "output"
     assert proposer.propose([seq], [2])[0].tokens == [8, 9]
+    seq = SimpleNamespace(prompt_ids=prompt, all_ids=prompt + [4], spec=SpecState())
+    assert proposer.limit(seq, 2) == 1 and seq.spec.source == "output"  # the match ends the prompt: the draft is the reply's
 
 
 # -- the engine on the real model --------------------------------------------------------------
