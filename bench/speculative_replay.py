@@ -132,7 +132,7 @@ def replay(prompt: list[int], reply: list[int], proposer, cost: StepCost, max_dr
         if k > 0:
             k = allocate([spec.alpha], [k], 1, lambda n: cost.seconds(1 + n), 1 << 30)[0]
             if k == 0:
-                spec.shadow = (len(seq.all_ids), proposer.peek(seq), spec.source)
+                spec.skip(len(seq.all_ids), proposer.peek(seq))
         if k > 0:
             draft = proposer.propose([seq], [k])[0].tokens
             accepted = _common(draft, 0, reply, i, len(draft))

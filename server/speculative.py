@@ -295,6 +295,15 @@ class SpecState:
         if self.shared is not None:
             self.shared.relax(self.source)
 
+    def skip(self, position: int, token: int | None) -> None:
+        """This step drafts nothing where the draft would have begun with `token` at
+        `position` (None: not known without work): kept as a shadow to settle for free, or
+        else a step that taught nothing."""
+        if token is None:
+            self.relax()
+        else:
+            self.shadow = (position, token, self.source)
+
     def settle_shadow(self, ids: list[int]) -> None:
         """A step that did not draft still tells whether its draft would have begun right (a
         free observation, when the proposer knew its first token without work)."""
@@ -425,11 +434,7 @@ class Speculator:
         chosen = [(row, k) for row, k in zip(rows, ks) if k > 0]
         for row, k in zip(rows, ks):
             if k == 0:
-                spec, token = row.seq.spec, self.proposer.peek(row.seq)
-                if token is None:
-                    spec.relax()
-                else:
-                    spec.shadow = (len(row.seq.all_ids), token, spec.source)
+                row.seq.spec.skip(len(row.seq.all_ids), self.proposer.peek(row.seq))
         if not chosen:
             return
         drafts = self.proposer.propose([row.seq for row, _ in chosen], [k for _, k in chosen])
