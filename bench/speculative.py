@@ -6,8 +6,8 @@ run, single stream and 4 concurrent streams.
         [--server-flag=--speculative=ngram ...]
 
 Workloads (each stream its own variant):
-  code-edit   return a ~300-token Python or JavaScript file with one function renamed (chat,
-              max 400 tokens)
+  code-edit   asked to return a ~300-token Python or JavaScript file with one function
+              renamed (chat, max 400 tokens)
   extraction  JSON (response_format json_schema) whose values copy spans of a support email
   chat        free chat: a short story on a topic (drafts mostly miss)
 
@@ -15,13 +15,18 @@ Rate = completion tokens / wall time of the wave (first request sent to the last
 prefill included), through the openai SDK, streamed. On and off alternate (off first, then on,
 `--repeats` times) and the median of each is kept; the ratio is on / off. The greedy outputs of
 the two modes are compared (identical or not; docs/architecture.md allows near-ties), and the
-server's speculation metrics give the acceptance rate of the on runs.
+server's speculation metrics give the acceptance rate of the on runs. For the code edits, the
+last column says how close the replies came to the file asked for (difflib similarity of the
+reply's code block to the file with the rename applied) and how many made the rename: the
+drafts can only copy what the model copies.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
+import re
 import shlex
 import statistics
 import sys
@@ -160,11 +165,32 @@ def email(i: int) -> str:
     )
 
 
+def requested_file(workload: str, i: int) -> tuple[str, str, str]:
+    """What code-edit stream i asks for: the file with its rename applied, and the old and new
+    names."""
+    _, code, renames = CODE[workload]
+    old, new = renames[i % len(renames)]
+    return code.replace(old, new), old, new
+
+
+def fidelity(workload: str, texts: list[str]) -> str:
+    """How close the code-edit replies came to the files asked for: the mean similarity of each
+    reply's first code block to its requested file, and how many made the rename."""
+    similar, renamed = [], 0
+    for i, text in enumerate(texts):
+        want, old, new = requested_file(workload, i)
+        block = re.search(r"```[\w+-]*\n(.*?)```", text, re.DOTALL)
+        code = block.group(1) if block else text
+        similar.append(difflib.SequenceMatcher(None, want, code, autojunk=False).ratio())
+        renamed += new in code and re.search(rf"\b{re.escape(old)}\b", code) is None
+    return f"{statistics.mean(similar):.2f} similar, renamed {renamed} / {len(texts)}"
+
+
 def requests(workload: str, i: int) -> dict:
     """The chat request of stream i for a workload (greedy)."""
     if workload in CODE:
-        language, code, renames = CODE[workload]
-        old, new = renames[i % len(renames)]
+        language, code, _ = CODE[workload]
+        _, old, new = requested_file(workload, i)
         ask = (f"Rename the function {old} to {new} everywhere in this code. Reply with the complete "
                f"modified code only.\n\n```{language}\n{code}```")
         return {"messages": [{"role": "user", "content": ask}], "max_tokens": 400}
@@ -217,6 +243,7 @@ class Row:
     outputs: int
     drafted: float
     accepted: float
+    copy: str  # code edits: how close the replies came to the requested file (`fidelity`)
 
 
 async def run(server: ServerProcess, args: argparse.Namespace) -> list[Row]:
@@ -240,7 +267,8 @@ async def run(server: ServerProcess, args: argparse.Namespace) -> list[Row]:
                 texts_on = w.texts
                 drafted, accepted = drafted + d1 - d0, accepted + a1 - a0
             identical = sum(a == b for a, b in zip(texts_off, texts_on))
-            rows.append(Row(workload, streams, statistics.median(off), statistics.median(on), identical, streams, drafted, accepted))
+            copy = fidelity(workload, texts_on) if workload in CODE else "-"
+            rows.append(Row(workload, streams, statistics.median(off), statistics.median(on), identical, streams, drafted, accepted, copy))
             print(f"  {workload} x{streams}: off {rows[-1].off:.1f} on {rows[-1].on:.1f} tok/s", file=sys.stderr, flush=True)
     return rows
 
@@ -248,13 +276,13 @@ async def run(server: ServerProcess, args: argparse.Namespace) -> list[Row]:
 def report(rows: list[Row], flags: list[str], args: argparse.Namespace) -> None:
     print(f"\nspeculative decoding on / off, greedy, median of {args.repeats} (SmolLM2-135M fp32, CPU; "
           f"server flags: {' '.join(flags)})\n")
-    print("| workload | streams | off tok/s | on tok/s | **ratio on / off** | goal | accepted / drafted | identical outputs |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workload | streams | off tok/s | on tok/s | **ratio on / off** | goal | accepted / drafted | identical outputs | reply vs requested file |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         goal = GOALS[r.workload]
         rate = f"{r.accepted / r.drafted:.0%} of {r.drafted:.0f}" if r.drafted else "nothing drafted"
         print(f"| {r.workload} | {r.streams} | {r.off:.1f} | {r.on:.1f} | **{r.on / r.off:.2f}** | "
-              f">= {goal} {'met' if r.on / r.off >= goal else 'missed'} | {rate} | {r.identical} / {r.outputs} |")
+              f">= {goal} {'met' if r.on / r.off >= goal else 'missed'} | {rate} | {r.identical} / {r.outputs} | {r.copy} |")
     print("\n    " + shlex.join([".venv/bin/python", "-m", "bench.speculative", *sys.argv[1:]]))
 
 
