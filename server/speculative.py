@@ -44,6 +44,7 @@ import logging
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -204,6 +205,35 @@ class Draft:
     ends_forced: bool = False
 
 
+class DecayedCounts:
+    """Decayed [hits, misses] of drafts per source: each observation weighs `decay` times the
+    one after it, and `relax` scales a source's counts toward its prior (pseudo-counts)."""
+
+    __slots__ = ("counts", "decay", "relaxation")
+
+    def __init__(self, decay: float, relaxation: float) -> None:
+        self.counts: dict[str, list[float]] = {}  # source -> [hits, misses]
+        self.decay, self.relaxation = decay, relaxation
+
+    def rate(self, source: str, prior: tuple[float, float]) -> float:
+        """The acceptance rate of `source`, with pseudo-counts `prior` (hits, misses)."""
+        hits, misses = self.counts.get(source, (0.0, 0.0))
+        a, b = prior
+        return (hits + a) / (hits + misses + a + b)
+
+    def observe(self, source: str, hits: float, missed: bool) -> None:
+        count = self.counts.setdefault(source, [0.0, 0.0])
+        count[0] = count[0] * self.decay + hits
+        count[1] = count[1] * self.decay + missed
+
+    def relax(self, sources: Iterable[str]) -> None:
+        for source in sources:
+            count = self.counts.get(source)
+            if count is not None:
+                count[0] *= self.relaxation
+                count[1] *= self.relaxation
+
+
 class SharedAcceptance:
     """The acceptance of drafts from each source across all of an engine's sequences (slowly
     decayed counts): where a new sequence's own rate starts, instead of an even guess, so its
@@ -222,35 +252,20 @@ class SharedAcceptance:
     RELAX = 0.95  # per step a sequence can neither draft nor observe: back toward an even guess
 
     def __init__(self) -> None:
-        self._rates: dict[str, list[float]] = {}  # source -> [hits, misses]
+        self._rates = DecayedCounts(self.DECAY, self.RELAX)
 
     def pseudo_counts(self, source: str) -> tuple[float, float]:
-        rate = _rate(self._rates, source, SpecState.PRIOR)
+        rate = self._rates.rate(source, SpecState.PRIOR)
         return self.WEIGHT * rate, self.WEIGHT * (1 - rate)
 
     def observe(self, source: str, hits: float, missed: bool) -> None:
-        _decayed(self._rates, source, hits, missed, self.DECAY)
+        self._rates.observe(source, hits, missed)
 
     def relax(self, source: str) -> None:
         """A step taught nothing about `source` (no draft, no free observation: a draft
         model's rows): its rate drifts back to an even guess, so a rate that fell low enough
         to stop all drafting cannot stay there for good."""
-        if source in self._rates:
-            self._rates[source] = [count * self.RELAX for count in self._rates[source]]
-
-
-def _rate(rates: dict[str, list[float]], key: str, prior: tuple[float, float]) -> float:
-    """The acceptance rate of `key`'s decayed [hits, misses], with pseudo-counts `prior`."""
-    hits, misses = rates.get(key, (0.0, 0.0))
-    a, b = prior
-    return (hits + a) / (hits + misses + a + b)
-
-
-def _decayed(rates: dict[str, list[float]], key: str, hits: float, missed: bool, decay: float) -> None:
-    """Add one observation to `key`'s counts, the older ones weighing `decay` less."""
-    rate = rates.setdefault(key, [0.0, 0.0])
-    rate[0] = rate[0] * decay + hits
-    rate[1] = rate[1] * decay + missed
+        self._rates.relax([source])
 
 
 @dataclass(slots=True)
@@ -264,7 +279,7 @@ class SpecState:
     proposer: object | None = None
     source: str = ""  # where the proposer's draft comes from this step (set by `Proposer.limit`)
     shadow: tuple[int, int, str] | None = None  # (position, token, source) of a skipped draft's start
-    rates: dict[str, list[float]] = field(default_factory=dict)  # source -> [hits, misses]
+    rates: DecayedCounts = field(default_factory=lambda: DecayedCounts(SpecState.DECAY, SpecState.RELAX))
     shared: SharedAcceptance | None = None
 
     PRIOR = (1.0, 1.0)  # pseudo-counts (hits, misses) without `shared`: alpha starts at 0.5
@@ -276,7 +291,7 @@ class SpecState:
     def alpha(self) -> float:
         """The recent acceptance rate of drafts from the current `source`."""
         prior = self.PRIOR if self.shared is None else self.shared.pseudo_counts(self.source)
-        return _rate(self.rates, self.source, prior)
+        return self.rates.rate(self.source, prior)
 
     def record(self, drafted: int, accepted: int) -> None:
         self._observe(self.source, accepted, accepted < drafted)
@@ -284,14 +299,12 @@ class SpecState:
         self.accepted += accepted
 
     def _observe(self, source: str, hits: float, missed: bool) -> None:
-        _decayed(self.rates, source, hits, missed, self.DECAY)
+        self.rates.observe(source, hits, missed)
         if self.shared is not None:
             self.shared.observe(source, hits, missed)
 
     def relax(self) -> None:
-        for rate in self.rates.values():
-            rate[0] *= self.RELAX
-            rate[1] *= self.RELAX
+        self.rates.relax(self.rates.counts)
         if self.shared is not None:
             self.shared.relax(self.source)
 

@@ -228,7 +228,7 @@ def test_acceptance_is_kept_apart_for_each_source():
     assert spec.alpha < 0.5 < prompt_alpha
     spec.shadow = (3, 42, "prompt")  # would have drafted 42 at position 3, from the prompt
     spec.settle_shadow([0, 0, 0, 7])  # it was not 42
-    assert spec.rates["prompt"][1] > 0.85 and spec.drafted == 30 and spec.accepted == 6
+    assert spec.rates.counts["prompt"][1] > 0.85 and spec.drafted == 30 and spec.accepted == 6
     spec.source = "prompt"
     assert spec.alpha < prompt_alpha
 
