@@ -68,6 +68,7 @@ class ModelRunner:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._meta: torch.Tensor | None = None  # the decode inputs, one device buffer
         self._graph_pool = None
+        self._enabled = False
 
     def prepare(self) -> None:
         """Switch the model to kvserve's attention, pack CPU weights, capture the decode graphs
@@ -77,10 +78,13 @@ class ModelRunner:
             self._capture_all()
 
     def _enable(self) -> None:
+        if self._enabled:
+            return
         attention.enable(self.model)
         cpu_linear.pack_model(self.model, self.packed)
-        if self.paged and self._meta is None:
+        if self.paged:
             self._meta = torch.zeros(self.max_rows * (4 + self.max_blocks), dtype=torch.long, device=self.device)
+        self._enabled = True
 
     # -- a step ------------------------------------------------------------------------------
 
@@ -157,26 +161,27 @@ class ModelRunner:
         return logits
 
     def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int):
-        """Write the decode inputs of `rows`, padded to `size` rows reading `blocks` blocks,
-        into the persistent device buffer with ONE host-to-device copy: ids, positions, slots,
-        lens [size] and tables [size, blocks]. Padding rows: token 0 at position 0, slot and
-        table in the trash block, length 1."""
-        pool, bs, trash = self.pool, self.pool.block_size, self.pool.trash_block
-        pad = size - len(rows)
-        positions = [r.kv.length for r in rows]
-        slots = [r.kv.blocks[p // bs] * bs + p % bs for r, p in zip(rows, positions)]
-        tables = []
-        for r in rows:
-            table = r.kv.blocks[:blocks]
-            tables += table + [trash] * (blocks - len(table))
-        host = torch.tensor(
-            token_ids + [0] * pad + positions + [0] * pad + slots + [trash * bs] * pad
-            + [p + 1 for p in positions] + [1] * pad + tables + [trash] * (pad * blocks),
-            dtype=torch.long,
-        )
+        """The decode inputs of `rows` (`_decode_inputs`) in the persistent device buffer,
+        with ONE host-to-device copy: views (ids, positions, batch)."""
+        host = torch.tensor(self._decode_inputs([r.kv for r in rows], token_ids, size, blocks), dtype=torch.long)
         meta = self._buffers(size, blocks)
         meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
         return self._views(meta, size, blocks)
+
+    def _decode_inputs(self, caches: list[kv.SequenceKV], token_ids: list[int], size: int, blocks: int) -> list[int]:
+        """Ids, positions, slots, lens [size] and tables [size, blocks], flat, for one new token
+        per cache, padded to `size` rows reading `blocks` blocks. Padding rows: token 0 at
+        position 0, slot and table in the trash block, length 1."""
+        bs, trash = self.pool.block_size, self.pool.trash_block
+        pad = size - len(caches)
+        positions = [c.length for c in caches]
+        slots = [c.blocks[p // bs] * bs + p % bs for c, p in zip(caches, positions)]
+        tables = []
+        for c in caches:
+            table = c.blocks[:blocks]
+            tables += table + [trash] * (blocks - len(table))
+        return (token_ids + [0] * pad + positions + [0] * pad + slots + [trash * bs] * pad
+                + [p + 1 for p in positions] + [1] * pad + tables + [trash] * (pad * blocks))
 
     def _buffers(self, size: int, blocks: int) -> torch.Tensor:
         need = size * (4 + blocks)
@@ -190,13 +195,11 @@ class ModelRunner:
         return ids[None], pos[None], Batch(self.pool, slots, tables, lens)
 
     def _batch(self, caches: list[kv.SequenceKV]) -> Batch:
-        """The paged path's tensors for the decode rows of a mixed step (eager, not padded)."""
-        bs, trash = self.pool.block_size, self.pool.trash_block
-        blocks = max(kv.blocks_for(c.length + 1, bs) for c in caches)
-        slots = [c.blocks[c.length // bs] * bs + c.length % bs for c in caches]
-        tables = [t for c in caches for t in c.blocks[:blocks] + [trash] * (blocks - len(c.blocks[:blocks]))]
-        slots_t, lens_t, tables_t = _to_device([slots, [c.length + 1 for c in caches], tables], self.device)
-        return Batch(self.pool, slots_t, tables_t.view(len(caches), blocks), lens_t)
+        """The paged path's tensors for the one-token rows of a mixed step (eager, not padded;
+        their ids and positions travel with the step's other tokens)."""
+        n, blocks = len(caches), max(kv.blocks_for(c.length + 1, self.pool.block_size) for c in caches)
+        [meta] = _to_device([self._decode_inputs(caches, [0] * n, n, blocks)], self.device)
+        return self._views(meta, n, blocks)[2]
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None) -> torch.Tensor:
         """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""
