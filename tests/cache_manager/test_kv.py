@@ -6,9 +6,9 @@ from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig
 
 from cache_manager import kv
 from server.model_runner import forward
+from tests.device import DEVICE, DTYPE
 
 torch.set_grad_enabled(False)
-CPU = torch.device("cpu")
 
 
 def tiny(config_cls, **extra):
@@ -17,7 +17,7 @@ def tiny(config_cls, **extra):
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **extra,
     )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPE).to(DEVICE).eval()
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ IDS = [(i * 7919) % 49000 + 17 for i in range(48)]
 
 
 def fresh_logits(model, ids, capacity=64):
-    return forward(model, kv.allocate(model.config, capacity, CPU, torch.float32), ids, 0)
+    return forward(model, kv.allocate(model.config, capacity, DEVICE, DTYPE), ids, 0)
 
 
 def test_capacity_bucket():
@@ -47,8 +47,8 @@ def test_capacity_bucket():
 def test_bytes_for_matches_allocation(models, name):
     model = models[name]
     for capacity in (8, 64, 256):
-        cache = kv.allocate(model.config, capacity, CPU, torch.float32)
-        assert kv.nbytes(cache) == kv.bytes_for(model.config, capacity, torch.float32)
+        cache = kv.allocate(model.config, capacity, DEVICE, DTYPE)
+        assert kv.nbytes(cache) == kv.bytes_for(model.config, capacity, DTYPE)
         assert kv.length(cache) == 0
 
 
@@ -65,11 +65,11 @@ def test_smollm2_bytes_per_token():
 @pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
 def test_grow_keeps_state_bit_identical(models, name):
     model = models[name]
-    small = kv.allocate(model.config, 32, CPU, torch.float32)
+    small = kv.allocate(model.config, 32, DEVICE, DTYPE)
     forward(model, small, IDS[:30], 0)  # past the 16-token window of the sliding models
     bigger = kv.grow(small, model.config, 64)
     assert kv.length(bigger) == 30 and kv.capacity(bigger) == 64
-    same_size = kv.allocate(model.config, 64, CPU, torch.float32)
+    same_size = kv.allocate(model.config, 64, DEVICE, DTYPE)
     forward(model, same_size, IDS[:30], 0)
     a = forward(model, bigger, IDS[30:40], 30)
     b = forward(model, same_size, IDS[30:40], 30)
@@ -80,7 +80,7 @@ def test_grow_keeps_state_bit_identical(models, name):
 @pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
 def test_crop_then_edit_equals_fresh_prefill(models, name):
     model = models[name]
-    cache = kv.allocate(model.config, 64, CPU, torch.float32)
+    cache = kv.allocate(model.config, 64, DEVICE, DTYPE)
     forward(model, cache, IDS[:14], 0)  # within the window: croppable
     assert kv.can_crop(cache)
     kv.crop(cache, 8)
@@ -92,21 +92,21 @@ def test_crop_then_edit_equals_fresh_prefill(models, name):
 
 def test_wrapped_sliding_window_cannot_crop(models):
     model = models["mistral-sliding"]
-    cache = kv.allocate(model.config, 64, CPU, torch.float32)
+    cache = kv.allocate(model.config, 64, DEVICE, DTYPE)
     forward(model, cache, IDS[:20], 0)
     assert not kv.can_crop(cache)
     with pytest.raises(ValueError):
         kv.crop(cache, 10)
     kv.crop(cache, 20)  # cropping to the current length is a no-op, always allowed
     full = models["smollm2"]
-    cache = kv.allocate(full.config, 64, CPU, torch.float32)
+    cache = kv.allocate(full.config, 64, DEVICE, DTYPE)
     forward(full, cache, IDS[:40], 0)
     assert kv.can_crop(cache)
 
 
 def stock_logits(model, ids):
     """transformers' own attention (the fallback kv keeps for calls outside the engine)."""
-    return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    return model(input_ids=torch.tensor([ids], device=DEVICE)).logits[0, -1].float()
 
 
 @pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
@@ -115,7 +115,7 @@ def test_a_batch_of_rows_equals_each_sequence_alone(models, name):
     past the sliding window: every row's logits match transformers' own full-sequence pass."""
     model = models[name]
     seqs = [IDS[:40], IDS[5:25][::-1], IDS[10:47]]
-    caches = [kv.allocate(model.config, 64, CPU, torch.float32) for _ in seqs]
+    caches = [kv.allocate(model.config, 64, DEVICE, DTYPE) for _ in seqs]
     done = [0, 0, 0]
 
     def step(counts):
@@ -166,7 +166,7 @@ def test_cpu_linear_equals_f_linear_at_every_row_count(bias):
 
 def test_fallback_attention_is_untouched_outside_the_engine(models):
     model = models["mistral-sliding"]
-    kv.forward(model, [kv.Row(kv.allocate(model.config, 64, CPU, torch.float32), 4)], IDS[:4], [0])
+    kv.forward(model, [kv.Row(kv.allocate(model.config, 64, DEVICE, DTYPE), 4)], IDS[:4], [0])
     assert model.config._attn_implementation == kv.ATTN_IMPLEMENTATION
     fresh = tiny(MistralConfig, sliding_window=16)  # same seed, same weights, never switched
     assert torch.equal(stock_logits(model, IDS[:40]), stock_logits(fresh, IDS[:40]))
@@ -174,7 +174,7 @@ def test_fallback_attention_is_untouched_outside_the_engine(models):
 
 def test_bfloat16_batches_like_float32():
     model = tiny(MistralConfig, sliding_window=16).to(torch.bfloat16)
-    caches = [kv.allocate(model.config, 64, CPU, torch.bfloat16) for _ in range(2)]
+    caches = [kv.allocate(model.config, 64, DEVICE, torch.bfloat16) for _ in range(2)]
     kv.forward(model, [kv.Row(caches[0], 20), kv.Row(caches[1], 6)], IDS[:20] + IDS[:6], [])
     logits = kv.forward(model, [kv.Row(caches[0], 1), kv.Row(caches[1], 1)], IDS[20:21] + IDS[6:7], [0, 1])
     assert caches[0].keys[0].dtype == torch.bfloat16 and logits.dtype == torch.float32
