@@ -10,6 +10,7 @@ import torch
 
 from server.model_loader import LoadedModel, load_model
 from server.settings import default_cache_dir
+from tests.device import DEVICE, DTYPE_NAME, SETTINGS
 
 torch.set_grad_enabled(False)
 
@@ -21,7 +22,7 @@ def test_cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    return load_model(None, cache_dir=test_cache_dir(), device="cpu", dtype="float32")
+    return load_model(None, cache_dir=test_cache_dir(), device=str(DEVICE), dtype=DTYPE_NAME)
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +37,8 @@ def anyio_backend():
 
 @pytest.fixture
 def app_client(smollm2):
-    """`async with app_client(**settings) as client`: an in-process app on the shared model."""
+    """`async with app_client(**settings) as client`: an in-process app on the shared model
+    (Settings on the test device, which a draft model loads onto)."""
     import contextlib
 
     import anyio
@@ -48,7 +50,7 @@ def app_client(smollm2):
 
     @contextlib.asynccontextmanager
     async def make(**overrides):
-        app = create_app(Settings(**overrides), loaded=smollm2)
+        app = create_app(Settings(**{**SETTINGS, **overrides}), loaded=smollm2)
         async with LifespanManager(app) as manager:
             transport = httpx.ASGITransport(app=manager.app)
             async with httpx.AsyncClient(transport=transport, base_url="http://kvserve") as client:

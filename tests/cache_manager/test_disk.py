@@ -22,6 +22,8 @@ CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_h
 
 
 def session_kv(n_tokens: int, dtype=torch.float32) -> kv.SequenceKV:
+    # NOTE: on the CPU whatever KVSERVE_TEST_DEVICE says: disk.write takes host tensors (the
+    # disk tier copies a device's KV there first); what comes off the GPU is tested in tests/server.
     cache = kv.allocate(CONFIG, 256, torch.device("cpu"), dtype)
     for t in cache.pool.keys + cache.pool.values:
         t.normal_()

@@ -10,9 +10,9 @@ from cache_manager import kv
 from server import attention, cpu_linear, model_runner
 from server.attention import Row
 from server.model_runner import ModelRunner, forward
+from tests.device import DEVICE, DTYPE
 
 torch.set_grad_enabled(False)
-CPU = torch.device("cpu")
 
 
 def tiny(config_cls, **extra):
@@ -21,7 +21,7 @@ def tiny(config_cls, **extra):
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **extra,
     )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPE).to(DEVICE).eval()
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,11 @@ IDS = [(i * 7919) % 49000 + 17 for i in range(48)]
 
 
 def fresh_logits(model, ids, capacity=64):
-    return forward(model, kv.allocate(model.config, capacity, CPU, torch.float32), ids, 0)
+    return forward(model, kv.allocate(model.config, capacity, DEVICE, DTYPE), ids, 0)
 
 
 def test_capacity_is_whole_blocks():
-    cache = kv.allocate(tiny_config(), 33, CPU, torch.float32)
+    cache = kv.allocate(tiny_config(), 33, DEVICE, DTYPE)
     assert kv.capacity(cache) == 48 and len(cache.blocks) == 3 and cache.base == 0
     kv.grow(cache, 40)  # fits already: nothing appended
     assert kv.capacity(cache) == 48
@@ -56,8 +56,8 @@ def tiny_config():
 def test_bytes_for_matches_allocation(models, name):
     model = models[name]
     for capacity in (8, 64, 256):
-        cache = kv.allocate(model.config, capacity, CPU, torch.float32)
-        assert kv.nbytes(cache) == kv.bytes_for(model.config, capacity, torch.float32)
+        cache = kv.allocate(model.config, capacity, DEVICE, DTYPE)
+        assert kv.nbytes(cache) == kv.bytes_for(model.config, capacity, DTYPE)
         assert kv.length(cache) == 0
 
 
@@ -74,7 +74,7 @@ def test_smollm2_bytes_per_token():
 @pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
 def test_grow_keeps_state_bit_identical(models, name):
     model = models[name]
-    pool = kv.Pool(model.config, kv.bytes_for(model.config, 96, torch.float32), CPU, torch.float32)
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, 96, DTYPE), DEVICE, DTYPE)
     small = pool.allocate(32)
     other = pool.allocate(16)  # takes the blocks after small's: growing must go elsewhere
     forward(model, small, IDS[:30], 0)  # past the 16-token window of the sliding models
@@ -82,7 +82,7 @@ def test_grow_keeps_state_bit_identical(models, name):
     assert bigger is small and kv.length(bigger) == 30 and kv.capacity(bigger) == 64
     assert bigger.blocks[:2] == [0, 1] and 2 not in bigger.blocks and bigger.base is None  # gathered
     kv.free(other)
-    same_size = kv.allocate(model.config, 64, CPU, torch.float32)
+    same_size = kv.allocate(model.config, 64, DEVICE, DTYPE)
     forward(model, same_size, IDS[:30], 0)
     a = forward(model, bigger, IDS[30:40], 30)
     b = forward(model, same_size, IDS[30:40], 30)
@@ -93,7 +93,7 @@ def test_grow_keeps_state_bit_identical(models, name):
 @pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
 def test_crop_then_edit_equals_fresh_prefill(models, name):
     model = models[name]
-    cache = kv.allocate(model.config, 64, CPU, torch.float32)
+    cache = kv.allocate(model.config, 64, DEVICE, DTYPE)
     forward(model, cache, IDS[:14], 0)  # within the window: croppable
     assert kv.can_crop(cache)
     kv.crop(cache, 8)
@@ -107,7 +107,7 @@ def test_crop_then_edit_equals_fresh_prefill(models, name):
 def test_sliding_window_caches_crop_after_wrapping(models, name):
     """Sliding layers keep every position in the pool: a cache past its window still crops."""
     model = models[name]
-    cache = kv.allocate(model.config, 64, CPU, torch.float32)
+    cache = kv.allocate(model.config, 64, DEVICE, DTYPE)
     forward(model, cache, IDS[:40], 0)
     assert kv.can_crop(cache)
     kv.crop(cache, 22)
@@ -120,13 +120,13 @@ def test_sliding_window_caches_crop_after_wrapping(models, name):
 
 def stock_logits(model, ids):
     """transformers' own attention (the fallback kv keeps for calls outside the engine)."""
-    return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    return model(input_ids=torch.tensor([ids], device=DEVICE)).logits[0, -1].float()
 
 
 def scattered_caches(model, n, capacity):
     """`n` caches of one pool whose blocks interleave (none consecutive: every read gathers)."""
     blocks = kv.blocks_for(capacity)
-    pool = kv.Pool(model.config, kv.bytes_for(model.config, capacity, torch.float32) * n, CPU, torch.float32)
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, capacity, DTYPE) * n, DEVICE, DTYPE)
     caches = [kv.SequenceKV(pool) for _ in range(n)]
     for b in range(blocks):
         for cache in caches:
@@ -145,7 +145,7 @@ def test_a_batch_of_rows_equals_each_sequence_alone(models, name, path):
     model = models[name]
     seqs = [IDS[:40], IDS[5:25][::-1], IDS[10:47]]
     if path == "rows":
-        caches = [kv.allocate(model.config, 64, CPU, torch.float32) for _ in seqs]
+        caches = [kv.allocate(model.config, 64, DEVICE, DTYPE) for _ in seqs]
         runner = ModelRunner(model, caches[0].pool, paged=False)
     else:
         pool, caches = scattered_caches(model, len(seqs), 64)
@@ -200,7 +200,7 @@ def test_cpu_linear_equals_f_linear_at_every_row_count(bias):
 
 def test_fallback_attention_is_untouched_outside_the_engine(models):
     model = models["mistral-sliding"]
-    model_runner.forward_rows(model, [Row(kv.allocate(model.config, 64, CPU, torch.float32), 4)], IDS[:4], [0])
+    model_runner.forward_rows(model, [Row(kv.allocate(model.config, 64, DEVICE, DTYPE), 4)], IDS[:4], [0])
     assert model.config._attn_implementation == attention.ATTN_IMPLEMENTATION
     fresh = tiny(MistralConfig, sliding_window=16)  # same seed, same weights, never switched
     assert torch.equal(stock_logits(model, IDS[:40]), stock_logits(fresh, IDS[:40]))
@@ -208,7 +208,7 @@ def test_fallback_attention_is_untouched_outside_the_engine(models):
 
 def test_bfloat16_batches_like_float32():
     model = tiny(MistralConfig, sliding_window=16).to(torch.bfloat16)
-    caches = [kv.allocate(model.config, 64, CPU, torch.bfloat16) for _ in range(2)]
+    caches = [kv.allocate(model.config, 64, DEVICE, torch.bfloat16) for _ in range(2)]
     model_runner.forward_rows(model, [Row(caches[0], 20), Row(caches[1], 6)], IDS[:20] + IDS[:6], [])
     logits = model_runner.forward_rows(model, [Row(caches[0], 1), Row(caches[1], 1)], IDS[20:21] + IDS[6:7], [0, 1])
     assert caches[0].pool.keys[0].dtype == torch.bfloat16 and logits.dtype == torch.float32

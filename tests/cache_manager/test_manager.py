@@ -9,8 +9,8 @@ from transformers import LlamaConfig
 from cache_manager import kv
 from cache_manager.manager import NO_SESSION, CacheConfig, CacheManager, NoRoom
 from cache_manager.sessions import EntryPinnedError, is_anonymous
+from tests.device import DEVICE
 
-CPU = torch.device("cpu")
 # 2 layers x 1 KV head x head_dim 4, fp32: 2 (K, V) x 2 x 1 x 4 x 4 B = 64 bytes per position
 CONFIG = LlamaConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
@@ -19,7 +19,7 @@ BLOCK = kv.BLOCK_SIZE * 64  # one block of the pool
 
 
 def manager(budget=20 * S256, **config) -> CacheManager:
-    return CacheManager(CONFIG, CPU, torch.float32, 2048, CacheConfig(budget_bytes=budget, **config))
+    return CacheManager(CONFIG, DEVICE, torch.float32, 2048, CacheConfig(budget_bytes=budget, **config))
 
 
 def written(lease, tokens):

@@ -35,6 +35,7 @@ from openai import OpenAI
 from bench.common import free_port, launch, launch_with_metrics_port
 from server.metrics import Metrics
 from tests.conftest import test_cache_dir as cache_dir
+from tests.device import SERVE_FLAGS
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "docker/grafana/dashboards/kvserve.json"
@@ -156,7 +157,7 @@ def kvserve(tmp_path_factory):
     sessions (`restored-1`, `restored-2`) that an earlier process wrote at SIGTERM, so the KV
     tier panels have restores to show."""
     work = tmp_path_factory.mktemp("kvserve")
-    flags = ("--cache-dir", str(cache_dir()), "--api-key", KEY, "--speculative", "ngram",
+    flags = ("--cache-dir", str(cache_dir()), *SERVE_FLAGS, "--api-key", KEY, "--speculative", "ngram",
              "--kv-disk-dir", str(work / "kv"), "--kv-persist-interval-s", "1")
     with launch(work, *flags) as earlier:
         client = OpenAI(base_url=earlier.base_url, api_key=KEY, max_retries=0, timeout=120)

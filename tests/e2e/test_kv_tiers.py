@@ -13,6 +13,7 @@ from openai import OpenAI
 
 from bench.common import launch
 from tests.conftest import test_cache_dir as cache_dir
+from tests.device import SERVE_FLAGS
 
 MODEL = "SmolLM2-135M-Instruct"
 ONE_SESSION_BUDGET = str(16 * 2**20)  # the device holds one 256-token session (11.8 MB)
@@ -45,7 +46,7 @@ def conversation(n_facts: int) -> list[dict]:
 
 def test_sessions_survive_a_restart(tmp_path):
     disk = tmp_path / "kv"
-    flags = ("--cache-dir", str(cache_dir()), "--kv-disk-dir", str(disk))
+    flags = ("--cache-dir", str(cache_dir()), *SERVE_FLAGS, "--kv-disk-dir", str(disk))
     messages = conversation(4)
     with launch(tmp_path, *flags) as server:
         client = OpenAI(base_url=server.base_url, api_key="none")
@@ -73,7 +74,7 @@ def test_a_full_disk_stops_the_tier_growing_and_serving_goes_on(tmp_path):
     """RLIMIT_FSIZE makes the server's writes of files over 3 MB fail (EFBIG, as ENOSPC would):
     a short session's file fits, a long one's does not."""
     disk = tmp_path / "kv"
-    flags = ("--cache-dir", str(cache_dir()), "--kv-disk-dir", str(disk), "--kv-budget-bytes", ONE_SESSION_BUDGET)
+    flags = ("--cache-dir", str(cache_dir()), *SERVE_FLAGS, "--kv-disk-dir", str(disk), "--kv-budget-bytes", ONE_SESSION_BUDGET)
     with launch(tmp_path, *flags) as server:
         limit = 3 * 2**20
         resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (limit, limit))

@@ -10,6 +10,7 @@ import pytest
 
 from bench.common import launch_with_metrics_port
 from tests.conftest import test_cache_dir as cache_dir
+from tests.device import SERVE_FLAGS
 from tests.server.test_api import sample
 
 KEY = "metrics-port-key"
@@ -18,7 +19,7 @@ KEY = "metrics-port-key"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with launch_with_metrics_port(
-        tmp_path_factory.mktemp("server"), "--cache-dir", str(cache_dir()), "--api-key", KEY,
+        tmp_path_factory.mktemp("server"), "--cache-dir", str(cache_dir()), *SERVE_FLAGS, "--api-key", KEY,
     ) as s:
         yield s
 

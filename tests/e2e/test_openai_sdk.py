@@ -11,6 +11,8 @@ import pytest
 import torch
 from openai import OpenAI
 
+from tests.device import DEVICE
+
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [{"role": "user", "content": "Write a haiku about the sea."}]
 NO_EOS = {"2": -100}  # <|im_end|> never sampled: the request runs until max_tokens
@@ -31,7 +33,7 @@ def test_chat_greedy_equals_transformers_generate(client, smollm2):
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=30)
     text = smollm2.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     ids = smollm2.tokenizer(text, add_special_tokens=False)["input_ids"]
-    ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)[0, len(ids):]
+    ref = smollm2.model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=30, do_sample=False)[0, len(ids):]
     assert out.choices[0].message.content == smollm2.tokenizer.decode(ref, skip_special_tokens=True)
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.prompt_tokens_details.cached_tokens == 0

@@ -24,6 +24,7 @@ from openai import OpenAI
 from bench.common import launch
 from bench.scaleout import holds, launch_router, session_document, smg_binary, turn_order
 from tests.conftest import test_cache_dir as cache_dir
+from tests.device import SERVE_FLAGS
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +36,7 @@ MAX_TOKENS = 6
 def replicas(tmp_path_factory):
     logs = tmp_path_factory.mktemp("replicas")
     with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(launch(logs, "--cache-dir", str(cache_dir()))) for _ in range(REPLICAS)]
+        yield [stack.enter_context(launch(logs, "--cache-dir", str(cache_dir()), *SERVE_FLAGS)) for _ in range(REPLICAS)]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from openai import OpenAI
 
 from bench.common import launch
 from tests.conftest import test_cache_dir as cache_dir
+from tests.device import SERVE_FLAGS
 
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [{"role": "user", "content": "Count from one to one hundred."}]
@@ -62,7 +63,7 @@ def wait_running(server, n: int, timeout_s: float = 60) -> None:
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
-    with launch(tmp_path, "--cache-dir", str(cache_dir()), "--shutdown-grace-s", "120") as server:
+    with launch(tmp_path, "--cache-dir", str(cache_dir()), *SERVE_FLAGS, "--shutdown-grace-s", "120") as server:
         streamed: dict = {}
         first_token = threading.Event()
         stream_thread = threading.Thread(target=read_stream, args=(server.url, 32, streamed, first_token))
@@ -107,7 +108,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(tmp_path):
 
 
 def test_grace_period_over_aborts_in_flight_and_exits_0(tmp_path):
-    with launch(tmp_path, "--cache-dir", str(cache_dir()), "--shutdown-grace-s", "1") as server:
+    with launch(tmp_path, "--cache-dir", str(cache_dir()), *SERVE_FLAGS, "--shutdown-grace-s", "1") as server:
         streamed: dict = {}
         first_token = threading.Event()
         # ~2000 tokens take minutes on a CPU: far more than the 1 s grace.
@@ -130,7 +131,7 @@ def test_grace_period_over_aborts_in_flight_and_exits_0(tmp_path):
 
 
 def test_sigterm_when_idle_exits_0_at_once(tmp_path):
-    with launch(tmp_path, "--cache-dir", str(cache_dir())) as server:
+    with launch(tmp_path, "--cache-dir", str(cache_dir()), *SERVE_FLAGS) as server:
         sent = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=30) == 0, server.log()

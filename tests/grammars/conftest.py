@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from grammars import GrammarCompiler, Matcher
 
 VOCAB_SIZE = 49152  # SmolLM2's logits width
 EOS = 2  # <|im_end|>
+
+# The 144 JSONSchemaBench schemas, found from this file, never from the cwd: in ../shared beside
+# the checkout (CI, a developer's machine), else in a shared/ inside it (what travels to a
+# GPU machine, which gets the checkout alone). Skipped only where neither exists, never in CI.
+REPO = Path(__file__).resolve().parents[2]
+_BENCH_DIRS = [root / "shared" / "data" / "jsonschemabench" for root in (REPO.parent, REPO)]
+JSONSCHEMABENCH = next((d for d in _BENCH_DIRS if d.is_dir()), _BENCH_DIRS[0])
+needs_jsonschemabench = pytest.mark.skipif(
+    not JSONSCHEMABENCH.is_dir() and os.environ.get("CI", "").lower() != "true",
+    reason=f"no JSONSchemaBench data: neither {' nor '.join(map(str, _BENCH_DIRS))} exists",
+)
 
 
 @pytest.fixture(scope="session")

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from grammars import GrammarCompiler, GrammarError, GrammarSpec, spec_from_request, tool_call_spec
 
-from .conftest import VOCAB_SIZE
+from .conftest import JSONSCHEMABENCH as BENCH
+from .conftest import VOCAB_SIZE, needs_jsonschemabench
 
-BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench"
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -286,6 +285,7 @@ def test_tool_call_spec(compiler):
 # ---------------------------------------------------------------- JSONSchemaBench
 
 
+@needs_jsonschemabench
 def test_jsonschemabench_coverage(compiler):
     files = sorted(BENCH.glob("*/*.json"))
     assert len(files) == 144

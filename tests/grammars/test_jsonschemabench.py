@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -18,7 +17,11 @@ from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
 from server.settings import Settings
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench"
+from .conftest import JSONSCHEMABENCH as DATA
+from .conftest import needs_jsonschemabench
+
+pytestmark = needs_jsonschemabench
+
 SCHEMAS = sorted(DATA.glob("*/*.json"))
 MAX_TOKENS = 128
 

@@ -9,6 +9,7 @@ import torch
 
 from grammars import GrammarCompiler, GrammarSpec, tool_call_spec
 from grammars.matcher import start_draft_masks
+from tests.device import DEVICE
 
 from .conftest import EOS, VOCAB_SIZE
 
@@ -39,11 +40,11 @@ def test_disallowed_tokens_get_minus_inf_and_allowed_are_untouched(compiler, wal
     m = matcher(compiler, "json_schema", PERSON)
     walk(m, '{"name":"')
     allowed = m.allowed_tokens()
-    logits = torch.randn(VOCAB_SIZE)
+    logits = torch.randn(VOCAB_SIZE, device=DEVICE)
     before = logits.clone()
     m.start_mask()
     m.apply_mask(logits)
-    assert torch.equal(torch.isfinite(logits), allowed)
+    assert torch.equal(torch.isfinite(logits).cpu(), allowed)  # the mask is the matcher's, on the CPU
     assert torch.equal(logits[allowed], before[allowed])
     assert allowed[tokenizer.encode("Bob")[0]]
     assert not allowed[tokenizer.encode("\n")[0]]  # a raw newline cannot be in a JSON string
@@ -53,7 +54,7 @@ def test_disallowed_tokens_get_minus_inf_and_allowed_are_untouched(compiler, wal
 def test_eos_is_masked_until_the_grammar_accepts(compiler, walk):
     m = matcher(compiler, "regex", "[0-9]+")
     assert not m.allowed_tokens()[EOS] and not m.is_accepting
-    logits = torch.zeros(VOCAB_SIZE)
+    logits = torch.zeros(VOCAB_SIZE, device=DEVICE)
     m.apply_mask(logits)
     assert logits[EOS] == float("-inf")
     walk(m, "12")
@@ -167,11 +168,11 @@ def test_choice_lark_gbnf_and_tool_calls(compiler, walk):
 def test_logits_wider_than_the_tokenizer(tokenizer, walk):
     wide = GrammarCompiler(tokenizer, VOCAB_SIZE + 64)
     m = wide.compile(GrammarSpec("regex", "[a-z]+")).new_matcher()
-    logits = torch.zeros(VOCAB_SIZE + 64)
+    logits = torch.zeros(VOCAB_SIZE + 64, device=DEVICE)
     m.apply_mask(logits)
     assert torch.isinf(logits[VOCAB_SIZE:]).all() and torch.isfinite(logits).any()
     with pytest.raises(ValueError):
-        m.apply_mask(torch.zeros(VOCAB_SIZE))
+        m.apply_mask(torch.zeros(VOCAB_SIZE, device=DEVICE))
 
 
 def test_engine_loop_with_mask_in_the_worker(compiler, tokenizer):
@@ -180,10 +181,10 @@ def test_engine_loop_with_mask_in_the_worker(compiler, tokenizer):
     while True:
         m.start_mask()  # the worker computes while the "forward pass" runs
         assert not m.is_terminated and m.error is None  # queries wait for the worker
-        logits = torch.zeros(VOCAB_SIZE)
+        logits = torch.zeros(VOCAB_SIZE, device=DEVICE)
         m.apply_mask(logits)
         tok = int(torch.argmax(logits))
-        assert m.accept(torch.tensor(tok))
+        assert m.accept(torch.tensor(tok, device=DEVICE))
         out.append(tok)
         if m.is_terminated:
             break

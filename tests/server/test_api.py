@@ -6,6 +6,8 @@ import anyio
 
 import pytest
 
+from tests.device import DEVICE, DTYPE_NAME
+
 pytestmark = pytest.mark.anyio
 MODEL = "SmolLM2-135M-Instruct"
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -192,7 +194,7 @@ async def test_metrics_count_requests_and_tokens(app_client):
         assert "kvserve_generation_tokens_total 3.0" in text
         assert 'kvserve_time_to_first_token_seconds_count{cache="miss"} 1.0' in text
         assert "kvserve_requests_running 0.0" in text and "kvserve_requests_waiting 0.0" in text
-        assert 'kvserve_info{device="cpu",dtype="float32",model="SmolLM2-135M-Instruct"' in text
+        assert f'kvserve_info{{device="{DEVICE.type}",dtype="{DTYPE_NAME}",model="SmolLM2-135M-Instruct"' in text
 
 
 async def test_a_failed_load_is_503_without_paths(tmp_path):

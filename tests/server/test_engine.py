@@ -10,6 +10,7 @@ from cache_manager.manager import CacheConfig, CacheManager
 from server.engine import Engine, EngineConfig, EngineStopped, QueueFull
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
+from tests.device import DEVICE
 
 PROMPTS = [
     [{"role": "user", "content": "Write a haiku about the sea."}],
@@ -57,7 +58,7 @@ def test_greedy_equals_transformers_generate(smollm2, engine):
     eng = engine()
     for messages in PROMPTS:
         ids = chat_ids(smollm2.tokenizer, messages)
-        ref = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        ref = smollm2.model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
         if ref and ref[-1] == 2:
             ref = ref[:-1]  # the engine does not report end-of-turn as a token
         tokens, text, final = asyncio.run(run(eng, GenerationRequest("r", ids, greedy(24))))

@@ -23,11 +23,14 @@ from cache_manager.tiers import DiskTier, HostTier
 from server.metrics import Metrics
 from server.model_loader import load_model
 from tests.conftest import test_cache_dir as cache_dir
+from tests.device import DEVICE
 from tests.server.test_sessions import Harness, conversation_start
 from tests.server.test_sessions import one_session as session_budget
 
 FINGERPRINT = "test-model"
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a GPU")
+# On CPU the suite's model and, where a GPU exists, one on CUDA; on the test device alone otherwise.
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)] if DEVICE.type == "cpu" else [DEVICE.type]
 
 
 @functools.cache
@@ -36,11 +39,11 @@ def cuda_model():
     return load_model(None, cache_dir=cache_dir(), device="cuda", dtype="float32")
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.fixture(params=DEVICES)
 def loaded(request):
     """The real model on each device at hand: every test here runs on CPU and, where a GPU
     exists, on CUDA (pinned host buffers, side-stream copies, restores into device memory)."""
-    return request.getfixturevalue("smollm2") if request.param == "cpu" else cuda_model()
+    return request.getfixturevalue("smollm2") if request.param == DEVICE.type else cuda_model()
 
 
 @pytest.fixture

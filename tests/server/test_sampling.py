@@ -13,6 +13,7 @@ from server.sampling import (
     sample_rows,
     top_logprobs,
 )
+from tests.device import DEVICE
 
 
 def test_params_validate_bounds():
@@ -30,21 +31,21 @@ def test_params_validate_bounds():
 
 
 def test_logit_bias_adds_to_listed_ids_only():
-    logits = torch.zeros(5)
+    logits = torch.zeros(5, device=DEVICE)
     out = apply_logit_bias(logits, {1: 2.5, 4: -100})
     assert out.tolist() == [0, 2.5, 0, 0, -100]
     assert logits.tolist() == [0] * 5  # input untouched
 
 
 def test_penalties_follow_openai_definition():
-    logits = torch.tensor([1.0, 1.0, 1.0])
-    counts = torch.tensor([0, 1, 3])
+    logits = torch.tensor([1.0, 1.0, 1.0], device=DEVICE)
+    counts = torch.tensor([0, 1, 3], device=DEVICE)
     out = apply_penalties(logits, counts, presence=0.5, frequency=0.25)
     assert out.tolist() == pytest.approx([1.0, 1.0 - 0.5 - 0.25, 1.0 - 0.5 - 0.75])
 
 
 def kept(logits, **params):
-    probs = filtered_probs(torch.as_tensor(logits)[None], [SamplingParams(max_tokens=1, **params)])[0]
+    probs = filtered_probs(torch.as_tensor(logits, device=DEVICE)[None], [SamplingParams(max_tokens=1, **params)])[0]
     return [p > 0 for p in probs.tolist()]
 
 
@@ -53,7 +54,7 @@ def test_top_k_keeps_k_largest():
 
 
 def test_top_p_keeps_smallest_set_reaching_mass():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], device=DEVICE)
     assert kept(probs.log(), top_p=0.75) == [True, True, False, False]
     # the most likely token always survives
     assert kept(probs.log(), top_p=0.1) == [True, False, False, False]
@@ -63,13 +64,13 @@ def test_top_p_keeps_smallest_set_reaching_mass():
 def test_extreme_parameters_draw_the_most_likely_token(params):
     """A top_p or temperature that rounds to 0 in float32 (schemathesis found top_p=5e-324
     turning every probability into NaN: a 500) samples the argmax."""
-    logits = torch.tensor([[0.1, 2.0, 1.0, -1.0]])
+    logits = torch.tensor([[0.1, 2.0, 1.0, -1.0]], device=DEVICE)
     for seed in range(5):
         assert sample_rows(logits, [SamplingParams(max_tokens=1, **params)], [make_generator(seed)]) == [1]
 
 
 def test_each_row_filters_with_its_own_parameters():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3, device=DEVICE))
     params = [SamplingParams(max_tokens=1, top_k=1, temperature=1), SamplingParams(max_tokens=1, top_p=0.75), SamplingParams(max_tokens=1)]
     probs = filtered_probs(logits, params)
     assert [[p > 0 for p in row] for row in probs.tolist()] == [
@@ -80,7 +81,7 @@ def test_each_row_filters_with_its_own_parameters():
 
 
 def test_rows_draw_from_their_own_generators():
-    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=1, top_p=0.9), SamplingParams(max_tokens=1)]
     together = sample_rows(logits, params, [make_generator(s) for s in (1, 2, 3, 4)])
     alone = [sample_rows(logits[i : i + 1], params[i : i + 1], [make_generator(s)])[0] for i, s in enumerate((1, 2, 3, 4))]
@@ -89,7 +90,7 @@ def test_rows_draw_from_their_own_generators():
 
 
 def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
-    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     params = SamplingParams(max_tokens=1, temperature=1.0)
     draws_a = [sample(logits, params, g) for g in [make_generator(7)] for _ in range(20)]
     g = make_generator(7)
@@ -100,7 +101,7 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
 
 
 def test_top_logprobs_sorted():
-    lp = torch.log_softmax(torch.tensor([0.0, 3.0, 1.0, 2.0]), -1)
+    lp = torch.log_softmax(torch.tensor([0.0, 3.0, 1.0, 2.0], device=DEVICE), -1)
     top = top_logprobs(lp, 2)
     assert [t for t, _ in top] == [1, 3]
     assert top[0][1] > top[1][1]

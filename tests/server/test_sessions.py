@@ -16,6 +16,7 @@ from cache_manager.prefix import common_prefix_len
 from server.engine import Engine, EngineConfig, SessionBusy
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
+from tests.device import DEVICE, DTYPE
 from tests.equivalence import assert_equivalent
 
 TOPICS = ["the sea", "mountains", "a cat", "bread", "rain", "trains", "chess", "the moon", "coffee", "winter"]
@@ -237,7 +238,7 @@ def sliding_model():
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=48, max_position_embeddings=2048, eos_token_id=2,
     )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=DTYPE).to(DEVICE).eval()
 
 
 def test_sliding_window_shorter_than_the_conversation(smollm2):

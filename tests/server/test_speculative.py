@@ -45,6 +45,7 @@ from server.speculative import (
     allocate,
     expected_tokens,
 )
+from tests.device import DEVICE, DTYPE, cpu_only
 from tests.equivalence import assert_equivalent
 from tests.server.test_api import MODEL, sample
 
@@ -75,13 +76,14 @@ EMAIL = "From Maria Lindqvist about order A-48213, delivered to Bergen: the kett
 
 
 def test_greedy_rule_accepts_exactly_the_argmax():
-    logits = torch.tensor([0.1, 2.0, -1.0, 1.9])
+    logits = torch.tensor([0.1, 2.0, -1.0, 1.9], device=DEVICE)
     assert accept_greedy(logits, 1) == (True, 1)
     assert accept_greedy(logits, 3) == (False, 1)
 
 
-P = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])
-Q = torch.tensor([0.1, 0.2, 0.4, 0.05, 0.25])
+P = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05], device=DEVICE)
+Q = torch.tensor([0.1, 0.2, 0.4, 0.05, 0.25], device=DEVICE)
+# NOTE: the test's own draws go through .cpu(): requests' generators are CPU ones (make_generator)
 
 
 def test_sampling_rules_keep_the_target_distribution():
@@ -90,15 +92,15 @@ def test_sampling_rules_keep_the_target_distribution():
     the acceptance rate is sum(min(p, q)) (p(x) for a fixed draft x)."""
     g = make_generator(7)
     n = 40_000
-    counts, accepted = torch.zeros(5), 0
+    counts, accepted = torch.zeros(5, device=DEVICE), 0
     for _ in range(n):
-        x = int(torch.multinomial(Q, 1, generator=g))
+        x = int(torch.multinomial(Q.cpu(), 1, generator=g))
         ok, token = accept_or_resample(P, Q, x, g)
         counts[token] += 1
         accepted += ok
     assert torch.allclose(counts / n, P, atol=0.01), counts / n
     assert abs(accepted / n - float(torch.minimum(P, Q).sum())) < 0.01
-    counts, accepted = torch.zeros(5), 0
+    counts, accepted = torch.zeros(5, device=DEVICE), 0
     for _ in range(n):
         ok, token = accept_point_mass(P, 2, g)
         counts[token] += 1
@@ -122,13 +124,13 @@ def test_verify_keeps_the_joint_distribution_of_consecutive_tokens():
     speculator, logits = verifier(), torch.log(P).repeat(3, 1)
     params = SamplingParams(max_tokens=8, temperature=1.0)
     g = make_generator(11)
-    n, pairs = 30_000, torch.zeros(5, 5)
+    n, pairs = 30_000, torch.zeros(5, 5, device=DEVICE)
     seq = fake_seq(params, 3)
     for _ in range(n):
-        draft = [int(torch.multinomial(Q, 1, generator=g)) for _ in range(2)]
+        draft = [int(torch.multinomial(Q.cpu(), 1, generator=g)) for _ in range(2)]
         tokens, accepted = speculator.verify(seq, Draft(draft, probs=Q.repeat(2, 1)), logits.clone())
         if len(tokens) == 1:  # rejected at once: the second token is a plain draw
-            tokens.append(SimpleNamespace(token_id=int(torch.multinomial(P, 1, generator=g))))
+            tokens.append(SimpleNamespace(token_id=int(torch.multinomial(P.cpu(), 1, generator=g))))
         pairs[tokens[0].token_id, tokens[1].token_id] += 1
     assert torch.allclose(pairs / n, P[:, None] * P[None, :], atol=0.012)
 
@@ -277,7 +279,7 @@ def test_the_engine_starts_each_sequence_from_what_the_others_learned():
 
     def decoding(prompt):  # a sequence whose last token occurs at the start of its prompt
         cache = kv.allocate(LlamaConfig(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, hidden_size=4,
-                                        vocab_size=8, max_position_embeddings=2048), 1024, "cpu", torch.float32)
+                                        vocab_size=8, max_position_embeddings=2048), 1024, DEVICE, torch.float32)
         cache.length = len(prompt) + 1
         seq = SimpleNamespace(status=Status.DECODE, num_pending=1, request=SimpleNamespace(speculative=True),
                               params=SamplingParams(max_tokens=64), generated=[], spec=None, matcher=None,
@@ -477,7 +479,7 @@ def tiny_llama(seed):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(LlamaConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
+        num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=DTYPE).to(DEVICE).eval()
 
 
 def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2):
@@ -505,6 +507,7 @@ def test_a_draft_model_right_or_wrong_never_changes_greedy_output(spec, smollm2)
         s.stop()
 
 
+@cpu_only
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_engine_thread_prepares_the_model_and_the_draft_model(smollm2, monkeypatch, packed):
     """Both models' CPU linear layers are packed on the engine thread, the only thread that
@@ -551,7 +554,7 @@ def test_draft_caches_running_and_kept_stay_within_their_budget(spec, smollm2):
     prompt_a = Spec.prompt(smollm2, COPY_PROMPTS[0])
     # a's second turn (its first, 12 tokens and 5 more, then 8) fits; a's kept cache and b's
     # running one (the other prompt, 50+ tokens) do not fit together
-    budget = kv.bytes_for(tiny.config, len(prompt_a) + 32, torch.float32)
+    budget = kv.bytes_for(tiny.config, len(prompt_a) + 32, DTYPE)
     proposer = DraftModelProposer(tiny, 2048, budget_bytes=budget)
     used = []  # at every draft
     propose = proposer.propose
@@ -581,7 +584,7 @@ def test_a_sliding_window_model_drafts_past_its_window(spec, smollm2):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MistralConfig(
         vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=48, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
+        num_key_value_heads=2, sliding_window=48, max_position_embeddings=2048, eos_token_id=2), dtype=DTYPE).to(DEVICE).eval()
     s = spec(model=model)
     ids = s.tokenizer("one two three one two three one two three one two", add_special_tokens=False)["input_ids"]
     request = GenerationRequest("w", ids, greedy(60, logit_bias={2: -100.0}))
