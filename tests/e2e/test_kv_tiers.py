@@ -16,7 +16,10 @@ from tests.conftest import test_cache_dir as cache_dir
 from tests.device import SERVE_FLAGS
 
 MODEL = "SmolLM2-135M-Instruct"
-ONE_SESSION_BUDGET = str(16 * 2**20)  # the device holds one 256-token session (11.8 MB)
+# the device holds 14 blocks of 16 tokens (SmolLM2 fp32: 46080 bytes a token): the long
+# conversation below (186 prompt tokens and 8 more: 13 blocks) or the short one (31 and 8: 3),
+# never both
+ONE_SESSION_BUDGET = str(14 * 16 * 46080)
 
 
 def labelled(server, name: str, **labels) -> float:
