@@ -49,11 +49,12 @@ def api_schema(smollm2):
 
 
 def bounded(body):
-    """The generated body with the served model and a short, single-choice generation."""
+    """The generated body with the served model and a short, single-choice generation (each
+    API ignores the other's length field)."""
     if not isinstance(body, dict):
         return body
     body = {k: v for k, v in body.items() if k != "max_completion_tokens"}
-    return body | {"model": MODEL, "max_tokens": MAX_TOKENS, "n": 1}
+    return body | {"model": MODEL, "max_tokens": MAX_TOKENS, "max_output_tokens": MAX_TOKENS, "n": 1}
 
 
 def check(case) -> None:
