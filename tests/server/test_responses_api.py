@@ -40,10 +40,14 @@ async def test_retrieve_input_items_delete_store_false_and_400s(app_client):
         assert_error_shape(await client.get(f"/v1/responses/{unstored['id']}"), 404, "response_not_found")
         assert_error_shape(await client.post("/v1/responses", json=turn("More.", previous_response_id=unstored["id"])), 404, param="previous_response_id")
 
+        streamed = sse_payloads((await client.post("/v1/responses", json=turn("Say hello.", stream=True, store=False))).text)
+        assert streamed[-1]["type"] == "response.incomplete"  # cut at max_output_tokens
+        assert streamed[-1]["response"]["output"][0]["content"][0]["text"] == created["output"][0]["content"][0]["text"]
+
         metrics = (await client.get("/metrics")).text
         assert sample(metrics, "kvserve_response_store_responses") == 0
         assert 'kvserve_response_store_evictions_total{reason="deleted"} 1.0' in metrics
-        assert 'kvserve_request_finished_total{finish_reason="length",route="/v1/responses"} 2.0' in metrics
+        assert 'kvserve_request_finished_total{finish_reason="length",route="/v1/responses"} 3.0' in metrics
 
         for patch, param in INVALID:  # one app for all: each app costs a warm-up
             assert_error_shape(await client.post("/v1/responses", json=turn("Hi.") | patch), 400, param=param)
