@@ -157,9 +157,10 @@ async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequ
     input_wire = [item.wire() for item in body.input_items()]
     conversation = (previous.conversation if previous is not None else []) + input_wire
     response_id = item_id("resp")
-    session = serving.session_id(request, body.prompt_cache_key)
-    if session is None and previous is not None:
-        session = previous.session_id
+    if body.prompt_cache_key is None and previous is not None and previous.session_id is not None:
+        session = previous.session_id  # the KV of the stored conversation, whatever header is sent
+    else:
+        session = serving.session_id(request, body.prompt_cache_key)
     if session is None and body.store and store.budget_bytes > 0:
         session = response_id
     try:

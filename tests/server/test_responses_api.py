@@ -65,7 +65,8 @@ async def test_two_keys_cannot_see_each_others_responses(app_client):
             response = await client.request(method, path, json=body, headers=KEY_B)
             assert_error_shape(response, 404, "response_not_found")
         assert (await client.get(f"/v1/responses/{rid}", headers=KEY_A)).json()["id"] == rid
-        continued = await client.post("/v1/responses", json=turn("Tell me.", previous_response_id=rid), headers=KEY_A)
+        # the stored conversation's session, whatever X-Session-ID says
+        continued = await client.post("/v1/responses", json=turn("Tell me.", previous_response_id=rid), headers=KEY_A | {"X-Session-ID": "elsewhere"})
         assert continued.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
         assert_error_shape(await client.get(f"/v1/responses/{rid}"), 401, "invalid_api_key")
 
