@@ -70,6 +70,7 @@ class Turn:
     conversation: list[dict]  # earlier turns + this input
     tool_mode: str | None
     created_at: int
+    arrived: float  # time.monotonic() when the request arrived (latency metrics)
 
     def response(self, status: str, output: list[dict], final: RequestOutput | None = None, error: dict | None = None) -> dict:
         """The response object (OpenAI's field order)."""
@@ -147,6 +148,7 @@ def message_item(message_id: str, text: str | None, status: str) -> dict:
 async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
     """Everything before admission: 404 for an unknown previous response, the conversation
     rendered, the grammar compiled, the sequence submitted. Returns (turn, engine handles)."""
+    arrived = time.monotonic()
     ctx.check_model(body.model)
     principal = request.state.principal
     previous = None
@@ -176,7 +178,7 @@ async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequ
         grammar, tool_mode = await serving.compile_grammar(ctx, chat, chat.tools, chat.tool_choice)
         requests = serving.generation_requests(request, chat, response_id, [prompt_ids], params, ctx.request_timeout_s, grammar)
         handles = serving.submit_all(ctx, requests, 1)
-    turn = Turn(response_id, body, principal, session, input_wire, conversation, tool_mode, int(time.time()))
+    turn = Turn(response_id, body, principal, session, input_wire, conversation, tool_mode, int(time.time()), arrived)
     return turn, handles
 
 
@@ -261,7 +263,7 @@ async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
     head = turn.response("in_progress", [])
     yield ev("response.created", response=head)
     yield ev("response.in_progress", response=head)
-    tracker = serving.Tracker(ctx.metrics, time.monotonic(), handle)
+    tracker = serving.Tracker(ctx.metrics, turn.arrived, handle)
     text = ""
     message_id: str | None = None  # set once the message item is open and streaming
     hold = turn.tool_mode == "forced"
