@@ -26,6 +26,14 @@ async def test_retrieve_input_items_delete_store_false_and_400s(app_client):
 
         # the response's session is listed, and goes with the last response that used it
         assert rid in [s["id"] for s in (await client.get("/v1/sessions", headers={"X-Session-ID": rid})).json()["data"]]
+
+        # KV gone, items still stored: the continuation recomputes them, same output
+        assert (await client.delete(f"/v1/sessions/{rid}", headers={"X-Session-ID": rid})).status_code == 204
+        recomputed = await client.post("/v1/responses", json=turn("More.", previous_response_id=rid, store=False))
+        assert recomputed.headers["x-cache-miss-reason"] == "new_session"
+        reused = (await client.post("/v1/responses", json=turn("More.", previous_response_id=rid, store=False))).json()
+        assert reused["usage"]["input_tokens_details"]["cached_tokens"] == reused["usage"]["input_tokens"] - 1
+        assert reused["output"][0]["content"] == recomputed.json()["output"][0]["content"]
         deleted = await client.delete(f"/v1/responses/{rid}")
         assert deleted.status_code == 200 and deleted.json() == {"id": rid, "object": "response.deleted", "deleted": True}
         assert (await client.get("/v1/sessions", headers={"X-Session-ID": rid})).json()["data"] == []
@@ -47,7 +55,8 @@ async def test_retrieve_input_items_delete_store_false_and_400s(app_client):
         metrics = (await client.get("/metrics")).text
         assert sample(metrics, "kvserve_response_store_responses") == 0
         assert 'kvserve_response_store_evictions_total{reason="deleted"} 1.0' in metrics
-        assert 'kvserve_request_finished_total{finish_reason="length",route="/v1/responses"} 3.0' in metrics
+        finished = sum(sample(metrics, f'kvserve_request_finished_total{{finish_reason="{r}",route="/v1/responses"}}') for r in ("stop", "length"))
+        assert finished == 5
 
         for patch, param in INVALID:  # one app for all: each app costs a warm-up
             assert_error_shape(await client.post("/v1/responses", json=turn("Hi.") | patch), 400, param=param)
