@@ -182,14 +182,25 @@ async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequ
     return turn, handles
 
 
-def remember(store: ResponseStore, turn: Turn, response: dict) -> None:
-    """Stores a finished turn (`store: true`); a turn too large for the store says `store: false`."""
+def remember(ctx: ServingContext, store: ResponseStore, turn: Turn, response: dict) -> None:
+    """Stores a finished turn (`store: true`). A turn too large for the store says `store:
+    false`, and the session named after it goes: no one could ever continue in it."""
     if not turn.body.store:
         return
     conversation = turn.conversation + response["output"]
     record = StoredResponse(turn.id, turn.principal, turn.session_id, response, turn.input_items, conversation)
     if not store.put(record):
         response["store"] = False
+        if turn.session_id == turn.id:
+            drop_session(ctx, turn.principal, turn.id)
+
+
+def drop_session(ctx: ServingContext | None, principal: str, session_id: str) -> None:
+    """Deletes a session kvserve named after a response (from every tier); one with a turn
+    running in it stays, to be evicted like any idle session."""
+    if ctx is not None:
+        with contextlib.suppress(EntryPinnedError):
+            ctx.cache_manager.delete_session(principal, session_id)
 
 
 async def create(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
@@ -200,7 +211,7 @@ async def create(ctx: ServingContext, store: ResponseStore, body: ResponsesReque
     choice = (await serving.collect(ctx, request, handles, ROUTE))[0]
     final = choice.final
     response = turn.response(status_of(final), output_items(choice.text, final, turn.tool_mode), final)
-    remember(store, turn, response)
+    remember(ctx, store, turn, response)
     return JSONResponse(response, headers=serving.cache_headers(final))
 
 
@@ -299,7 +310,7 @@ async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
         for event in closed_item(ev, index, item) if index == 0 and message_id is not None else held_item(ev, index, item):
             yield event
     response = turn.response(status_of(final), items, final)
-    remember(store, turn, response)
+    remember(ctx, store, turn, response)
     yield ev("response.completed" if response["status"] == "completed" else "response.incomplete", response=response)
 
 
@@ -318,9 +329,8 @@ def delete(ctx: ServingContext | None, store: ResponseStore, principal: str, res
     if record is None:
         raise not_found(response_id, "response_id")
     session = record.session_id
-    if ctx is not None and session is not None and session.startswith("resp_") and not store.sessions_in_use(principal, session):
-        with contextlib.suppress(EntryPinnedError):  # a turn is running in it: it stays
-            ctx.cache_manager.delete_session(principal, session)
+    if session is not None and session.startswith("resp_") and not store.sessions_in_use(principal, session):
+        drop_session(ctx, principal, session)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 

@@ -111,3 +111,12 @@ async def test_a_failed_stream_ends_with_response_failed(app_client):
         assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
         assert events[-1]["response"]["error"]["code"] == "timeout"
         assert_error_shape(await client.get(f"/v1/responses/{events[0]['response']['id']}"), 404)
+
+
+async def test_a_response_larger_than_the_store_is_not_stored_and_says_so(app_client):
+    async with app_client(response_store_bytes=1) as client:
+        response = (await client.post("/v1/responses", json=turn("Hi.", max_output_tokens=1))).json()
+        assert response["store"] is False and response["status"] == "incomplete"
+        assert_error_shape(await client.get(f"/v1/responses/{response['id']}"), 404, "response_not_found")
+        # nothing continues in a session named after it either
+        assert (await client.get("/v1/sessions", headers={"X-Session-ID": response["id"]})).json()["data"] == []
