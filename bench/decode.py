@@ -1,7 +1,10 @@
 """Single-stream decode speed: the server path (real uvicorn process, streamed through the
 openai SDK) against plain transformers `generate` on the same model, measured in one run.
 
-    .venv/bin/python -m bench.decode [--tokens 128] [--repeats 3]
+    .venv/bin/python -m bench.decode [--tokens 128] [--repeats 3] [--model DIR --device cuda --dtype bfloat16]
+
+Any model kvserve loads (`--model`: an HF directory, hub id or GGUF file; default the embedded
+SmolLM2), on any device (default CPU, fp32, where the README's figures come from).
 
 Decode rate = (tokens - 1) / (time of last token - time of first token), so prefill is left out
 of both sides. End-of-turn is suppressed so both sides generate exactly --tokens tokens.
@@ -32,7 +35,7 @@ def transformers_rate(loaded, tokens: int) -> float:
 
     def timed(n: int) -> float:
         start = time.perf_counter()
-        loaded.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, suppress_tokens=eos)
+        loaded.model.generate(ids.to(loaded.device), max_new_tokens=n, min_new_tokens=n, do_sample=False, suppress_tokens=eos)
         return time.perf_counter() - start
 
     first = timed(1)  # prefill + first token
@@ -61,18 +64,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    loaded = load_model(None, cache_dir=default_cache_dir(), device="cpu", dtype="float32")
+    loaded = load_model(args.model, cache_dir=default_cache_dir(), device=args.device, dtype=args.dtype)
+    name = loaded.model.config.name_or_path or "SmolLM2-135M"
     hf = [transformers_rate(loaded, args.tokens) for _ in range(args.repeats)]
     del loaded
-    with tempfile.TemporaryDirectory() as logs, launch(logs) as server:
+    flags = (["--model", args.model] if args.model else []) + ["--device", args.device, "--dtype", args.dtype]
+    with tempfile.TemporaryDirectory() as logs, launch(logs, *flags) as server:
         client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         server_rate(client, model, 8)  # warm the HTTP path
         ours = [server_rate(client, model, args.tokens) for _ in range(args.repeats)]
     hf_med, ours_med = statistics.median(hf), statistics.median(ours)
-    print(f"decode, 1 stream, {args.tokens} tokens, median of {args.repeats} (SmolLM2-135M fp32, CPU)\n")
+    print(f"decode, 1 stream, {args.tokens} tokens, median of {args.repeats} ({name}, {args.dtype}, {args.device})\n")
     print("| path | tokens/s |")
     print("|---|---|")
     print(f"| transformers generate | {hf_med:.1f} |")

@@ -35,6 +35,8 @@ import torch
 
 from bench import speculative as workloads
 from cache_manager import kv
+from server import model_runner
+from server.attention import Row
 from server.engine import end_of_turn_ids
 from server.model_loader import load_model
 from server.prompt_lookup import NgramProposer
@@ -47,15 +49,15 @@ STREAMS = 4  # the perfect drafter also runs bench.speculative's 4 streams in on
 
 def greedy_reply(model, prompt: list[int], max_tokens: int, eos: frozenset[int]) -> tuple[list[int], kv.SequenceKV]:
     """The greedy reply (kvserve's forward pass, one token per step) and the cache it leaves."""
-    cache = kv.allocate(model.config, kv.capacity_bucket(len(prompt) + max_tokens + 64, 1 << 16), model.device, model.dtype)
-    logits = kv.forward(model, [kv.Row(cache, len(prompt))], prompt, [0])
+    cache = kv.allocate(model.config, len(prompt) + max_tokens + 64, model.device, model.dtype)
+    logits = model_runner.forward_rows(model, [Row(cache, len(prompt))], prompt, [0])
     reply: list[int] = []
     while len(reply) < max_tokens:
         token = int(torch.argmax(logits[0]))
         if token in eos:
             break
         reply.append(token)
-        logits = kv.forward(model, [kv.Row(cache, 1)], [token], [0])
+        logits = model_runner.forward_rows(model, [Row(cache, 1)], [token], [0])
     return reply, cache
 
 
@@ -69,7 +71,7 @@ def step_cost(model, rows: list[tuple[kv.SequenceKV, list[int]]], sizes, repeats
         for _ in range(repeats):
             start = time.perf_counter()
             # any ids time alike
-            kv.forward(model, [kv.Row(c, n) for c, _ in rows], [t for _, ids in rows for t in ids[-n:]], list(range(len(rows))), [n] * len(rows))
+            model_runner.forward_rows(model, [Row(c, n) for c, _ in rows], [t for _, ids in rows for t in ids[-n:]], list(range(len(rows))), [n] * len(rows))
             times.append(time.perf_counter() - start)
             for c, _ in rows:
                 kv.crop(c, kv.length(c) - n)
@@ -170,8 +172,8 @@ def batch_cost(model, rows: list[tuple[list[int], list[int]]]) -> StepCost:
     held = []
     for prompt, reply in rows:
         ids = prompt + reply
-        cache = kv.allocate(model.config, kv.capacity_bucket(len(ids) + 64, 1 << 16), model.device, model.dtype)
-        kv.forward(model, [kv.Row(cache, len(ids))], ids, [0])
+        cache = kv.allocate(model.config, len(ids) + 64, model.device, model.dtype)
+        model_runner.forward_rows(model, [Row(cache, len(ids))], ids, [0])
         held.append((cache, ids))
     return step_cost(model, held, range(1, 17), repeats=5)
 

@@ -29,7 +29,7 @@ from openai import OpenAI
 
 from bench.common import launch
 from bench.sessions import document, stream_turn
-from cache_manager.kv import capacity_bucket
+from cache_manager.kv import BLOCK_SIZE, blocks_for
 
 
 def turn(client: OpenAI, model: str, messages: list, session: str, question: str, max_tokens: int):
@@ -50,7 +50,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"resident": [], restored: [], "recomputed": []}
     if args.tier == "disk":
         times["restored after a restart"] = []
-    bucket_bytes = capacity_bucket(int(args.doc_tokens * 1.3), 8192) * args.kv_bytes_per_token
+    bucket_bytes = blocks_for(int(args.doc_tokens * 1.3)) * BLOCK_SIZE * args.kv_bytes_per_token
     same = total = 0
     convs = {f"s{i}": [{"role": "system", "content": "Answer from this document.\n" + document(i, args.doc_tokens)}] for i in range(args.sessions)}
     with tempfile.TemporaryDirectory() as logs:

@@ -55,7 +55,7 @@ class Lease:
     """One request's hold on a cache; the engine's only view of the cache manager's work."""
 
     key: SessionKey | None  # None: a private cache, freed at the end
-    cache: object  # a transformers StaticCache
+    cache: object  # a kv.SequenceKV in the manager's pool
     n_reused: int
     miss_reason: str | None  # None on a hit
     base_tokens: list[int]  # the session's committed tokens when the request began
@@ -103,6 +103,9 @@ class CacheManager:
         self.max_context = max_context
         self.config = config
         self.metrics = metrics
+        # NOTE: the pool is the budget's blocks, and the store counts whole blocks: whatever
+        # the store makes room for, the pool has the blocks of.
+        self.pool = kv.Pool(model_config, config.budget_bytes, device, dtype)
         self.store = SessionStore(config.budget_bytes, config.ttl_s, on_drop=self._dropped)
         self._private_bytes = 0  # caches of requests without a session (not in the store)
         self._lock = threading.Lock()
@@ -117,13 +120,13 @@ class CacheManager:
     def acquire(self, principal: str, session_id: str | None, prompt: list[int], capacity: int, *, private: bool = False) -> Lease:
         """A cache for `prompt` with room for `capacity` tokens; pins the session.
 
-        May crop the session's cache (edited history), grow it (a larger bucket, KV copied),
-        or evict idle sessions to fit the budget. Raises NoRoom when it cannot fit now (the
+        May crop the session's cache (edited history), grow it (blocks appended), or evict
+        idle sessions to fit the budget. Raises NoRoom when it cannot fit now (the
         session is left unpinned). `private`, reuse switched off, or a request without a
         session id while anonymous reuse is off: a fresh cache outside any session, freed at
         the end.
         """
-        bucket = kv.capacity_bucket(capacity, self.max_context)
+        bucket = min(capacity, self.max_context)
         if private or not self.config.reuse or (session_id is None and not self.config.anonymous_reuse):
             return self._private(prompt, bucket)
         key = self._choose_key(Principal(principal), session_id, prompt)
@@ -153,6 +156,7 @@ class CacheManager:
             return self._free_private(lease)
         ok = False
         try:
+            kv.trim(lease.cache)  # an idle session holds the blocks its tokens use
             self.store.update(lease.key, tokens, lease.cache, kv.nbytes(lease.cache))
             ok = True
         finally:
@@ -177,6 +181,7 @@ class CacheManager:
         try:
             if keep > 0 and (kv.length(cache) == keep or kv.can_crop(cache)):
                 kv.crop(cache, keep)
+                kv.trim(cache)
                 self.store.update(lease.key, lease.base_tokens[:keep], cache, kv.nbytes(cache))
                 drop = False
         finally:
@@ -217,7 +222,7 @@ class CacheManager:
                 continue
             if not force and copied >= max_bytes:
                 return queued  # the sweep goes on at the next call
-            queued += self.disk.park(key, entry.tokens, kv.export(entry.kv), snapshot=True)
+            queued += self.disk.park(key, entry.tokens, kv.export(entry.kv))
             copied += entry.nbytes
         self._sweeping = False
         return queued
@@ -247,7 +252,7 @@ class CacheManager:
             useful = common_prefix_len(parked.tokens, prompt) if parked.tokens else n
             if not self.costs.worth_restoring(tier.name, parked.nbytes, useful):
                 return None, None, RECOMPUTE_FASTER
-            capacity = max(bucket, kv.capacity_bucket(n, self.max_context))
+            capacity = max(bucket, n)
             if not self.store.make_room(kv.bytes_for(self.model_config, capacity, self.dtype) + self._private_bytes):
                 raise NoRoom(f"restoring a session of {n} tokens needs a cache of {capacity}")
             t0 = time.perf_counter()
@@ -256,7 +261,7 @@ class CacheManager:
                 if taken is None:
                     continue
                 tokens, tensors = taken
-                cache = kv.load(self.model_config, tensors, len(tokens), capacity, self.device, self.dtype)
+                cache = kv.load(self.pool, tensors, len(tokens), capacity)
             except disk.BadFile as exc:
                 self._restore_failed(tier.name, exc.reason)
                 return None, None, RESTORE_FAILED
@@ -370,44 +375,30 @@ class CacheManager:
         cache = entry.kv
         decision: ReuseDecision = decide_reuse(entry.tokens, prompt, can_crop=kv.can_crop(cache), block=self._block(entry.key))
         n = decision.n_reused
-        if n == 0 and kv.length(cache) > 0 and not kv.can_crop(cache):
-            # A wrapped sliding window cannot be reset in place: start over in a new cache.
-            cache = self._replace(entry, self._allocate(bucket))
-        else:
-            kv.crop(cache, n)
-            # NOTE: recorded at once, so a failure below (NoRoom while growing) leaves the
-            # entry's tokens matching what its cache holds.
-            self.store.update(entry.key, entry.tokens[:n], cache, kv.nbytes(cache))
+        kv.crop(cache, n)
+        # NOTE: recorded at once, so a failure below (NoRoom while growing) leaves the entry's
+        # tokens matching what its cache holds.
+        self.store.update(entry.key, entry.tokens[:n], cache, kv.nbytes(cache))
         if kv.capacity(cache) < bucket:
-            cache = self._grow(entry, cache, bucket)
+            self._grow(entry, cache, bucket)
         self._observe(len(prompt), n, decision.miss_reason)
         return Lease(entry.key, cache, n, decision.miss_reason, list(entry.tokens))
 
-    def _grow(self, entry: Entry, cache, bucket: int):
-        """Move the session into a bigger cache (KV copied); the old one is freed after.
-
-        NOTE: old and new caches exist together while the KV is copied, so room is made for
-        the whole new cache: the old one is still counted in the store until `update`.
-        """
-        need = kv.bytes_for(self.model_config, bucket, self.dtype)
+    def _grow(self, entry: Entry, cache, bucket: int) -> None:
+        """Give the session's cache room for `bucket` tokens: blocks appended, nothing copied."""
+        need = kv.bytes_for(self.model_config, bucket, self.dtype) - kv.nbytes(cache)
         if not self.store.make_room(need + self._private_bytes):
-            raise NoRoom(f"growing a session's cache to {bucket} tokens needs {need} bytes beside the old one")
-        bigger = kv.grow(cache, self.model_config, bucket)
-        # NOTE: update() hands the old cache to on_drop ("replaced"); the tokens stay committed.
-        self.store.update(entry.key, entry.tokens[: kv.length(bigger)], bigger, kv.nbytes(bigger))
+            raise NoRoom(f"growing a session's cache to {bucket} tokens needs {need} more bytes")
+        kv.grow(cache, bucket)
+        self.store.update(entry.key, entry.tokens[: kv.length(cache)], cache, kv.nbytes(cache))
         if self.metrics is not None:
             self.metrics.cache_grows.inc()
-        return bigger
-
-    def _replace(self, entry: Entry, cache):
-        self.store.update(entry.key, [], cache, kv.nbytes(cache))
-        return cache
 
     def _allocate(self, bucket: int):
         need = kv.bytes_for(self.model_config, bucket, self.dtype)
         if not self.store.make_room(need + self._private_bytes):
             raise NoRoom(f"a cache of {bucket} tokens needs {need} bytes")
-        return kv.allocate(self.model_config, bucket, self.device, self.dtype)
+        return self.pool.allocate(bucket)
 
     def _private(self, prompt: list[int], bucket: int) -> Lease:
         cache = self._allocate(bucket)
@@ -419,6 +410,7 @@ class CacheManager:
     def _free_private(self, lease: Lease) -> None:
         with self._lock:
             self._private_bytes -= kv.nbytes(lease.cache)
+        kv.free(lease.cache)
         lease.cache = None
         self._gauges()
 
@@ -427,6 +419,7 @@ class CacheManager:
             self.metrics.cache_evictions.labels(reason).inc()
         if reason == "evicted" and self.tiers:
             self._demote(entry)
+        kv.free(entry.kv)  # after the demotion's copy was taken
 
     def _observe(self, prompt_len: int, n_reused: int, miss_reason: str | None) -> None:
         if self.metrics is not None:

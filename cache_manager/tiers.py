@@ -171,13 +171,12 @@ class DiskTier:
 
     # -- the manager's verbs -------------------------------------------------------------------
 
-    def park(self, key: SessionKey, tokens: list[int], tensors: dict[str, torch.Tensor], *, snapshot: bool = False) -> bool:
+    def park(self, key: SessionKey, tokens: list[int], tensors: dict[str, torch.Tensor]) -> bool:
         """Write the session's file in the background. Reserves its bytes now; False when they
         do not fit. A session already on disk with the same tokens is not written again.
 
-        `tensors` go to the writer thread as they are when on the CPU (they must not change
-        afterwards), else copied now; `snapshot`: always copied now (a resident session's
-        tensors, which its next request writes).
+        `tensors` go to the writer thread as they are when on the CPU (they are the caller's
+        to give: `kv.export`'s copies, or a host tier's buffers), else copied now.
         """
         old = self.store.get(key)
         if old is not None and old.tokens == tokens:
@@ -189,7 +188,7 @@ class DiskTier:
         if not self.store.make_room(reserve):
             self._count_write("skipped")
             return False
-        cpu = kv.to_cpu(tensors, copy=snapshot)
+        cpu = kv.to_cpu(tensors, copy=False)
         parked = Parked(len(tokens), path=self.directory / disk.file_name(key[0], key[1]))
         self.store.put(Entry(key, list(tokens), parked, reserve))
         header = disk.Header(self.fingerprint, key[0], key[1], len(tokens))

@@ -160,12 +160,17 @@ class Matcher:
         if not self._mask_ready:
             self._compute_mask()
 
+    def next_mask(self) -> torch.Tensor:
+        """The additive mask [vocab_size] float32 on the CPU of the current state (0 where a
+        token is allowed, -inf elsewhere); the engine applies a step's masks as one tensor."""
+        self.fill_next_mask()
+        return self._bias
+
     def apply_mask(self, logits: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf, in place (allowed ones are untouched)."""
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits width {logits.shape[-1]} != vocab_size {self.vocab_size}")
-        self.fill_next_mask()
-        bias = self._bias
+        bias = self.next_mask()
         if logits.device != bias.device or logits.dtype != bias.dtype:
             bias = bias.to(device=logits.device, dtype=logits.dtype, non_blocking=True)
         logits.add_(bias)

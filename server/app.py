@@ -166,6 +166,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
             reject_busy_sessions=settings.reject_busy_sessions,
             speculative=SpeculativeConfig(max_draft=settings.speculative_max_draft),
             cpu_packed_weights=settings.cpu_packed_weights,
+            cuda_graphs=settings.cuda_graphs,
         ),
         cache_manager,
         metrics=metrics,

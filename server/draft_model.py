@@ -7,18 +7,18 @@ target's cache:
 * before drafting it catches up on the tokens it has not seen (the prompt the first time, then
   the last step's accepted tokens and the new one): one batched forward pass of the draft model
   over all drafting rows, then one batched pass per further drafted token;
-* after verification it is cropped back to the accepted prefix (`kv.crop`); a sliding-window
-  draft model whose ring would wrap does not draft (no speculation for that sequence);
+* after verification it is cropped back to the accepted prefix (`kv.crop`);
 * when a session's request commits, its draft cache stays with the session in a small LRU,
   and the session's next request reuses it up to the longest common token prefix
   (`cache_manager.prefix.decide_reuse`), so a later turn does not run the draft model over the
   whole conversation again.
 
 Memory: the draft caches of running sequences and those kept for idle sessions share
-`budget_bytes`, the draft's part of the KV budget (`draft_budget_for`): kept ones are evicted
-(least recently kept first) whenever running ones need the room. A running sequence's draft
-cache is as large as its cache, so running ones alone fit as long as the model's caches fit
-the rest of the budget.
+`budget_bytes`, the draft's part of the KV budget (`draft_budget_for`), in a pool of their own:
+kept ones are evicted (least recently kept first) whenever running ones need the room. A
+running sequence's draft cache is as large as its cache, so running ones alone fit as long as
+the model's caches fit the rest of the budget; a sequence whose draft cache does not fit does
+not draft.
 
 Shapes: draft logits [rows, vocab] float32; a sampled row's proposal distributions [k, vocab].
 """
@@ -33,7 +33,9 @@ import torch
 from cache_manager import kv
 from cache_manager.prefix import decide_reuse
 from cache_manager.sessions import Entry, SessionStore
-from server.sampling import filtered_probs
+from server.attention import Row
+from server.model_runner import ModelRunner
+from server.sampling import draw_rows, filtered_probs
 from server.speculative import Draft
 
 
@@ -43,26 +45,33 @@ class DraftModelProposer:
     EMA = 0.2
 
     def __init__(self, model, max_context: int, budget_bytes: int, packed: bool = True) -> None:
-        kv.layout(model.config)  # refuse layer kinds kv cannot batch now, not on the engine thread
         self.model = model
-        self.packed = packed  # kv.enable's `packed`
+        self.packed = packed  # cpu_linear.pack_model's `packed`
         self.max_context = max_context
         self.budget_bytes = budget_bytes
+        # the draft model's own pool and runner (no CUDA graphs: a draft step is small and
+        # its rows catch up by several tokens)
+        self.pool = kv.Pool(model.config, budget_bytes, model.device, model.dtype)
+        self.runner = ModelRunner(model, self.pool, max_context=max_context, packed=packed, cuda_graphs=False)
         # idle sessions' draft caches, least recently committed first out (no TTL: the
         # sessions' own expiry is the model's cache manager's business)
-        self._kept = SessionStore(budget_bytes, math.inf, remember_dropped=0)
+        self._kept = SessionStore(budget_bytes, math.inf, remember_dropped=0, on_drop=self._dropped)
         # bytes of the draft cache of each running sequence (by id: a failed draft drops the
         # sequence's cache without telling; its release still comes)
         self._running: dict[int, int] = {}
         self._token_s = 0.0  # measured seconds per drafted token (0 until the first draft)
+        self._taking: kv.SequenceKV | None = None  # the kept cache `_take` is handing on
 
     # -- Proposer ------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        kv.enable(self.model, packed=self.packed)
+        self.runner.prepare()
 
     def limit(self, seq, k: int) -> int:
-        cache = self._cache(seq)
+        try:
+            cache = self._cache(seq)
+        except kv.NoBlocks:  # the draft pool is full of running sequences' caches
+            return 0
         catch_up = len(seq.all_ids) - kv.length(cache)
         while k > 0 and not kv.can_crop_after(cache, catch_up + k - 1):
             k -= 1
@@ -80,8 +89,8 @@ class DraftModelProposer:
         steady = max(len(f) for f in feed) <= 2
         active = list(range(len(seqs)))
         while active:
-            rows = [kv.Row(caches[i], len(feed[i])) for i in active]
-            logits = kv.forward(self.model, rows, [t for i in active for t in feed[i]], list(range(len(rows))))
+            rows = [Row(caches[i], len(feed[i])) for i in active]
+            logits = self.runner.forward(rows, [t for i in active for t in feed[i]], list(range(len(rows))))
             for j, i in enumerate(active):
                 token, q = self._draw(seqs[i], logits[j])
                 tokens[i].append(token)
@@ -116,7 +125,10 @@ class DraftModelProposer:
         self._running.pop(id(seq), None)
         cache, seq.spec.proposer = seq.spec.proposer, None
         key = seq.lease.key if seq.lease is not None else None
-        if cache is None or not committed or key is None:
+        if cache is None:
+            return
+        if not committed or key is None:
+            kv.free(cache)
             return
         n = min(kv.length(cache), len(seq.all_ids))
         if n < kv.length(cache):
@@ -131,7 +143,7 @@ class DraftModelProposer:
         if seq.params.greedy:
             return int(torch.argmax(logits)), None
         q = filtered_probs(logits[None], [seq.params])[0]
-        return int(torch.multinomial(q.cpu(), 1, generator=seq.generator).item()), q
+        return draw_rows(q[None], [seq.generator])[0], q
 
     def _cache(self, seq) -> kv.SequenceKV:
         """The sequence's draft cache: its own, a session's kept one reused up to the common
@@ -147,11 +159,15 @@ class DraftModelProposer:
             decision = decide_reuse(tokens, seq.all_ids, can_crop=kv.can_crop(cache))
             if decision.n_reused > 0:
                 kv.crop(cache, decision.n_reused)
-                if kv.capacity(cache) < capacity:
-                    cache = kv.grow(cache, self.model.config, capacity)
+                try:
+                    kv.grow(cache, capacity)
+                except kv.NoBlocks:
+                    kv.free(cache)
+                    raise
                 return self._run_with(seq, cache)
-        device = seq.cache.keys[0].device
-        return self._run_with(seq, kv.allocate(self.model.config, capacity, device, self.model.dtype))
+            kv.free(cache)
+        self._kept.make_room(self._running_bytes() + kv.bytes_for(self.model.config, capacity, self.model.dtype))
+        return self._run_with(seq, self.pool.allocate(capacity))
 
     def _run_with(self, seq, cache: kv.SequenceKV) -> kv.SequenceKV:
         """`cache` is the running sequence's draft cache: kept ones make room for it."""
@@ -161,19 +177,32 @@ class DraftModelProposer:
         return cache
 
     def _take(self, key) -> tuple[list[int], kv.SequenceKV] | None:
+        """The session's kept cache, out of the kept ones (the caller owns its blocks now)."""
         kept = self._kept.get(key)
         if kept is None:
             return None
-        self._kept.delete(key)
+        self._taking = kept.kv
+        try:
+            self._kept.delete(key)
+        finally:
+            self._taking = None
         return kept.tokens, kept.kv
 
     def _keep(self, key, tokens: list[int], cache: kv.SequenceKV) -> None:
         """Keep the session's draft cache, evicting the least recently kept ones until it fits
         beside the running ones (not kept when it does not fit at all)."""
         self._kept.delete(key)
+        kv.trim(cache)
         size = kv.nbytes(cache)
         if tokens and self._kept.make_room(self._running_bytes() + size):
             self._kept.put(Entry(key, tokens, cache, size))
+        else:
+            kv.free(cache)
+
+    def _dropped(self, entry: Entry, reason: str) -> None:
+        """A kept cache leaves the store: its blocks go back, unless `_take` hands it on."""
+        if entry.kv is not self._taking:
+            kv.free(entry.kv)
 
 
 def check_compatible(model, tokenizer, draft_model, draft_tokenizer) -> None:

@@ -25,6 +25,7 @@ from cache_manager import kv
 from cache_manager.manager import CacheManager, NoRoom
 from grammars.matcher import start_masks
 from server import model_runner
+from server.model_runner import ModelRunner
 from server.scheduler import Plan, Scheduler
 from server.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
 from server.speculative import NoSpeculation, SpeculativeConfig, Speculator
@@ -53,7 +54,8 @@ class EngineConfig:
     reject_busy_sessions: bool = False  # False: a second request on a session waits its turn
     expire_every_s: float = 1.0
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # with a proposer
-    cpu_packed_weights: bool = True  # kv.enable's `packed`
+    cpu_packed_weights: bool = True  # cpu_linear.pack_model's `packed`
+    cuda_graphs: bool = True  # capture decode steps (CUDA only; --no-cuda-graphs)
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -128,12 +130,20 @@ class Engine:
         self.metrics = metrics
         self._last_expiry = 0.0
         self.eos_ids = end_of_turn_ids(model, tokenizer)
-        self.scheduler = Scheduler(config.max_batch_tokens)
+        self.scheduler = Scheduler(config.max_batch_tokens, config.max_running)
         # speculative decoding with a server/speculative.py proposer, or a speculator doing nothing
         self.speculator = (
             NoSpeculation() if proposer is None else Speculator(proposer, self.eos_ids, config.speculative, metrics)
         )
         kv.layout(model.config)  # refuse layer kinds the engine cannot batch now, not on its thread
+        self.runner = ModelRunner(
+            model,
+            cache_manager.pool,
+            max_context=config.max_context,
+            packed=config.cpu_packed_weights,
+            cuda_graphs=config.cuda_graphs,
+            max_rows=config.max_running,
+        )
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
         self._cond = threading.Condition()
@@ -176,7 +186,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> RequestHandle:
         """Queue a request; raises QueueFull at the bound, EngineStopped when draining."""
-        seq = Sequence(request, self.tokenizer)
+        seq = Sequence(request, self.tokenizer, self.runner.device)
         handle = RequestHandle(seq, self, loop)
         with self._cond:
             if not self._accepting:
@@ -195,42 +205,25 @@ class Engine:
         return {k for seq, _ in self._running + list(self._waiting) if (k := seq.request.session_key) is not None}
 
     def _admit(self) -> None:
-        """Move waiting sequences to running, in arrival order, while there is room.
-
-        A sequence whose session is busy stays waiting (one request at a time per session)
-        without blocking the ones behind it. A sequence whose cache does not fit the budget
-        waits for running ones to free memory, and blocks the queue behind it so it is not
-        starved; with nothing running it can never fit and fails.
-        """
+        """Move the waiting sequences the scheduler admits to running (their KV reserved), in
+        arrival order; fail the ones it refuses. The cancelled and the expired leave the queue
+        first."""
         with self._cond:
-            busy = {k for seq, _ in self._running if (k := seq.request.session_key) is not None}
             candidates = list(self._waiting)
+            running = [seq for seq, _ in self._running]
         now = time.monotonic()
-        for seq, handle in candidates:  # the cancelled and the expired leave the queue at once
+        handles = dict(candidates)
+        for seq, handle in candidates:
             if seq.cancelled or seq.expired(now):
                 self._dequeue(seq, handle)
                 handle._put(seq.final_output("abort") if seq.cancelled else seq.final_output("error", error="timeout"))
-        for seq, handle in candidates:
-            if len(self._running) >= self.config.max_running:
-                break
-            key = seq.request.session_key
-            if seq.cancelled or seq.expired(now) or (key is not None and key in busy):
-                continue
-            try:
-                self._lease(seq)
-            except NoRoom:
-                if self._running:
-                    break
-                self._dequeue(seq, handle)
-                handle._put(seq.final_output("error", error="kv_budget"))
-                continue
-            except Exception:  # a bug must fail this request, not the engine thread
-                log.exception("admitting %s failed", seq.request_id)
-                self._dequeue(seq, handle)
-                handle._put(seq.final_output("error", error="internal"))
-                continue
-            if key is not None:
-                busy.add(key)
+                del handles[seq]
+        admission = self.scheduler.admit(list(handles), running, self._reserve)
+        for seq, error in admission.refused:
+            self._dequeue(seq, handles[seq])
+            handles[seq]._put(seq.final_output("error", error=error))
+        for seq in admission.started:
+            handle = handles[seq]
             with self._cond:
                 self._waiting.remove((seq, handle))
                 self._running.append((seq, handle))
@@ -239,6 +232,18 @@ class Engine:
             handle._put(seq.admitted_output())
             if seq.matcher is not None:
                 self._fast_forward(seq, handle)  # a forced prefix rides along with the prefill
+
+    def _reserve(self, seq: Sequence) -> bool:
+        """The scheduler's `reserve`: the sequence's cache from the cache manager (may crop,
+        grow or evict); False when it does not fit the budget now."""
+        try:
+            self._lease(seq)
+        except NoRoom:
+            return False
+        except Exception:  # a bug must fail this request, not the engine thread
+            log.exception("admitting %s failed", seq.request_id)
+            raise
+        return True
 
     def _dequeue(self, seq: Sequence, handle: RequestHandle) -> None:
         with self._cond:
@@ -271,9 +276,9 @@ class Engine:
 
     def _loop(self) -> None:
         # NOTE: the models are prepared here, on the thread that runs them, so that it is the
-        # only one with an OpenMP team (kv.enable).
+        # only one with an OpenMP team (cpu_linear.pack_model).
         try:
-            kv.enable(self.model, packed=self.config.cpu_packed_weights)  # kvserve's batched attention
+            self.runner.prepare()  # kvserve's attention, packed CPU weights, CUDA graphs
             self.speculator.prepare()
         except BaseException as exc:
             with self._cond:
@@ -326,7 +331,7 @@ class Engine:
         start_masks([r.seq.matcher for r in plan.rows if r.completes and r.seq.matcher is not None])
         try:
             t_run = time.perf_counter()
-            logits = model_runner.run(self.model, plan)
+            logits = self.runner.run(plan)
             self.speculator.observe(plan.num_tokens, time.perf_counter() - t_run)
         except torch.OutOfMemoryError:
             log.warning("out of memory in a step of %d rows", len(plan.rows))

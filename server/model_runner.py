@@ -1,45 +1,299 @@
-"""One batched forward pass for a step's plan, and token choice from its logits.
+"""The model runner: one owner for how a step runs on the device.
 
-Shapes: the plan's rows are packed into one flattened batch of N tokens (see cache_manager/kv.py
-for the layout); `run` returns float32 logits [R, vocab], one row per plan row that `completes`
-(its last pending token was computed), in plan order; a row carrying a draft of k tokens
-(server/speculative.py) has k + 1 consecutive logits rows instead: at its pending token and at
-each drafted one.
+It holds the model, the KV pool the model's sequences live in, the persistent input buffers
+and, on CUDA, the captured graphs. Each step it prepares the inputs (one host-to-device copy),
+replays a graph or runs the model eagerly, and returns logits.
+
+Shapes: the plan's rows are packed into one flattened batch of N tokens (server/attention.py);
+`run` returns float32 logits [R, vocab], one row per plan row that `completes` (its last pending
+token was computed), in plan order; a row carrying a draft of k tokens (server/speculative.py)
+has k + 1 consecutive logits rows instead: at its pending token and at each drafted one.
+
+Decode rows (one token each) take the paged attention path when `paged` (the default on CUDA):
+they go first in the flattened batch, padded to a bucket size (`BUCKETS`) whose padding rows
+write and read the pool's trash block only. A step of decode rows alone on CUDA replays the
+graph captured for its (bucket, max blocks) pair; everything else runs eagerly, the same code
+on CPU and CUDA.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from cache_manager import kv
+from server import attention, cpu_linear
+from server.attention import Batch, Row, Step
 from server.sampling import process_logits, sample_rows, top_logprobs
 from server.scheduler import Plan
 from server.sequence import Sequence, TokenInfo
 
+log = logging.getLogger(__name__)
 
-def run(model, plan: Plan) -> torch.Tensor:
-    """Compute every row's scheduled tokens in one forward pass.
-
-    Side effect: writes their KV into each sequence's cache (its length moves forward, drafted
-    tokens included: postprocess crops the rejected ones).
-    """
-    rows, token_ids, logits_rows, counts = [], [], [], []
-    for i, row in enumerate(plan.rows):
-        drafted = row.draft.tokens if row.draft is not None else []
-        rows.append(kv.Row(row.seq.cache, row.n_tokens + len(drafted)))
-        token_ids += row.seq.pending_ids(row.n_tokens) + drafted
-        if row.completes:
-            logits_rows.append(i)
-            counts.append(1 + len(drafted))
-    return kv.forward(model, rows, token_ids, logits_rows, counts)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MIN_GRAPH_BLOCKS = 16  # the smallest block count a graph reads (x BLOCK_SIZE = 256 tokens)
+MAX_GRAPH_TOKENS = 1 << 20  # rows x read length of the largest graph (its gather's size)
 
 
-def forward(model, cache, token_ids: list[int], start: int) -> torch.Tensor:
+def bucket(n: int, buckets=BUCKETS) -> int:
+    """The smallest bucket >= n (n itself past the last)."""
+    return next((b for b in buckets if b >= n), n)
+
+
+def block_bucket(n: int, largest: int) -> int:
+    """The power of two >= n blocks a decode graph reads (at least MIN_GRAPH_BLOCKS), capped
+    at `largest`."""
+    b = MIN_GRAPH_BLOCKS
+    while b < n:
+        b *= 2
+    return min(b, largest)
+
+
+class ModelRunner:
+    """Runs `model` over sequences whose KV lives in `pool` (engine thread only, after `prepare`)."""
+
+    def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool = True, cuda_graphs: bool = True, max_rows: int = 64, paged: bool | None = None) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = pool.device
+        self.packed = packed  # cpu_linear.pack_model's `packed`
+        self.paged = self.device.type == "cuda" if paged is None else paged
+        self.max_rows = bucket(max_rows)
+        self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
+        self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.paged
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # NOTE: transformers builds no mask when handed a 4D one; ours are built per row/batch.
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self._meta: torch.Tensor | None = None  # the decode inputs, one device buffer
+        self._graph_pool = None
+        self._enabled = False
+
+    def prepare(self) -> None:
+        """Switch the model to kvserve's attention, pack CPU weights, capture the decode graphs
+        (CUDA). On the engine thread: packing runs multi-threaded (cpu_linear.pack_model)."""
+        self._enable()
+        if self.use_graphs and not self.graphs:
+            self._capture_all()
+
+    def _enable(self) -> None:
+        if self._enabled:
+            return
+        attention.enable(self.model)
+        cpu_linear.pack_model(self.model, self.packed)
+        if self.paged:
+            self._meta = torch.zeros(self.max_rows * (4 + self.max_blocks), dtype=torch.long, device=self.device)
+        self._enabled = True
+
+    # -- a step ------------------------------------------------------------------------------
+
+    def run(self, plan: Plan) -> torch.Tensor:
+        """Compute every row's scheduled tokens in one forward pass.
+
+        Side effect: writes their KV into each sequence's cache (its length moves forward, drafted
+        tokens included: postprocess crops the rejected ones).
+        """
+        rows, token_ids, logits_rows, counts = [], [], [], []
+        for i, row in enumerate(plan.rows):
+            drafted = row.draft.tokens if row.draft is not None else []
+            rows.append(Row(row.seq.cache, row.n_tokens + len(drafted)))
+            token_ids += row.seq.pending_ids(row.n_tokens) + drafted
+            if row.completes:
+                logits_rows.append(i)
+                counts.append(1 + len(drafted))
+        return self.forward(rows, token_ids, logits_rows, counts)
+
+    @torch.inference_mode()
+    def forward(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None) -> torch.Tensor:
+        """Run the step's tokens through the model; each row's KV is written into its own cache
+        and its `length` moves forward. `token_ids`: the rows' new tokens, concatenated in row
+        order. Returns float32 logits at the last token of each listed row (by index into
+        `rows`): [len(logits_rows), vocab]; with `logits_counts`, at the last `logits_counts[j]`
+        tokens of listed row j, in order: [sum(logits_counts), vocab] (speculative decoding
+        verifies every drafted position). Switches the model to kvserve's attention on first
+        use (no graphs: `prepare` captures them)."""
+        self._enable()
+        if sum(r.n for r in rows) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens for rows of {sum(r.n for r in rows)}")
+        counts = logits_counts or [1] * len(logits_rows)
+        if len(counts) != len(logits_rows) or any(not 1 <= c <= rows[i].n for i, c in zip(logits_rows, counts)):
+            raise ValueError(f"logits counts {counts} do not fit rows {logits_rows}")
+        singles = [i for i, r in enumerate(rows) if r.n == 1] if self.paged else []
+        if singles and len(singles) == len(rows) and counts == [1] * len(rows) and logits_rows == list(range(len(rows))):
+            return self._decode(rows, token_ids)
+        # the paged rows first, then the others in plan order; logits are kept in plan order
+        others = [i for i in range(len(rows)) if rows[i].n != 1 or not self.paged]
+        given = [0]
+        for row in rows:
+            given.append(given[-1] + row.n)
+        flat_ids, positions, starts = [], [], [0] * len(rows)
+        for i in singles + others:
+            row = rows[i]
+            row.offset = starts[i] = len(flat_ids)
+            flat_ids += token_ids[given[i] : given[i + 1]]
+            positions += range(row.kv.length, row.kv.length + row.n)
+        keep = [starts[i] + rows[i].n - c + j for i, c in zip(logits_rows, counts) for j in range(c)]
+        batch = self._batch([rows[i].kv for i in singles]) if singles else None
+        ids, pos, keep_t = _to_device([flat_ids, positions, keep], self.device)
+        logits = self._forward(ids[None], pos[None], Step([rows[i] for i in others], batch), keep_t)
+        for row in rows:
+            row.kv.length += row.n
+        return logits
+
+    def _decode(self, rows: list[Row], token_ids: list[int]) -> torch.Tensor:
+        """Decode rows only (one token each, logits at each): padded to a bucket, from the
+        persistent buffers; a captured graph replays where one fits."""
+        n = len(rows)
+        size = bucket(n)
+        blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
+        if size > self.max_rows:
+            size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
+        ids, pos, batch = self._fill(rows, token_ids, size, blocks)
+        graph = self.graphs.get((size, blocks))
+        if graph is not None:
+            graph[0].replay()
+            logits = graph[1][:n]
+        else:
+            logits = self._forward(ids, pos, Step([], batch), None)[:n]
+        for row in rows:
+            row.kv.length += 1
+        return logits
+
+    def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int):
+        """The decode inputs of `rows` (`_decode_inputs`) in the persistent device buffer,
+        with ONE host-to-device copy: views (ids, positions, batch)."""
+        host = torch.tensor(self._decode_inputs([r.kv for r in rows], token_ids, size, blocks), dtype=torch.long)
+        meta = self._buffers(size, blocks)
+        meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        return self._views(meta, size, blocks)
+
+    def _decode_inputs(self, caches: list[kv.SequenceKV], token_ids: list[int], size: int, blocks: int) -> list[int]:
+        """Ids, positions, slots, lens [size] and tables [size, blocks], flat, for one new token
+        per cache, padded to `size` rows reading `blocks` blocks. Padding rows: token 0 at
+        position 0, slot and table in the trash block, length 1."""
+        bs, trash = self.pool.block_size, self.pool.trash_block
+        pad = size - len(caches)
+        positions = [c.length for c in caches]
+        slots = [c.blocks[p // bs] * bs + p % bs for c, p in zip(caches, positions)]
+        tables = []
+        for c in caches:
+            table = c.blocks[:blocks]
+            tables += table + [trash] * (blocks - len(table))
+        return (token_ids + [0] * pad + positions + [0] * pad + slots + [trash * bs] * pad
+                + [p + 1 for p in positions] + [1] * pad + tables + [trash] * (pad * blocks))
+
+    def _buffers(self, size: int, blocks: int) -> torch.Tensor:
+        need = size * (4 + blocks)
+        if self._meta is None or self._meta.numel() < need:  # past the largest bucket: eager only
+            return torch.empty(need, dtype=torch.long, device=self.device)
+        return self._meta[:need]
+
+    def _views(self, meta: torch.Tensor, size: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, Batch]:
+        ids, pos, slots, lens = (meta[i * size : (i + 1) * size] for i in range(4))
+        tables = meta[4 * size : size * (4 + blocks)].view(size, blocks)
+        return ids[None], pos[None], Batch(self.pool, slots, tables, lens)
+
+    def _batch(self, caches: list[kv.SequenceKV]) -> Batch:
+        """The paged path's tensors for the one-token rows of a mixed step (eager, not padded;
+        their ids and positions travel with the step's other tokens)."""
+        n, blocks = len(caches), max(kv.blocks_for(c.length + 1, self.pool.block_size) for c in caches)
+        [meta] = _to_device([self._decode_inputs(caches, [0] * n, n, blocks)], self.device)
+        return self._views(meta, n, blocks)[2]
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None) -> torch.Tensor:
+        """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""
+        if step.batch is not None:
+            step.batch.prepare(self.pool.dtype)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
+            position_ids=pos,
+            use_cache=False,
+            logits_to_keep=0 if keep is None else keep,
+            kvserve_step=step,
+        )
+        return out.logits[0].float()
+
+    # -- CUDA graphs ---------------------------------------------------------------------------
+
+    def _capture_all(self) -> None:
+        """Capture one decode graph per (rows bucket, blocks bucket), largest first so the
+        smaller ones reuse its memory. A failure logs and leaves eager decoding."""
+        t0 = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        block_buckets, b = [], MIN_GRAPH_BLOCKS
+        while True:
+            block_buckets.append(min(b, self.max_blocks))
+            if b >= self.max_blocks:
+                break
+            b *= 2
+        pairs = [(s, nb) for s in BUCKETS if s <= self.max_rows for nb in block_buckets if s * nb * self.pool.block_size <= MAX_GRAPH_TOKENS]
+        try:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+            for size, blocks in sorted(pairs, reverse=True):
+                self.graphs[(size, blocks)] = self._capture(size, blocks)
+        except Exception:
+            log.exception("capturing CUDA graphs failed: decode steps run eagerly")
+            self.graphs.clear()
+            self.use_graphs = False
+            return
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        log.info("captured %d decode graphs in %.1f s (%.0f MiB)", len(self.graphs), time.perf_counter() - t0, used / 2**20)
+
+    @torch.inference_mode()
+    def _capture(self, size: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One decode graph over the persistent buffers of (size, blocks); the buffers hold
+        padding rows while capturing (they write the trash block only)."""
+        meta = self._buffers(size, blocks)
+        ids, pos, batch = self._views(meta, size, blocks)
+        _pad(ids, pos, batch, self.pool)
+        self._forward(ids, pos, Step([], batch), None)  # warm up outside the graph
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._forward(ids, pos, Step([], batch), None)
+        return graph, logits
+
+
+def _pad(ids: torch.Tensor, pos: torch.Tensor, batch: Batch, pool: kv.Pool) -> None:
+    """Every row of the buffers a padding row (token 0, position 0, trash block, length 1)."""
+    ids.zero_()
+    pos.zero_()
+    batch.slots.fill_(pool.trash_block * pool.block_size)
+    batch.tables.fill_(pool.trash_block)
+    batch.lens.fill_(1)
+
+
+def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Long tensors of `lists` on `device`, with one host-to-device copy."""
+    host = torch.tensor([x for values in lists for x in values], dtype=torch.long)
+    flat = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    out, at = [], 0
+    for values in lists:
+        out.append(flat[at : at + len(values)])
+        at += len(values)
+    return out
+
+
+def forward_rows(model, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None) -> torch.Tensor:
+    """`ModelRunner.forward` outside the engine (tests, benchmarks): the rows' caches may
+    live in pools of their own (the row path)."""
+    return ModelRunner(model, rows[0].kv.pool, cuda_graphs=False, paged=False).forward(rows, token_ids, logits_rows, logits_counts)
+
+
+def forward(model, cache: kv.SequenceKV, token_ids: list[int], start: int) -> torch.Tensor:
     """One sequence alone: `token_ids` at positions start.. (= the cache's length), written into
     `cache`; float32 logits [vocab] at the last one."""
     if start != kv.length(cache):
         raise ValueError(f"the cache holds {kv.length(cache)} tokens, not {start}")
-    return kv.forward(model, [kv.Row(cache, len(token_ids))], token_ids, [0])[0]
+    return forward_rows(model, [Row(cache, len(token_ids))], token_ids, [0])[0]
+
+
+def model_context(model) -> int:
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", 0) or 8192)
 
 
 def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
@@ -48,15 +302,33 @@ def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
     Logprobs are the model's own distribution (before grammar masks, bias and penalties).
     Side effects: grammar masks are added to `logits` in place; penalty counts move forward.
     """
-    logprobs = {i: torch.log_softmax(logits[i], dim=-1) for i, s in enumerate(seqs) if s.params.logprobs}
+    asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
+    logprobs = dict(zip(asked, torch.log_softmax(logits[asked], dim=-1))) if asked else {}
+    apply_masks([s.matcher for s in seqs], logits)
     for i, seq in enumerate(seqs):
-        if seq.matcher is not None:
-            seq.matcher.apply_mask(logits[i])
         row = logits[i]
         if (done := processed(seq, row)) is not row:
             logits[i] = done
     token_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
     return [taken(seq, token_id, logprobs.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
+
+
+def apply_masks(matchers: list, logits: torch.Tensor) -> None:
+    """Add each row's grammar mask to its logits [R, vocab] in place (rows without a matcher
+    are left alone): the masks stacked on the host, one copy to the device, one add."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    if logits.shape[-1] != matchers[rows[0]].vocab_size:
+        raise ValueError(f"logits width {logits.shape[-1]} != vocab_size {matchers[rows[0]].vocab_size}")
+    masks = torch.stack([matchers[i].next_mask() for i in rows])
+    if logits.device.type == "cuda":
+        masks = masks.pin_memory()
+    masks = masks.to(logits.device, logits.dtype, non_blocking=True)
+    if len(rows) == len(matchers):
+        logits.add_(masks)
+    else:
+        logits[rows] += masks
 
 
 def processed(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:

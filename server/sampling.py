@@ -55,9 +55,10 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A per-request CPU generator: the same seed gives the same draws whatever else runs."""
-    generator = torch.Generator(device="cpu")
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request generator on the device where its draws are made (the logits'): the same
+    seed gives the same draws whatever else runs."""
+    generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:
@@ -112,10 +113,19 @@ def sample_rows(
             tokens[i] = token
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
-        probs = filtered_probs(logits[drawn], [params[i] for i in drawn]).cpu()
-        for j, i in enumerate(drawn):
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
+        probs = filtered_probs(logits[drawn], [params[i] for i in drawn])
+        for i, token in zip(drawn, draw_rows(probs, [generators[i] for i in drawn])):
+            tokens[i] = token
     return tokens
+
+
+def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """One token per row of probabilities [rows, vocab] (each row's own scale), each drawn
+    from its row's own generator (a seeded row draws the same whatever else is in the batch),
+    where the generator lives: with generators on the probabilities' device (the engine makes
+    them there) nothing but the drawn ids crosses to the host, in one copy."""
+    picked = [torch.multinomial(row.to(g.device), 1, generator=g) for row, g in zip(probs, generators)]
+    return torch.cat(picked).tolist() if len({t.device for t in picked}) == 1 else [int(t) for t in picked]
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

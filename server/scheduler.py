@@ -1,4 +1,12 @@
-"""Which running sequences one engine step computes, and how many tokens each.
+"""Which waiting sequences start (their KV reserved), and which running sequences one engine
+step computes, with how many tokens each.
+
+Admission (`admit`): waiting sequences start in arrival order while fewer than `max_running`
+run. Starting one reserves its KV in the pool (the cache manager: reuse, crop, grow, evict idle
+sessions), for its prompt and its `max_tokens`, so a running sequence never waits for memory:
+a sequence whose session already runs stays waiting without blocking the ones behind it; one
+whose KV does not fit now waits for running ones to free memory and blocks the queue behind it
+(it is not starved); with nothing running it can never fit and is refused.
 
 One step is ONE forward pass over a batch built under a token budget (`max_batch_tokens`):
 
@@ -15,7 +23,8 @@ Pure Python: tests drive it with hand-built sequences and no model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from server.sequence import Status
@@ -26,6 +35,10 @@ class Schedulable(Protocol):
 
     @property
     def num_pending(self) -> int: ...
+
+    @property
+    def session_key(self) -> Hashable | None:
+        """What must not run twice at once (None: never collides)."""
 
 
 @dataclass(slots=True)
@@ -47,6 +60,15 @@ class ScheduledRow:
 
 
 @dataclass(slots=True)
+class Admission:
+    """What `admit` decided: `started` (KV reserved, in arrival order) and `refused` (sequence,
+    error): "kv_budget" (it can never fit) or "internal" (reserving it failed)."""
+
+    started: list = field(default_factory=list)
+    refused: list[tuple[object, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Plan:
     rows: list[ScheduledRow]
 
@@ -57,10 +79,38 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, max_batch_tokens: int) -> None:
-        if max_batch_tokens < 1:
-            raise ValueError("max_batch_tokens must be >= 1")
+    def __init__(self, max_batch_tokens: int, max_running: int = 2**31) -> None:
+        if max_batch_tokens < 1 or max_running < 1:
+            raise ValueError("max_batch_tokens and max_running must be >= 1")
         self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+
+    def admit(self, waiting: list[Schedulable], running: list[Schedulable], reserve: Callable[[Schedulable], bool]) -> Admission:
+        """Which of `waiting` (arrival order) start now, beside `running` (see the module
+        docstring). `reserve(seq)` reserves the sequence's KV: False when it does not fit now;
+        an exception refuses that sequence ("internal") and admission goes on."""
+        out = Admission()
+        busy = {k for s in running if (k := s.session_key) is not None}
+        for seq in waiting:
+            if len(running) + len(out.started) >= self.max_running:
+                break
+            key = seq.session_key
+            if key is not None and key in busy:
+                continue
+            try:
+                fits = reserve(seq)
+            except Exception:
+                out.refused.append((seq, "internal"))
+                continue
+            if not fits:
+                if running or out.started:
+                    break  # it waits for memory, and so does the queue behind it
+                out.refused.append((seq, "kv_budget"))
+                continue
+            if key is not None:
+                busy.add(key)
+            out.started.append(seq)
+        return out
 
     def schedule(self, running: list[Schedulable]) -> Plan:
         """Rows for the next step; `running` is in admission order."""

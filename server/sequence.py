@@ -78,7 +78,7 @@ class Status(enum.Enum):
 class Sequence:
     """Prompt, generated tokens, KV cache and sampling state of one running request."""
 
-    def __init__(self, request: GenerationRequest, tokenizer) -> None:
+    def __init__(self, request: GenerationRequest, tokenizer, device: torch.device | str = "cpu") -> None:
         self.request = request
         self.params = request.params
         self.prompt_ids = request.prompt_ids
@@ -94,7 +94,7 @@ class Sequence:
         # NOTE: stop strings would cut a structured output short of validity: a grammar
         # request ends when its grammar is complete (or at max_tokens) instead.
         self.text = TextStream(tokenizer, () if self.matcher is not None else request.params.stop)
-        self.generator = make_generator(request.params.seed)
+        self.generator = make_generator(request.params.seed, device)  # where the logits are
         self.counts: torch.Tensor | None = None  # token counts, only when penalties are on
         self.spec = None  # a speculative.SpecState once the sequence drafts
         self.cancelled = False
@@ -106,6 +106,10 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def session_key(self) -> tuple[str, str] | None:
+        return self.request.session_key
 
     def append(self, token_id: int) -> None:
         """A generated (sampled or forced) token: part of the output, pending until computed."""

@@ -135,6 +135,11 @@ class Settings(BaseSettings):
         "(faster at every batch size, but the linear weights are held twice); off: the dense "
         "weights only.",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, capture decode steps as CUDA graphs at start-up (one per batch and "
+        "context bucket) and replay them; off (--no-cuda-graphs): every step runs eagerly.",
+    )
     json_whitespace_flexible: bool = Field(
         False, description="Structured JSON may contain free whitespace (default: compact JSON)."
     )

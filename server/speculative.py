@@ -53,7 +53,7 @@ import torch
 from cache_manager import kv
 from grammars.matcher import start_draft_masks
 from server.model_runner import processed, taken
-from server.sampling import filtered_probs, sample_rows
+from server.sampling import draw_rows, filtered_probs, sample_rows
 from server.sequence import Status, TokenInfo
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def accept_point_mass(probs: torch.Tensor, token: int, generator: torch.Generato
     """The standard rule for a deterministic draft token (q = a point mass): draw y ~ p with
     the request's generator; accept iff y == token, else y is the emitted (residual) token.
     P(accept) = p(token) and a rejected draw is distributed as norm(p without token)."""
-    drawn = int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+    drawn = draw_rows(probs[None], [generator])[0]
     return drawn == token, drawn
 
 
@@ -81,14 +81,14 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, token: int, generator: 
     """The standard rule for a token drawn from a draft distribution q [vocab] against the
     target distribution p [vocab]: accept with probability min(1, p(token) / q(token)), else
     emit a draw from norm(max(0, p - q)). The emitted token is distributed as p."""
-    p, q = p.cpu(), q.cpu()
-    u = float(torch.rand((), generator=generator))
+    p, q = p.to(generator.device), q.to(generator.device)
+    u = float(torch.rand((), generator=generator, device=generator.device))
     if q[token] > 0 and u * float(q[token]) < float(p[token]):
         return True, token
     residual = torch.clamp(p - q, min=0)
     if float(residual.sum()) <= 0:  # p == q: nothing to correct (never rejected, in theory)
         residual = p
-    return False, int(torch.multinomial(residual, 1, generator=generator).item())
+    return False, draw_rows(residual[None], [generator])[0]
 
 
 # -- draft lengths ---------------------------------------------------------------------------
@@ -331,7 +331,8 @@ class Proposer(Protocol):
     """Where drafts come from. Engine thread only."""
 
     def prepare(self) -> None:
-        """Before the engine's first step (a draft model: `kv.enable` on the engine thread)."""
+        """Before the engine's first step (a draft model: its runner's `prepare`, on the engine
+        thread)."""
 
     def limit(self, seq, k: int) -> int:
         """How many tokens (<= k) it could draft for `seq` now (prompt lookup: the match).

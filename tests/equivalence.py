@@ -16,7 +16,7 @@ def divergence_gap(model, prompt: list[int], got: list[int], want: list[int], gr
     """The top-two logit gap of a fresh prefill at the first step where `got` leaves `want`."""
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     ids = prompt + want[:i]
-    cache = kv.allocate(model.config, kv.capacity_bucket(len(ids), 10**6), model.device, model.dtype)
+    cache = kv.allocate(model.config, len(ids) + 256, model.device, model.dtype)
     logits = forward(model, cache, ids, 0)
     if grammar is not None:
         matcher = grammar.new_matcher()

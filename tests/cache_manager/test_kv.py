@@ -1,11 +1,15 @@
-"""cache_manager.kv on real caches: crop, grow and croppability against fresh prefills."""
+"""cache_manager.kv and server/attention.py on real caches: crop and grow against fresh prefills,
+both attention paths (rows, and the paged batch with its bucket padding) against transformers'
+own attention."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig
 
 from cache_manager import kv
-from server.model_runner import forward
+from server import attention, cpu_linear, model_runner
+from server.attention import Row
+from server.model_runner import ModelRunner, forward
 
 torch.set_grad_enabled(False)
 CPU = torch.device("cpu")
@@ -36,11 +40,16 @@ def fresh_logits(model, ids, capacity=64):
     return forward(model, kv.allocate(model.config, capacity, CPU, torch.float32), ids, 0)
 
 
-def test_capacity_bucket():
-    assert kv.capacity_bucket(1, 8192) == 256
-    assert kv.capacity_bucket(257, 8192) == 512
-    assert kv.capacity_bucket(5000, 8192) == 8192
-    assert kv.capacity_bucket(9000, 8192) == 8192
+def test_capacity_is_whole_blocks():
+    cache = kv.allocate(tiny_config(), 33, CPU, torch.float32)
+    assert kv.capacity(cache) == 48 and len(cache.blocks) == 3 and cache.base == 0
+    kv.grow(cache, 40)  # fits already: nothing appended
+    assert kv.capacity(cache) == 48
+
+
+def tiny_config():
+    return MistralConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
 
 
 @pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
@@ -65,10 +74,14 @@ def test_smollm2_bytes_per_token():
 @pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
 def test_grow_keeps_state_bit_identical(models, name):
     model = models[name]
-    small = kv.allocate(model.config, 32, CPU, torch.float32)
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, 96, torch.float32), CPU, torch.float32)
+    small = pool.allocate(32)
+    other = pool.allocate(16)  # takes the blocks after small's: growing must go elsewhere
     forward(model, small, IDS[:30], 0)  # past the 16-token window of the sliding models
-    bigger = kv.grow(small, model.config, 64)
-    assert kv.length(bigger) == 30 and kv.capacity(bigger) == 64
+    bigger = kv.grow(small, 64)
+    assert bigger is small and kv.length(bigger) == 30 and kv.capacity(bigger) == 64
+    assert bigger.blocks[:2] == [0, 1] and 2 not in bigger.blocks and bigger.base is None  # gathered
+    kv.free(other)
     same_size = kv.allocate(model.config, 64, CPU, torch.float32)
     forward(model, same_size, IDS[:30], 0)
     a = forward(model, bigger, IDS[30:40], 30)
@@ -90,18 +103,19 @@ def test_crop_then_edit_equals_fresh_prefill(models, name):
     assert kv.length(cache) == len(edited)
 
 
-def test_wrapped_sliding_window_cannot_crop(models):
-    model = models["mistral-sliding"]
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma2-hybrid"])
+def test_sliding_window_caches_crop_after_wrapping(models, name):
+    """Sliding layers keep every position in the pool: a cache past its window still crops."""
+    model = models[name]
     cache = kv.allocate(model.config, 64, CPU, torch.float32)
-    forward(model, cache, IDS[:20], 0)
-    assert not kv.can_crop(cache)
-    with pytest.raises(ValueError):
-        kv.crop(cache, 10)
-    kv.crop(cache, 20)  # cropping to the current length is a no-op, always allowed
-    full = models["smollm2"]
-    cache = kv.allocate(full.config, 64, CPU, torch.float32)
-    forward(full, cache, IDS[:40], 0)
+    forward(model, cache, IDS[:40], 0)
     assert kv.can_crop(cache)
+    kv.crop(cache, 22)
+    edited = IDS[:22] + [5, 6, 7, 8, 9]
+    logits = forward(model, cache, edited[22:], 22)
+    assert (logits - fresh_logits(model, edited)).abs().max() < 1e-4
+    with pytest.raises(ValueError):
+        kv.crop(cache, 28)  # past the length
 
 
 def stock_logits(model, ids):
@@ -109,19 +123,39 @@ def stock_logits(model, ids):
     return model(input_ids=torch.tensor([ids])).logits[0, -1].float()
 
 
+def scattered_caches(model, n, capacity):
+    """`n` caches of one pool whose blocks interleave (none consecutive: every read gathers)."""
+    blocks = kv.blocks_for(capacity)
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, capacity, torch.float32) * n, CPU, torch.float32)
+    caches = [kv.SequenceKV(pool) for _ in range(n)]
+    for b in range(blocks):
+        for cache in caches:
+            cache._set_blocks(cache.blocks + pool.take_blocks(1))
+    return pool, caches
+
+
+@pytest.mark.parametrize("path", ["rows", "paged"])
 @pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
-def test_a_batch_of_rows_equals_each_sequence_alone(models, name):
+def test_a_batch_of_rows_equals_each_sequence_alone(models, name, path):
     """One forward pass over rows of different lengths, prefill chunks and decode tokens mixed,
-    past the sliding window: every row's logits match transformers' own full-sequence pass."""
+    past the sliding window: every row's logits match transformers' own full-sequence pass.
+    `rows`: every row on the row path, each cache in a pool of its own; `paged`: decode rows on
+    the paged path (padded to a bucket when they are alone in a step), the caches' blocks
+    interleaved in one pool."""
     model = models[name]
     seqs = [IDS[:40], IDS[5:25][::-1], IDS[10:47]]
-    caches = [kv.allocate(model.config, 64, CPU, torch.float32) for _ in seqs]
+    if path == "rows":
+        caches = [kv.allocate(model.config, 64, CPU, torch.float32) for _ in seqs]
+        runner = ModelRunner(model, caches[0].pool, paged=False)
+    else:
+        pool, caches = scattered_caches(model, len(seqs), 64)
+        runner = ModelRunner(model, pool, paged=True, max_rows=4)
     done = [0, 0, 0]
 
     def step(counts):
-        rows = [kv.Row(c, n) for c, n in zip(caches, counts) if n]
+        rows = [Row(c, n) for c, n in zip(caches, counts) if n]
         ids = [t for s, d, n in zip(seqs, done, counts) for t in s[d : d + n]]
-        logits = kv.forward(model, rows, ids, list(range(len(rows))))
+        logits = runner.forward(rows, ids, list(range(len(rows))))
         for i, n in enumerate(counts):
             done[i] += n
         return logits
@@ -142,7 +176,7 @@ def test_packed_cpu_linear_equals_f_linear_at_every_row_count(bias):
     token, a verification, a prefill chunk) gives F.linear's rows up to rounding."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 80, bias=bias)
-    assert kv._pack(layer), "this CPU build has oneDNN: the layer must be packed"
+    assert cpu_linear._pack(layer), "this CPU build has oneDNN: the layer must be packed"
     for n in [*range(1, 41), 64, 300]:
         x = torch.randn(1, n, 96)
         out = layer(x)
@@ -159,15 +193,15 @@ def test_cpu_linear_equals_f_linear_at_every_row_count(bias):
     layer = torch.nn.Linear(96, 80, bias=bias)
     for n in range(1, 41):
         x = torch.randn(1, n, 96)
-        out = kv._cpu_linear(layer, x)
+        out = cpu_linear._cpu_linear(layer, x)
         assert out.shape == (1, n, 80)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_fallback_attention_is_untouched_outside_the_engine(models):
     model = models["mistral-sliding"]
-    kv.forward(model, [kv.Row(kv.allocate(model.config, 64, CPU, torch.float32), 4)], IDS[:4], [0])
-    assert model.config._attn_implementation == kv.ATTN_IMPLEMENTATION
+    model_runner.forward_rows(model, [Row(kv.allocate(model.config, 64, CPU, torch.float32), 4)], IDS[:4], [0])
+    assert model.config._attn_implementation == attention.ATTN_IMPLEMENTATION
     fresh = tiny(MistralConfig, sliding_window=16)  # same seed, same weights, never switched
     assert torch.equal(stock_logits(model, IDS[:40]), stock_logits(fresh, IDS[:40]))
 
@@ -175,9 +209,9 @@ def test_fallback_attention_is_untouched_outside_the_engine(models):
 def test_bfloat16_batches_like_float32():
     model = tiny(MistralConfig, sliding_window=16).to(torch.bfloat16)
     caches = [kv.allocate(model.config, 64, CPU, torch.bfloat16) for _ in range(2)]
-    kv.forward(model, [kv.Row(caches[0], 20), kv.Row(caches[1], 6)], IDS[:20] + IDS[:6], [])
-    logits = kv.forward(model, [kv.Row(caches[0], 1), kv.Row(caches[1], 1)], IDS[20:21] + IDS[6:7], [0, 1])
-    assert caches[0].keys[0].dtype == torch.bfloat16 and logits.dtype == torch.float32
+    model_runner.forward_rows(model, [Row(caches[0], 20), Row(caches[1], 6)], IDS[:20] + IDS[:6], [])
+    logits = model_runner.forward_rows(model, [Row(caches[0], 1), Row(caches[1], 1)], IDS[20:21] + IDS[6:7], [0, 1])
+    assert caches[0].pool.keys[0].dtype == torch.bfloat16 and logits.dtype == torch.float32
     for row, n in enumerate((21, 7)):
         ref = stock_logits(model, IDS[:n])
         assert (logits[row] - ref).abs().max() < 0.05 * ref.abs().max()
@@ -188,3 +222,33 @@ def test_layer_kinds_it_cannot_batch_are_refused():
     config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match="linear_attention"):
         kv.layout(config)
+
+
+def test_padded_decode_rows_write_only_the_trash_block(models):
+    """A decode step of 3 rows padded to a bucket of 4: the real rows' new slots change, the
+    padding row writes the trash block only, every other slot of the pool is untouched, and
+    the real rows' logits equal an unpadded eager step's."""
+    model = models["gemma2-hybrid"]
+    pool, caches = scattered_caches(model, 3, 64)
+    runner = ModelRunner(model, pool, paged=True, max_rows=4)
+    for i, cache in enumerate(caches):
+        runner.forward([Row(cache, 10 + i)], IDS[: 10 + i], [0])
+    before = [t.clone() for t in pool.keys + pool.values]
+    lengths = [c.length for c in caches]
+    padded = runner.forward([Row(c, 1) for c in caches], [IDS[20], IDS[21], IDS[22]], [0, 1, 2])
+    bs = pool.block_size
+    written = {c.blocks[n // bs] * bs + n % bs for c, n in zip(caches, lengths)}
+    trash = set(range(pool.trash_block * bs, (pool.trash_block + 1) * bs))
+    for old, new in zip(before, pool.keys + pool.values):
+        changed = set((old != new).any(dim=(0, 2)).nonzero().flatten().tolist())
+        assert written <= changed and changed <= written | trash
+    for cache, n in zip(caches, lengths):
+        kv.crop(cache, n)
+    rows = [Row(c, 1) for c in caches]
+    alone = ModelRunner(model, pool, paged=False).forward(rows, [IDS[20], IDS[21], IDS[22]], [0, 1, 2])
+    assert (padded - alone).abs().max() < 1e-4
+
+
+def test_runner_buckets():
+    assert [model_runner.bucket(n) for n in (1, 3, 5, 17, 33, 600)] == [1, 4, 8, 24, 48, 600]
+    assert [model_runner.block_bucket(n, 512) for n in (1, 16, 17, 300, 900)] == [16, 16, 32, 512, 512]

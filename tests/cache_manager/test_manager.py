@@ -15,10 +15,10 @@ CPU = torch.device("cpu")
 CONFIG = LlamaConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048)
 S256 = 256 * 64
-S512 = 512 * 64
+BLOCK = kv.BLOCK_SIZE * 64  # one block of the pool
 
 
-def manager(budget=10 * S512, **config) -> CacheManager:
+def manager(budget=20 * S256, **config) -> CacheManager:
     return CacheManager(CONFIG, CPU, torch.float32, 2048, CacheConfig(budget_bytes=budget, **config))
 
 
@@ -146,55 +146,68 @@ def test_a_failing_release_unpins_and_drops_the_entry(monkeypatch):
 
 
 def test_a_failing_acquire_leaves_the_session_unpinned_and_usable():
-    m = manager(budget=S256 + S512 - 1)
+    m = manager(budget=10 * BLOCK)
     turn(m, "s", list(range(10, 40)))
-    with pytest.raises(NoRoom):  # needs a 512 bucket beside the 256 one
+    with pytest.raises(NoRoom):  # 400 positions are 25 blocks
         m.acquire("alice", "s", list(range(10, 40)) + [1, 2] + [7] * 300, 400)
     entry = m.store.get(("alice", "s"))
-    assert entry.idle and entry.tokens == list(range(10, 40)) + [1, 2] and entry.nbytes == S256
+    assert entry.idle and entry.tokens == list(range(10, 40)) + [1, 2] and entry.nbytes == 2 * BLOCK
     lease = m.acquire("alice", "s", list(range(10, 40)) + [1, 2, 3], 50)
     assert lease.n_reused == 32
 
 
-# -- item 13: growth counts the old and the new cache while both exist -------------------
+# -- the pool: growth appends blocks, commit gives back the unused tail ---------------------
 
 
-def test_grow_makes_room_for_old_and_new_together(monkeypatch):
-    m = manager(budget=S256 + S512)
-    turn(m, "a", list(range(10, 40)))
-    assert m.store.used_bytes == S256
-    grow, peaks = kv.grow, []
+def test_commit_keeps_only_the_blocks_the_tokens_use():
+    m = manager()
+    lease = m.acquire("alice", "a", list(range(10, 40)), 400)
+    assert kv.capacity(lease.cache) == 400 and m.store.used_bytes == 25 * BLOCK
+    m.commit(lease, written(lease, list(range(10, 40)) + [1, 2, 3]))  # 33 tokens: 3 blocks
+    assert m.store.used_bytes == 3 * BLOCK and kv.capacity(lease.cache) == 48
+    assert m.pool.allocator.num_free == m.pool.num_blocks - 3
 
-    def grow_and_measure(cache, config, capacity):
-        bigger = grow(cache, config, capacity)
-        peaks.append(m.store.used_bytes + kv.nbytes(bigger))  # old (still in the store) + new
-        return bigger
 
-    monkeypatch.setattr(kv, "grow", grow_and_measure)
+def test_grow_appends_blocks_in_place_and_counts_only_the_difference():
+    m = manager(budget=25 * BLOCK)
+    first = turn(m, "a", list(range(10, 40)))
+    assert m.store.used_bytes == 2 * BLOCK
     lease = m.acquire("alice", "a", list(range(10, 40)) + [1, 2] + [7] * 300, 400)
-    assert peaks == [S256 + S512] and kv.capacity(lease.cache) == 512
-    assert lease.n_reused == 32 and m.store.used_bytes == S512
+    assert lease.cache is first.cache and lease.n_reused == 32  # the same blocks, nothing copied
+    assert kv.capacity(lease.cache) == 400 and m.store.used_bytes == 25 * BLOCK
+    assert lease.cache.blocks == list(range(25)) and lease.cache.base == 0  # appended after its last
 
 
-def test_grow_evicts_for_the_whole_new_cache():
-    m = manager(budget=3 * S256)
+def test_grow_evicts_for_the_difference_only():
+    m = manager(budget=26 * BLOCK)
     turn(m, "a", list(range(10, 40)))
     turn(m, "b", list(range(50, 80)))
-    assert m.store.used_bytes == 2 * S256
-    # 256 (a, old) + 512 (a, new) > 768 - 256 (b): b must go before the copy, not after
+    assert m.store.used_bytes == 4 * BLOCK
+    # a grows by 23 blocks: 4 + 23 > 26, so b (2 blocks) must go first
     lease = m.acquire("alice", "a", list(range(10, 40)) + [1, 2] + [7] * 300, 400)
     assert [e.session_id for e in m.store.list("alice")] == ["a"]
-    assert m.store.drop_counts["evicted"] == 1 and m.store.used_bytes == S512
+    assert m.store.drop_counts["evicted"] == 1 and m.store.used_bytes == 25 * BLOCK
     m.commit(lease, written(lease, list(range(10, 40)) + [1, 2] + [7] * 300))
-    assert m.store.used_bytes == S512 and pinned(m) == []
+    assert m.store.used_bytes == 21 * BLOCK and pinned(m) == []  # 332 tokens: 21 blocks
+    assert m.pool.allocator.num_free == m.pool.num_blocks - 21
 
 
-def test_grow_that_fits_only_by_the_difference_is_refused():
-    m = manager(budget=S512 + S256 // 2)  # 384 + 256 positions: old + difference fits, old + new does not
+def test_grow_that_does_not_fit_is_refused_and_changes_nothing():
+    m = manager(budget=20 * BLOCK)
     turn(m, "a", list(range(10, 40)))
     with pytest.raises(NoRoom):
         m.acquire("alice", "a", list(range(10, 40)) + [1, 2] + [7] * 300, 400)
-    assert m.store.used_bytes == S256 and pinned(m) == []
+    assert m.store.used_bytes == 2 * BLOCK and pinned(m) == []
+    assert m.pool.allocator.num_free == m.pool.num_blocks - 2
+
+
+def test_evicted_and_deleted_sessions_give_their_blocks_back():
+    m = manager(budget=4 * BLOCK)
+    turn(m, "a", list(range(10, 40)))
+    turn(m, "b", list(range(50, 80)))
+    turn(m, "c", list(range(90, 120)))  # evicts a
+    assert m.store.drop_counts["evicted"] == 1 and m.pool.allocator.num_free == 0
+    assert m.delete_session("alice", "b") and m.pool.allocator.num_free == 2
 
 
 # -- item 6: anonymous reuse off, or in blocks --------------------------------------------

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from cache_manager import kv
+from server import attention
 from cache_manager.manager import CacheConfig, CacheManager
 from server.engine import Engine, EngineConfig, EngineStopped, QueueFull
 from server.sampling import SamplingParams
@@ -196,13 +196,13 @@ def test_deadline_and_cancel_also_apply_while_waiting(smollm2, engine):
 
 
 def test_start_raises_when_the_engine_thread_cannot_prepare_the_model(smollm2, monkeypatch):
-    """Preparing the model happens on the engine thread (kv.enable); a failure there is raised
-    by start() (the server reports it on /ready) and the engine takes no requests."""
+    """Preparing the model happens on the engine thread (the runner's prepare); a failure there
+    is raised by start() (the server reports it on /ready) and the engine takes no requests."""
 
-    def refuse(model, packed=True):
+    def refuse(model):
         raise RuntimeError("this model cannot be prepared")
 
-    monkeypatch.setattr(kv, "enable", refuse)
+    monkeypatch.setattr(attention, "enable", refuse)
     cache = CacheManager(smollm2.model.config, smollm2.device, smollm2.dtype, smollm2.max_context, CacheConfig(budget_bytes=2**28))
     eng = Engine(smollm2.model, smollm2.tokenizer, EngineConfig(max_context=smollm2.max_context), cache)
     with pytest.raises(RuntimeError, match="cannot be prepared"):

@@ -17,11 +17,14 @@ import pytest
 import torch
 
 from cache_manager import disk, kv
+from server import model_runner
+from server.attention import Row
 from cache_manager.tiers import DiskTier, HostTier
 from server.metrics import Metrics
 from server.model_loader import load_model
 from tests.conftest import test_cache_dir as cache_dir
 from tests.server.test_sessions import Harness, conversation_start
+from tests.server.test_sessions import one_session as session_budget
 
 FINGERPRINT = "test-model"
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path needs a GPU")
@@ -61,7 +64,7 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
 
 @pytest.fixture
 def one_session(loaded) -> int:
-    return kv.bytes_for(loaded.model.config, 256, loaded.dtype)
+    return session_budget(loaded)
 
 
 def disk_tier(path, metrics=None, budget=2**31, fingerprint=FINGERPRINT) -> DiskTier:
@@ -79,7 +82,7 @@ async def chat(h, sid, messages, reference, question):
 def test_sessions_demoted_to_disk_come_back_identical(harness, tmp_path, one_session):
     metrics = Metrics()
     tier = disk_tier(tmp_path, metrics)
-    h = harness(budget=int(one_session * 1.5), tiers={"disk": tier}, metrics=metrics)
+    h = harness(budget=one_session, tiers={"disk": tier}, metrics=metrics)
     reference = harness()
 
     async def play():
@@ -100,7 +103,7 @@ def test_sessions_demoted_to_disk_come_back_identical(harness, tmp_path, one_ses
 
 
 def test_restore_of_an_edited_history_crops_after_restoring(harness, tmp_path, one_session):
-    h = harness(budget=int(one_session * 1.5), tiers={"disk": disk_tier(tmp_path)})
+    h = harness(budget=one_session, tiers={"disk": disk_tier(tmp_path)})
     reference = harness()
 
     async def play():
@@ -121,10 +124,10 @@ def test_host_tier_overflows_to_disk_and_both_restore(harness, tmp_path, one_ses
     """The host tier's code path on a CPU (the server enables it on CUDA only)."""
     metrics = Metrics()
     below = disk_tier(tmp_path, metrics)
-    host = HostTier(one_session * 100 // 256, 1800.0, below=below, metrics=metrics)  # ~100 tokens
-    h = harness(budget=int(one_session * 1.5), tiers={"host": host, "disk": below}, metrics=metrics)
+    host = HostTier(one_session, 1800.0, below=below, metrics=metrics)  # 112 tokens
+    h = harness(budget=one_session, tiers={"host": host, "disk": below}, metrics=metrics)
     reference = harness()
-    # the device holds one session, the host ~100 tokens (one session of these, not two)
+    # the device holds one session, the host 112 tokens (one session of these, not two)
     plan = [("a", "new_session"), ("b", "new_session"), ("a", "restored_host"), ("c", "new_session"), ("b", "restored_disk")]
 
     async def play():
@@ -213,19 +216,21 @@ def test_host_tier_on_cuda_parks_pinned_copies_and_restores_them_bit_identical()
     device = torch.device("cuda")
     cache = kv.allocate(loaded.model.config, 256, device, loaded.dtype)
     ids = loaded.tokenizer("Pinned host buffers and a side stream.")["input_ids"]
-    kv.forward(loaded.model, [kv.Row(cache, len(ids))], ids, [0])
+    model_runner.forward_rows(loaded.model, [Row(cache, len(ids))], ids, [0])
     host = HostTier(2**30, 60.0)
     assert host.park(("p", "s"), ids, kv.export(cache))
     parked = host.store.get(("p", "s")).kv
     assert all(t.is_pinned() for t in parked.tensors.values()) and parked.event is not None
     tokens, tensors = host.take(("p", "s"))
-    back = kv.load(loaded.model.config, tensors, len(tokens), 512, device, loaded.dtype)
-    for a, b in zip(cache.keys + cache.values, back.keys + back.values):
-        assert torch.equal(a[:, :, : len(ids)], b[:, :, : len(ids)])
+    pool = kv.Pool(loaded.model.config, kv.bytes_for(loaded.model.config, 512, loaded.dtype), device, loaded.dtype)
+    back = kv.load(pool, tensors, len(tokens), 512)
+    for a, b in zip(kv.export(cache).values(), kv.export(back).values()):
+        assert a.shape[2] == len(ids) and torch.equal(a, b)
 
 
 def test_recompute_is_chosen_when_it_is_estimated_faster(harness, tmp_path, one_session):
-    h = harness(budget=int(one_session * 1.5), tiers={"disk": disk_tier(tmp_path)})
+    # 6 blocks: "s" (4 blocks) and "other" (a shorter prompt: 3) do not fit together
+    h = harness(budget=one_session * 6 // 7, tiers={"disk": disk_tier(tmp_path)})
     reference = harness()
 
     async def play():

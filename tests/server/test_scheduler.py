@@ -13,6 +13,7 @@ class Seq:
     name: str
     status: Status
     num_pending: int
+    session_key: str | None = None
 
 
 def decode(name, pending=1):
@@ -72,3 +73,57 @@ def test_nothing_pending_means_no_row():
 def test_budget_must_be_positive():
     with pytest.raises(ValueError):
         Scheduler(0)
+
+
+# -- admission: which waiting sequences start, their KV reserved ---------------------------
+
+
+def waiting(*names_and_keys):
+    return [Seq(name, Status.WAITING, 10, key) for name, key in names_and_keys]
+
+
+class Pool:
+    """A stand-in for the cache manager: `room` sequences fit; `broken` ones raise."""
+
+    def __init__(self, room, broken=()):
+        self.room, self.broken, self.reserved = room, set(broken), []
+
+    def reserve(self, seq):
+        if seq.name in self.broken:
+            raise RuntimeError("a bug")
+        if self.room == 0:
+            return False
+        self.room -= 1
+        self.reserved.append(seq.name)
+        return True
+
+
+def names(seqs):
+    return [s.name for s in seqs]
+
+
+def test_admits_in_arrival_order_up_to_max_running():
+    pool = Pool(room=10)
+    out = Scheduler(512, max_running=3).admit(waiting(("a", None), ("b", None), ("c", None)), [decode("r")], pool.reserve)
+    assert names(out.started) == ["a", "b"] and pool.reserved == ["a", "b"] and out.refused == []
+
+
+def test_a_busy_session_waits_without_blocking_the_queue():
+    running = [Seq("r", Status.DECODE, 1, "s1")]
+    out = Scheduler(512).admit(waiting(("a", "s1"), ("b", "s2"), ("c", "s2"), ("d", None)), running, Pool(10).reserve)
+    assert names(out.started) == ["b", "d"]  # a: s1 runs; c: s2 started just now
+
+
+def test_no_room_blocks_the_queue_while_others_run_and_refuses_when_nothing_does():
+    pool = Pool(room=1)
+    out = Scheduler(512).admit(waiting(("a", None), ("b", None), ("c", None)), [], pool.reserve)
+    assert names(out.started) == ["a"] and out.refused == []  # b waits for a; c waits behind b
+    pool = Pool(room=0)
+    out = Scheduler(512).admit(waiting(("a", None), ("b", None)), [], pool.reserve)
+    assert out.started == [] and [(s.name, e) for s, e in out.refused] == [("a", "kv_budget"), ("b", "kv_budget")]
+
+
+def test_a_failing_reservation_refuses_that_sequence_only():
+    pool = Pool(room=5, broken={"b"})
+    out = Scheduler(512).admit(waiting(("a", None), ("b", None), ("c", None)), [], pool.reserve)
+    assert names(out.started) == ["a", "c"] and [(s.name, e) for s, e in out.refused] == [("b", "internal")]

@@ -107,9 +107,13 @@ def metric(text: str, sample: str) -> float:
     return float(lines[0].split()[-1]) if lines else 0.0
 
 
+PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2 fp32: KV bytes of one token
+BLOCK = 16 * PER_TOKEN  # the pool's unit
+
+
 async def test_byte_budget_evicts_idle_sessions_and_refuses_what_cannot_fit(app_client):
-    one_bucket = 256 * 2 * 30 * 3 * 64 * 4  # SmolLM2 fp32: a 256-token cache
-    async with app_client(kv_budget_bytes=int(one_bucket * 1.5)) as client:
+    # one "Hi" turn (about 35 tokens with max_tokens: 3 blocks) fits, two do not
+    async with app_client(kv_budget_bytes=5 * BLOCK) as client:
         short = [{"role": "user", "content": "Hi"}]
         await client.post("/v1/chat/completions", json=chat(short, prompt_cache_key="a"))
         await client.post("/v1/chat/completions", json=chat(short, prompt_cache_key="b"))  # evicts a
@@ -120,8 +124,9 @@ async def test_byte_budget_evicts_idle_sessions_and_refuses_what_cannot_fit(app_
         assert_error_shape(too_big, 400, "kv_budget_exceeded")
         text = (await client.get("/metrics")).text
         assert metric(text, 'kvserve_session_evictions_total{reason="evicted"}') == 2
-        assert metric(text, "kvserve_kv_cache_bytes_budget") == int(one_bucket * 1.5)
-        assert metric(text, "kvserve_kv_cache_bytes_used") == one_bucket
+        assert metric(text, "kvserve_kv_cache_bytes_budget") == 5 * BLOCK
+        [only] = (await client.get("/v1/sessions", headers={"X-Session-ID": "a"})).json()["data"]
+        assert metric(text, "kvserve_kv_cache_bytes_used") == -(-only["tokens"] // 16) * BLOCK
         assert metric(text, "kvserve_sessions_resident") == 1
         assert metric(text, 'kvserve_prefix_cache_misses_total{reason="evicted"}') == 1
         # the server keeps serving
@@ -138,16 +143,17 @@ async def test_growth_is_counted(app_client):
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         text = (await client.get("/metrics")).text
         assert metric(text, "kvserve_kv_cache_grows_total") == 1
-        assert metric(text, "kvserve_kv_cache_bytes_used") == 512 * 2 * 30 * 3 * 64 * 4
+        [session] = (await client.get("/v1/sessions", headers={"X-Session-ID": "g"})).json()["data"]
+        # the idle session holds the blocks its tokens use, nothing of the turn's reservation
+        assert metric(text, "kvserve_kv_cache_bytes_used") == -(-session["tokens"] // 16) * BLOCK
 
 
 async def test_a_failed_grow_leaves_the_session_usable(app_client):
-    one_bucket = 256 * 2 * 30 * 3 * 64 * 4
-    async with app_client(kv_budget_bytes=int(one_bucket * 1.5)) as client:
+    async with app_client(kv_budget_bytes=10 * BLOCK) as client:  # 160 tokens
         first = [{"role": "user", "content": "Remember the word lighthouse."}]
         ok = await client.post("/v1/chat/completions", json=chat(first, prompt_cache_key="s"))
         history = first + [{"role": "assistant", "content": ok.json()["choices"][0]["message"]["content"]}]
-        # an edited history that needs a 512-token cache: the crop happens, the grow fails
+        # an edited history that needs 300+ tokens: the crop happens, the grow fails
         too_big = [{"role": "user", "content": "word " * 300}]
         assert_error_shape(await client.post("/v1/chat/completions", json=chat(too_big, prompt_cache_key="s")), 400, "kv_budget_exceeded")
         # the session still serves, from what its cache really holds

@@ -1,0 +1,169 @@
+"""Decode throughput of kvserve's engine against plain transformers on the same weights, in one
+process, with the memory-bandwidth floor of a decode step:
+
+    .venv/bin/python -m bench.gpu --model DIR [--streams 1,8,32,64] [--tokens 128] [--dtype bfloat16]
+
+Rows, per stream count N (N prompts of 16 tokens, `--tokens` greedy tokens each, end-of-turn
+suppressed so every side generates exactly that many):
+* kvserve: the engine (model runner, KV pool, CUDA graphs on CUDA) fed N requests at once;
+* transformers `generate` with a static cache (on CUDA transformers compiles it and replays CUDA
+  graphs) over a batch of N, and `generate_batch` (its continuous batching), `--baselines`;
+* the floor: reading the weights once per step at the device's measured copy bandwidth.
+Ratios are printed against `generate` measured in the same run. On CPU it runs too (a tiny
+model: `--model tiny`), which is how CI-less checks keep it working; the figures that matter
+come from a GPU (../shared/tools/gpu/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+from cache_manager.manager import CacheConfig, CacheManager
+from server.engine import Engine, EngineConfig
+from server.sampling import SamplingParams
+from server.sequence import GenerationRequest
+
+PROMPT_TOKENS = 16
+
+
+def load(path: str, device: torch.device, dtype: torch.dtype):
+    if path == "tiny":  # CPU smoke run: a random 2-layer model
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def floor_tokens_per_s(model, device: torch.device) -> float | None:
+    """One stream's bound: the weights read once per step at the measured copy bandwidth."""
+    if device.type != "cuda":
+        return None
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync(device)
+    bandwidth = 20 * x.numel() / (time.perf_counter() - t)
+    return bandwidth / nbytes
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    return [[(100 + i * 31 + j * 7) % (vocab - 10) + 5 for j in range(PROMPT_TOKENS)] for i in range(n)]
+
+
+def kvserve_rate(model, device, n: int, tokens: int, eos: int | None, args) -> float:
+    config = EngineConfig(max_context=args.max_context, max_running=max(64, n), max_queue=max(64, n),
+                          max_batch_tokens=max(512, n * PROMPT_TOKENS), cuda_graphs=args.cuda_graphs)
+    cache = CacheManager(model.config, device, model.dtype, args.max_context, CacheConfig(budget_bytes=args.kv_bytes, reuse=False))
+    engine = Engine(model, Tokenizer(eos), config, cache)
+    engine.start()
+    bias = {eos: -1000.0} if eos is not None else {}
+
+    async def wave() -> int:
+        loop = asyncio.get_running_loop()
+        handles = [engine.submit(GenerationRequest(f"r{i}", ids, SamplingParams(max_tokens=tokens, temperature=0.0, logit_bias=bias)), loop)
+                   for i, ids in enumerate(prompts(n, model.config.vocab_size))]
+        done = 0
+        for handle in handles:
+            async for out in handle:
+                done += len(out.tokens)
+        return done
+
+    try:
+        asyncio.run(wave())  # warm-up
+        t = time.perf_counter()
+        generated = asyncio.run(wave())
+        return generated / (time.perf_counter() - t)
+    finally:
+        engine.stop()
+
+
+class Tokenizer:
+    """What the engine asks of a tokenizer, for random-weight models (ids only)."""
+
+    def __init__(self, eos: int | None) -> None:
+        self.eos_token_id = eos
+
+    def decode(self, ids, **kwargs) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [f"<{i}>" for i in ids] if isinstance(ids, list) else f"<{ids}>"
+
+
+def generate_rate(model, device, n: int, tokens: int) -> float:
+    ids = torch.tensor(prompts(n, model.config.vocab_size), device=device)
+
+    def run():
+        return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                              cache_implementation="static", pad_token_id=0)
+
+    run()
+    sync(device)
+    t = time.perf_counter()
+    run()
+    sync(device)
+    return n * tokens / (time.perf_counter() - t)
+
+
+def generate_batch_rate(model, n: int, tokens: int) -> float:
+    config = GenerationConfig(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate_batch(inputs=prompts(n, model.config.vocab_size), generation_config=config, progress_bar=False)
+    t = time.perf_counter()
+    out = model.generate_batch(inputs=prompts(n, model.config.vocab_size), generation_config=config, progress_bar=False)
+    return sum(len(o.generated_tokens) for o in out.values()) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a model directory, or 'tiny' (CPU smoke run)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--streams", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--kv-bytes", type=int, default=4 << 30)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.set_grad_enabled(False)
+    model = load(args.model, device, dtype)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    floor = floor_tokens_per_s(model, device)
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), {dtype}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params, {args.tokens} tokens per stream")
+    if floor is not None:
+        print(f"HBM floor: {floor:.0f} tok/s for one stream")
+    # NOTE: the baselines first: kvserve's engine switches the model to its own attention, which
+    # `generate_batch` refuses (plain `generate` falls back to the original one).
+    baselines = {n: (generate_rate(model, device, n, args.tokens), generate_batch_rate(model, n, args.tokens)) for n in args.streams} if args.baselines else {}
+    print("| streams | kvserve tok/s | transformers generate (static) | kvserve / generate | generate_batch | kvserve / generate_batch |")
+    print("|---|---|---|---|---|---|")
+    for n in args.streams:
+        ours = kvserve_rate(model, device, n, args.tokens, eos, args)
+        if n in baselines:
+            static, batch = baselines[n]
+            print(f"| {n} | {ours:.0f} | {static:.0f} | {ours / static:.2f} | {batch:.0f} | {ours / batch:.2f} |", flush=True)
+        else:
+            print(f"| {n} | {ours:.0f} | - | - | - | - |", flush=True)
+
+if __name__ == "__main__":
+    main()

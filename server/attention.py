@@ -1,0 +1,215 @@
+"""kvserve's attention over the KV pool, registered with transformers' `AttentionInterface`.
+
+Shapes: a step packs every row's new tokens into one flattened batch of N tokens (input_ids
+[1, N], each token's own position in position_ids [1, N]); transformers calls `_attention` per
+layer with query [1, H, N, D] and the new keys/values [1, Hkv, N, D]. The step's `Step` (passed
+through the model as the `kvserve_step` keyword) says whose tokens they are. Two paths, one
+call each per layer:
+
+* `Batch`, the paged path: rows of ONE new token each (decode rows), first in the flattened
+  batch. One write of their keys/values into the pool at `slots` [B], one gather of their keys
+  by block table (`tables` [B, max_blocks]), one attention call over [B, Hkv, L, D] with each
+  row's length in `lens` [B] as a mask. Fixed shapes for a given (B, max_blocks): the runner
+  replays it from a CUDA graph, and padded rows point at the pool's trash block, so they write
+  nowhere a sequence reads. The default for decode rows on CUDA; on CPU only when asked for
+  (tests), since it gathers what the row path reads in place.
+* `Row`s, the row path: any number of tokens (prefill chunks, forced or drafted tokens), one
+  attention call per row over a view of the row's own keys (a gather when its blocks are not
+  consecutive), with a causal mask. On CPU every row takes it.
+
+Either way a row's result depends only on its own query, keys and values; only the linear
+layers see the batch's shape. Grouped-query attention folds a KV head's query heads into the
+query length ([.., Hkv, groups * T, D]): keys are never repeated per query head. Soft-capped
+models (Gemma 2) use the eager formula, softmax in float32; everything else is plain
+`scaled_dot_product_attention`, CPU or CUDA, fp32 or bf16.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from cache_manager import kv
+
+ATTN_IMPLEMENTATION = "kvserve"
+
+
+@dataclass(slots=True)
+class Row:
+    """One sequence's part of a step on the row path: `n` new tokens at positions
+    kv.length.. (offset: where they start in the flattened batch)."""
+
+    kv: kv.SequenceKV
+    n: int
+    offset: int = 0
+    slots: torch.Tensor | None = None  # slot of every position 0..length+n-1, when gathered
+    masks: dict = field(default_factory=dict)  # window -> the row's additive mask
+
+
+class Batch:
+    """The paged path's per-step tensors for B rows of one token each, on the pool's device:
+    `slots` [B] (where each row's new key/value goes), `tables` [B, max_blocks] (block
+    tables, trash block past a row's end), `lens` [B] (keys each row attends over, its new
+    one included). `prepare` derives the gather index and the masks from them; in a CUDA
+    graph these are persistent buffers, refilled before each replay."""
+
+    def __init__(self, pool: kv.Pool, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> None:
+        self.pool, self.slots, self.tables, self.lens = pool, slots, tables, lens
+        self.token_slots: torch.Tensor | None = None
+        self.masks: dict[int | None, torch.Tensor] = {}
+
+    @property
+    def size(self) -> int:
+        return self.slots.shape[0]
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """The gather index [B, L] and one additive mask [B, 1, 1, L] per window (device ops
+        only: this runs inside graph capture)."""
+        bs = self.pool.block_size
+        offsets = torch.arange(bs, device=self.tables.device)
+        self.token_slots = (self.tables[:, :, None] * bs + offsets).flatten(1)
+        pos = torch.arange(self.token_slots.shape[1], device=self.tables.device)[None, :]
+        lens = self.lens[:, None]
+        self.masks = {}
+        for window in set(self.pool.layout.windows):
+            allowed = pos < lens
+            if window is not None:
+                allowed &= pos >= lens - window
+            zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self.masks[window] = zeros.masked_fill(~allowed, -math.inf)[:, None, None, :]
+
+
+@dataclass(slots=True)
+class Step:
+    """Who the step's flattened tokens belong to: the batch's B rows first (one token each),
+    then the rows, in order."""
+
+    rows: list[Row]
+    batch: Batch | None = None
+
+
+def enable(model) -> None:
+    """Switch `model` to kvserve's attention. Calls without `kvserve_step` (transformers' own
+    `generate`, say) still run the model's original attention. Later calls do nothing."""
+    original = model.config._attn_implementation
+    if original == ATTN_IMPLEMENTATION:
+        return
+    kv.layout(model.config)  # refuse unsupported layer kinds up front
+    for config in {id(c): c for c in (model.config, model.config.get_text_config(decoder=True))}.values():
+        _ORIGINAL[id(config)] = original
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+_ORIGINAL: dict[int, str] = {}  # id(config) -> the attention implementation it had
+
+
+def _fallback(module):
+    """The attention the model had before `enable` (its own eager function for "eager")."""
+    name = _ORIGINAL.get(id(module.config), "sdpa")
+    function = AttentionInterface._global_mapping.get(name)
+    return function or sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, kvserve_step=None, **kwargs):
+    """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] (the
+    step's new tokens) -> ([1, N, H, D], None)."""
+    if kvserve_step is None:
+        return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)
+    layer = module.layer_idx
+    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else head_dim**-0.5
+    out = query.new_empty(1, query.shape[2], heads, head_dim)
+    batch = kvserve_step.batch
+    if batch is not None:
+        b = batch.size
+        keys, values = batch.pool.keys[layer], batch.pool.values[layer]
+        keys.index_copy_(1, batch.slots, key[0, :, :b])
+        values.index_copy_(1, batch.slots, value[0, :, :b])
+        # [Hkv, B, L, D] -> [B, Hkv, L, D]; the queries [1, H, B, D] -> [B, Hkv, groups, D]
+        k_rows = keys[:, batch.token_slots].transpose(0, 1)
+        v_rows = values[:, batch.token_slots].transpose(0, 1)
+        q = query[0, :, :b].transpose(0, 1).reshape(b, kv_heads, groups, head_dim)
+        o = _attend(q, k_rows, v_rows, batch.masks[batch.pool.layout.windows[layer]], scale, softcap)
+        out[0, :b] = o.reshape(b, heads, head_dim)
+    for row in kvserve_step.rows:
+        lo, hi = row.offset, row.offset + row.n
+        k_row, v_row, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi])
+        mask = _mask(row, layer, first, groups, query.dtype)
+        # [1, H, T, D] -> [1, Hkv, groups * T, D]: a KV head's query heads side by side
+        q = query[:, :, lo:hi].reshape(1, kv_heads, groups * row.n, head_dim)
+        o = _attend(q, k_row, v_row, mask, scale, softcap)
+        out[:, lo:hi] = o.reshape(1, heads, row.n, -1).transpose(1, 2)
+    return out, None
+
+
+def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Store the row's new keys/values at `layer`; return the keys/values its queries attend
+    over, in position order, and the position of the first: the whole sequence for a full
+    layer, the last `window` positions before the first query onwards for a sliding one."""
+    cache = row.kv
+    start = cache.length
+    end = start + row.n
+    if cache.base is None and row.slots is None:
+        row.slots = cache.slots(0, end)  # once per step for every layer
+    kv.write(cache, layer, start, k_new, v_new, row.slots)
+    window = cache.pool.layout.windows[layer]
+    first = 0 if window is None else max(0, start - window + 1)
+    keys, values = kv.read(cache, layer, first, end, row.slots)
+    return keys, values, first
+
+
+def _mask(row: Row, layer: int, first: int, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive mask [groups * n, L] of the row's `n` queries (a KV head's query heads
+    stacked, as `_attention` folds them) over its keys at positions first..; None where every
+    query sees every key (one query). Built once per step for all the layers with the same
+    window.
+
+    NOTE: additive (0 / -inf in the query's dtype) because sdpa turns a bool mask into exactly
+    that at every call; a step of 4 rows x 4 positions spent ~4 of its 44 ms building and
+    converting masks per layer."""
+    if row.n == 1:
+        return None
+    window = row.kv.pool.layout.windows[layer]
+    mask = row.masks.get(window)
+    if mask is None:
+        start = row.kv.length
+        device = row.kv.pool.device
+        allowed = _causal(start, row.n, torch.arange(first, start + row.n, device=device), window)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
+        mask = row.masks[window] = mask.repeat(groups, 1)
+    return mask
+
+
+def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Bool [n, L]: query at position start+i sees keys at positions <= its own (and, with a
+    window, > its own - window: transformers' sliding-window rule)."""
+    q = torch.arange(start, start + n, device=key_positions.device)[:, None]
+    mask = key_positions[None, :] <= q
+    if window is not None:
+        mask &= key_positions[None, :] > q - window
+    return mask
+
+
+def _attend(q, keys, values, mask, scale, softcap):
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    # NOTE: sdpa has no soft-capping (Gemma 2): the eager formula, softmax in float32.
+    scores = torch.matmul(q, keys.transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+# NOTE: calls without kvserve_step (the fallback) still need transformers' own masks (causal,
+# sliding window); the eager (additive float) mask suits both eager and sdpa fallbacks.
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)

@@ -1,0 +1,91 @@
+"""On CPU, linear layers on weights packed for oneDNN's matmul, or the transposed product:
+MKL's gemv and small-m sgemm run far below the machine's peak at the few rows of a decode step
+(docs/architecture.md, "The engine step"). Only `pack_model` is called from outside.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pack_model(model, packed: bool = True) -> None:
+    """On CPU, run every `nn.Linear` of `model` on a packed weight (`_pack`), or on the
+    transposed product (`_cpu_linear`) where this build cannot pack or `packed` is False (the
+    dense weights only: half the memory of the linear layers, slower). Nothing on other
+    devices, and nothing for layers already switched.
+
+    NOTE: call it on the thread that will run the model (the server's engine thread): packing
+    runs multi-threaded, and a second thread that runs multi-threaded torch ops slows every
+    step down (docs/architecture.md, "One OpenMP team")."""
+    if model.device.type != "cpu":
+        return
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and "forward" not in vars(module) and not (packed and _pack(module)):
+            module.forward = _cpu_linear.__get__(module)
+
+
+PACKED_FOR_ROWS = 16  # the row count oneDNN lays a packed weight out for (any count runs on it)
+
+
+def _pack(layer: torch.nn.Linear) -> bool:
+    """On CPU, run `layer` on a copy of its weight packed for oneDNN's matmul (False: this
+    build or dtype cannot).
+
+    NOTE: measured on a 2-core AVX-512 box (SmolLM2-135M's linear layers, fp32): PyTorch's
+    own `F.linear` (MKL sgemm) runs far below the machine's peak at the few rows of a decode
+    step and at the 9-64 of a speculative verification, where a packed weight keeps oneDNN
+    near it: 1 row 12 ms (F.linear 25), 16 rows 17 ms (39), 64 rows 40 ms (83), a
+    512-token prefill chunk 229 ms (515). The price is memory: the linear weights are held
+    twice (the dense ones stay the model's, for its state_dict and transformers' own calls).
+    Any other row count gives each row's result up to rounding (docs/architecture.md's
+    near-ties).
+    """
+    try:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), PACKED_FOR_ROWS)
+            probe = torch.zeros(1, layer.in_features, dtype=layer.weight.dtype)
+            torch.ops.mkldnn._linear_pointwise(probe, packed, layer.bias, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    layer.kvserve_packed = packed
+    layer.forward = _packed_linear.__get__(layer)
+    return True
+
+
+def _packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` through its packed weight (`_pack`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, layer.kvserve_packed, layer.bias, "none", [], "")
+
+
+ROW_BLOCK = 8  # on CPU, linear layers over 9-32 positions run on a multiple of this many
+MAX_TRANSPOSED = 32  # ... and over more positions (prefill chunks) through F.linear
+
+
+def _cpu_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` ([..., in] -> [..., out]) on CPU where `_pack` cannot, fast for the few
+    positions of a decode step (one per sequence, plus drafted tokens).
+
+    NOTE: measured on a 2-core AVX-512 box (SmolLM2-135M, its 211 linear layers): for 1-32 rows,
+    MKL's gemv (one row) and its sgemm against a (out x in) weight run far below the
+    transposed product weight @ x.T (one decode step: 26 ms instead of 41), and that product
+    itself slows down at row counts that are not a multiple of 8 (the linear layers over
+    12-15 rows: 57-87 ms, over 16: 46 ms). So one row is computed as two (itself twice), 2-8
+    rows as they are, 9-32 rows padded (with copies of the first) to a multiple of ROW_BLOCK:
+    a speculative verification of 9-16 positions costs what 16 do (a whole step: 62 ms
+    instead of 73-81). Prefill chunks keep `F.linear`, which wins there. Padding never
+    changes the real rows' results beyond rounding (the near-ties of docs/architecture.md).
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if n > MAX_TRANSPOSED:
+        return F.linear(x, layer.weight, layer.bias)
+    padded = 2 if n == 1 else n if n <= ROW_BLOCK else -(-n // ROW_BLOCK) * ROW_BLOCK
+    if padded != n:
+        rows = torch.cat([rows, rows[:1].expand(padded - n, -1)])
+    out = (layer.weight @ rows.T)[:, :n].T
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
