@@ -32,7 +32,8 @@ from server.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.model_loader import LoadedModel, load_model
 from server.openapi import install_openapi
 from server.prompt_lookup import NgramProposer
-from server.routes import chat, completions, health, models, router_compat, sessions
+from server.response_store import ResponseStore
+from server.routes import chat, completions, health, models, responses, router_compat, sessions
 from server.sampling import SamplingParams
 from server.sequence import GenerationRequest
 from server.serving import ServingContext
@@ -48,6 +49,7 @@ class AppState:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.responses = response_store(settings)
         self.ctx: ServingContext | None = None
         self.load_error: str | None = None  # for the log and the process, never sent to clients
         self.draining = False
@@ -84,6 +86,13 @@ class AppState:
         if self.ctx is None:
             raise APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
         return self.ctx
+
+
+def response_store(settings: Settings) -> ResponseStore:
+    """The stored responses; on disk beside the KV tier's files when the disk tier is on, so a
+    response and its session survive a restart together."""
+    directory = settings.kv_disk_dir / "responses" if settings.kv_disk_dir is not None else None
+    return ResponseStore(settings.response_store_bytes, directory)
 
 
 def kv_budget(settings: Settings, device: torch.device) -> int:
@@ -252,12 +261,14 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI
         metrics_server = None
         if settings.metrics_port is not None:
             metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
+        await asyncio.to_thread(state.responses.load)
         loader = asyncio.create_task(_load(state, loaded))
         try:
             yield
         finally:
             loader.cancel()
             await asyncio.to_thread(state.abort_in_flight)
+            await asyncio.to_thread(state.responses.close)
             if metrics_server is not None:
                 await asyncio.to_thread(metrics_server.shutdown)
                 metrics_server.server_close()
@@ -267,9 +278,10 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan, redirect_slashes=False)
     app.state.kv = state
     install_handlers(app)
-    for module in (health, models, chat, completions, sessions, router_compat):
+    for module in (health, models, chat, completions, responses, sessions, router_compat):
         app.include_router(module.router)
     install_openapi(app)
+    metrics.watch_response_store(state.responses)
     # The last added runs first: metrics see every request, auth runs before any body is read.
     app.add_middleware(HeadAsGet)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -75,8 +75,8 @@ _BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"
 
 
 def _param_path(loc: tuple) -> str | None:
-    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
-    parts = [p for p in loc if p != "body"]
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'; ('query', 'limit') -> 'limit'."""
+    parts = [p for p in loc if p not in ("body", "query", "path")]
     out = ""
     for part in parts:
         if isinstance(part, int):

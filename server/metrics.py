@@ -25,7 +25,7 @@ from grammars.compile import GrammarKind
 
 # Every label value the code uses, created at start so each series exists (at 0) on a fresh
 # server and no dashboard panel shows "No data".
-ROUTES = ("/v1/chat/completions", "/v1/completions")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECTION_REASONS = ("auth", "bad_request", "too_long", "too_large", "bad_schema", "kv_budget", "queue_full", "session_busy")
 EVICTION_REASONS = ("evicted", "expired", "deleted")
@@ -222,6 +222,10 @@ class Metrics:
         """Export the compiler's own hit/miss counters (it counts under its lock)."""
         self.registry.register(_GrammarCacheCollector(compiler))
 
+    def watch_response_store(self, store) -> None:
+        """Export the response store's size, budget, evictions and lookups, read at scrape time."""
+        self.registry.register(_ResponseStoreCollector(store))
+
     def watch_tiers(self, cache_manager) -> None:
         """Export bytes, budget and sessions of every KV tier, read at scrape time."""
         self.registry.register(_TierCollector(cache_manager))
@@ -239,6 +243,31 @@ class _GrammarCacheCollector:
             family = CounterMetricFamily(f"kvserve_grammar_cache_{name}", f"Compiled-grammar cache {name}.")
             family.add_metric([], value)
             yield family
+
+
+class _ResponseStoreCollector:
+    def __init__(self, store) -> None:
+        self.store = store  # server.response_store.ResponseStore
+
+    def collect(self):
+        s = self.store
+        yield GaugeMetricFamily("kvserve_response_store_bytes", "Bytes of stored responses (/v1/responses, store: true).", value=s.nbytes)
+        yield GaugeMetricFamily("kvserve_response_store_budget_bytes", "Byte budget of the response store (--response-store-bytes).", value=s.budget_bytes)
+        yield GaugeMetricFamily("kvserve_response_store_responses", "Stored responses.", value=len(s))
+        evictions = CounterMetricFamily(
+            "kvserve_response_store_evictions", "Stored responses dropped: evicted (budget) or deleted.", labels=["reason"]
+        )
+        for reason, count in s.evictions.items():
+            evictions.add_metric([reason], count)
+        yield evictions
+        lookups = CounterMetricFamily(
+            "kvserve_response_store_lookups",
+            "Lookups of stored responses (retrieve, input_items, previous_response_id): hit or miss (404).",
+            labels=["result"],
+        )
+        lookups.add_metric(["hit"], s.hits)
+        lookups.add_metric(["miss"], s.misses)
+        yield lookups
 
 
 class _TierCollector:

@@ -119,6 +119,13 @@ class Settings(BaseSettings):
         description="How often resident sessions whose KV changed are written to the disk tier "
         "(in the background; they stay resident).",
     )
+    response_store_bytes: int = Field(
+        64 * 2**20, ge=0,
+        description="Bytes of stored responses (/v1/responses with store: true), each holding its "
+        "whole conversation; the least recently used are evicted (then 404) to stay within. "
+        "Kept in memory, and under <--kv-disk-dir>/responses when the disk tier is on, so they "
+        "survive a restart. 0 = nothing is stored.",
+    )
     reject_busy_sessions: bool = Field(
         False, description="A second concurrent request on a busy session gets 409 instead of waiting."
     )

@@ -1,0 +1,300 @@
+"""OpenAI Responses API wire models (`POST /v1/responses`), with their bounds.
+
+The request converts itself to the chat side's `ChatCompletionRequest` (`to_chat`): a Responses
+turn is rendered, constrained, tool-called and sampled exactly as the equivalent chat request, so
+the two APIs share one chat template, one grammar path and one tool-call parser.
+
+Items (the conversation) are a discriminated union on `type`; a message may omit it (OpenAI's
+"easy input message"). Tags are spelled with a space so that `server.errors` leaves them out of
+the `param` it reports (`input[2].content[0].type`, not `input[2].message item.content...`).
+Unknown fields are ignored, as in `server.protocol`; fields kvserve cannot honour and that would
+change the meaning of the request (`background`, `conversation`, `prompt`, non-function tools)
+are refused with a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+
+from server.protocol import INT64, MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, OpenAIModel, StopString
+
+Text = Annotated[str, Field(max_length=10_000_000)]
+CallId = Annotated[str, Field(min_length=1, max_length=256)]
+MAX_ITEMS = 4096
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ContentPart(OpenAIModel):
+    """A text part of a message: `input_text` (user, system) or `output_text` (assistant)."""
+
+    type: Literal["input_text", "output_text"]
+    text: Text
+
+
+class MessageItem(OpenAIModel):
+    type: Literal["message"] = "message"
+    id: Annotated[str, Field(max_length=256)] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Text | Annotated[list[ContentPart], Field(max_length=1024)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def wire(self) -> dict:
+        """The item as stored and listed: content always a list of parts, an id always set."""
+        part = "output_text" if self.role == "assistant" else "input_text"
+        content = [{"type": part, "text": self.content}] if isinstance(self.content, str) else [
+            {"type": p.type, "text": p.text} for p in self.content
+        ]
+        return {"id": self.id or item_id("msg"), "type": "message", "role": self.role, "content": content, "status": "completed"}
+
+
+class FunctionCallItem(OpenAIModel):
+    """A call the model made earlier; `arguments` is a JSON string."""
+
+    type: Literal["function_call"]
+    id: Annotated[str, Field(max_length=256)] | None = None
+    call_id: CallId
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    arguments: Text
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_are_json(cls, value: str) -> str:
+        try:
+            json.loads(value)
+        except ValueError:
+            raise ValueError("must be a JSON string") from None
+        return value
+
+    def wire(self) -> dict:
+        return {
+            "id": self.id or item_id("fc"), "type": "function_call", "call_id": self.call_id,
+            "name": self.name, "arguments": self.arguments, "status": "completed",
+        }
+
+
+class InputTextPart(OpenAIModel):
+    type: Literal["input_text"]
+    text: Text
+
+
+class FunctionCallOutputItem(OpenAIModel):
+    """The caller's result of a function call, matched by `call_id`."""
+
+    type: Literal["function_call_output"]
+    id: Annotated[str, Field(max_length=256)] | None = None
+    call_id: CallId
+    output: Text | Annotated[list[InputTextPart], Field(max_length=1024)]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+    def wire(self) -> dict:
+        return {"id": self.id or item_id("fco"), "type": "function_call_output", "call_id": self.call_id, "output": self.text(), "status": "completed"}
+
+
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+
+
+def _item_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        kind = value.get("type", "message" if "role" in value else None)
+        return f"{kind} item" if kind in ITEM_TYPES else None
+    return None
+
+
+Item = Annotated[
+    Union[
+        Annotated[MessageItem, Tag("message item")],
+        Annotated[FunctionCallItem, Tag("function_call item")],
+        Annotated[FunctionCallOutputItem, Tag("function_call_output item")],
+    ],
+    Discriminator(
+        _item_tag,
+        custom_error_type="invalid_item",
+        custom_error_message="unsupported item: kvserve takes messages (text parts), function_call and function_call_output items",
+    ),
+]
+
+
+def chat_messages(instructions: str | None, items: list[Item]) -> list[dict]:
+    """Items -> chat messages: instructions first (a system message), function calls as the
+    assistant's `tool_calls` (a call right after an assistant message joins it), outputs as
+    `tool` messages. Earlier outputs sent back as input render exactly like stored ones."""
+    messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    joinable = False  # the last message is an assistant turn a call may join
+    for item in items:
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": item.text()})
+            joinable = item.role == "assistant"
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if not joinable:
+                messages.append({"role": "assistant", "content": None})
+            messages[-1].setdefault("tool_calls", []).append(call)
+            joinable = True
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            joinable = False
+    return messages
+
+
+class TextFormat(OpenAIModel):
+    """`text.format`: plain text, any JSON object, or JSON valid against `schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(max_length=256)] | None = None
+    description: Annotated[str, Field(max_length=100_000)] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("json_schema needs a schema")
+        return self
+
+    def response_format(self) -> dict:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {"type": "json_schema", "json_schema": {"name": self.name or "response", "schema": self.schema_, "strict": self.strict}}
+
+
+class TextConfig(OpenAIModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class FunctionTool(OpenAIModel):
+    """A function the model may call (the only tool type kvserve runs)."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: Annotated[str, Field(max_length=100_000)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(OpenAIModel):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class ResponsesRequest(OpenAIModel):
+    """POST /v1/responses. Fields in the order of OpenAI's reference; extensions last."""
+
+    background: bool | None = None
+    conversation: str | dict[str, Any] | None = None
+    include: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=64)] | None = None
+    input: Text | Annotated[list[Item], Field(min_length=1, max_length=MAX_ITEMS)]
+    instructions: Text | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1, le=1024)] | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    parallel_tool_calls: bool = True
+    previous_response_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    prompt: dict[str, Any] | None = None
+    prompt_cache_key: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    reasoning: dict[str, Any] | None = None
+    safety_identifier: Annotated[str, Field(max_length=512)] | None = None
+    service_tier: Annotated[str, Field(max_length=64)] | None = None
+    store: bool = True
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    text: TextConfig | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # logprobs are not returned here
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    user: Annotated[str, Field(max_length=512)] | None = None
+    # extensions (as on /v1/chat/completions)
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    speculative: bool = True
+
+    @field_validator("background")
+    @classmethod
+    def _no_background(cls, value):
+        if value:
+            raise ValueError("background responses are not supported: kvserve answers while you wait (or streams)")
+        return value
+
+    @field_validator("conversation", "prompt")
+    @classmethod
+    def _unsupported(cls, value, info):
+        if value is not None:
+            hint = "; continue with previous_response_id" if info.field_name == "conversation" else ""
+            raise ValueError(f"not supported by kvserve{hint}")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    def input_items(self) -> list[Item]:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def text_format(self) -> dict:
+        """`text.format` as echoed in the response object."""
+        fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
+        return fmt.model_dump(by_alias=True, exclude_none=True)
+
+    def tool_choice_wire(self) -> str | dict:
+        if isinstance(self.tool_choice, NamedFunction):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
+
+    def to_chat(self, items: list[Item], max_tokens: int | None, session_id: str | None) -> ChatCompletionRequest:
+        """The chat request this turn is: `items` is the whole conversation (stored turns and
+        this input). Raises pydantic's ValidationError on messages chat refuses."""
+        tool_choice = self.tool_choice
+        if isinstance(tool_choice, NamedFunction):
+            tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+        tools = None
+        if self.tools:
+            tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools]
+        fmt = self.text.format if self.text is not None else None
+        return ChatCompletionRequest.model_validate({
+            "model": self.model,
+            "messages": chat_messages(self.instructions, items),
+            "max_completion_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "top_k": self.top_k,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "response_format": fmt.response_format() if fmt is not None else None,
+            "tools": tools,
+            "tool_choice": tool_choice,
+            "prompt_cache_key": session_id,
+            "speculative": self.speculative,
+        })
+
+
+class InputItemsQuery(OpenAIModel):
+    """GET /v1/responses/{id}/input_items: cursor pagination as OpenAI's."""
+
+    after: Annotated[str, Field(max_length=256)] | None = None
+    limit: Annotated[int, Field(ge=1, le=100)] = 20
+    order: Literal["asc", "desc"] = "desc"

@@ -1,0 +1,355 @@
+"""POST /v1/responses and the stored-response routes: a Responses turn is a chat turn in a session.
+
+A turn's conversation is the stored one of `previous_response_id` (its earlier input and output
+items) followed by the new input; it is rendered through the chat side (`serving_chat`: template,
+tool prompt, tool-call parsing) and generated in a kvserve session of the caller's principal:
+
+* `prompt_cache_key` when given, else the session of the previous response, else the
+  `X-Session-ID` header, else (with `store`) the new response's own id. So a chain of
+  responses shares the session named after its first response id, and each turn prefills only
+  what the previous one did not (device, host or disk tier; restart included).
+* Without `store` and without any of those names, the turn runs like an anonymous chat request.
+
+Because the session only caches what the rendered conversation already is, a continued turn's
+greedy output equals that of the same history sent whole (the equivalence invariant).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import TypeAdapter, ValidationError
+from sse_starlette import EventSourceResponse
+
+from cache_manager.sessions import EntryPinnedError
+from server import serving, serving_chat
+from server.errors import APIError
+from server.protocol_responses import InputItemsQuery, Item, ResponsesRequest, item_id
+from server.response_store import ResponseStore, StoredResponse
+from server.sequence import RequestOutput
+from server.serving import ServingContext
+
+ROUTE = "/v1/responses"
+_ITEMS = TypeAdapter(list[Item])
+
+
+def not_found(response_id: str, param: str) -> APIError:
+    return APIError(
+        404,
+        f"No response found with id '{response_id}' (never stored, stored with store: false, "
+        "deleted, evicted from the response store, or another API key's)",
+        code="response_not_found", param=param,
+    )
+
+
+@contextlib.contextmanager
+def _renamed(**params: str):
+    """Errors raised by the chat helpers name chat's fields; say the Responses field instead."""
+    try:
+        yield
+    except APIError as exc:
+        exc.param = params.get(exc.param, exc.param)
+        raise
+
+
+@dataclass(slots=True)
+class Turn:
+    """One POST /v1/responses being answered."""
+
+    id: str
+    body: ResponsesRequest
+    principal: str
+    session_id: str | None
+    input_items: list[dict]  # this turn's input, with ids
+    conversation: list[dict]  # earlier turns + this input
+    tool_mode: str | None
+    created_at: int
+    arrived: float  # time.monotonic() when the request arrived (latency metrics)
+
+    def response(self, status: str, output: list[dict], final: RequestOutput | None = None, error: dict | None = None) -> dict:
+        """The response object (OpenAI's field order)."""
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if final is not None and final.finish_reason == "length" else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": body.max_tool_calls,
+            "metadata": body.metadata or {},
+            "model": body.model,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "prompt_cache_key": body.prompt_cache_key,
+            "reasoning": {"effort": None, "summary": None},
+            "service_tier": "default",
+            "store": body.store,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": {"format": body.text_format()},
+            "tool_choice": body.tool_choice_wire(),
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+            "top_logprobs": 0,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": body.truncation or "disabled",
+            "usage": usage(final) if final is not None else None,
+            "user": body.user,
+        }
+
+
+def usage(final: RequestOutput) -> dict:
+    return {
+        "input_tokens": final.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": final.cached_tokens},
+        "output_tokens": final.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+    }
+
+
+def status_of(final: RequestOutput) -> str:
+    return "completed" if final.finish_reason == "stop" else "incomplete"
+
+
+def output_items(text: str, final: RequestOutput, tool_mode: str | None, message_id: str | None = None) -> list[dict]:
+    """The output of a finished turn: its function calls (each its own item), or one message.
+
+    At most one call per response: kvserve's tool grammar allows one (`parallel_tool_calls`
+    permits several, it does not require them)."""
+    message, _ = serving_chat.assistant_message(text, final.finish_reason, tool_mode)
+    calls = message.get("tool_calls")
+    if calls:
+        return [
+            {
+                "id": item_id("fc"), "type": "function_call", "status": "completed", "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+            }
+            for call in calls
+        ]
+    return [message_item(message_id or item_id("msg"), message["content"] or "", status_of(final))]
+
+
+def message_item(message_id: str, text: str | None, status: str) -> dict:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"id": message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
+    """Everything before admission: 404 for an unknown previous response, the conversation
+    rendered, the grammar compiled, the sequence submitted. Returns (turn, engine handles)."""
+    arrived = time.monotonic()
+    ctx.check_model(body.model)
+    principal = request.state.principal
+    previous = None
+    if body.previous_response_id is not None:
+        previous = store.get(principal, body.previous_response_id)
+        if previous is None:
+            raise not_found(body.previous_response_id, "previous_response_id")
+    input_wire = [item.wire() for item in body.input_items()]
+    conversation = (previous.conversation if previous is not None else []) + input_wire
+    response_id = item_id("resp")
+    if body.prompt_cache_key is None and previous is not None and previous.session_id is not None:
+        session = previous.session_id  # the KV of the stored conversation, whatever header is sent
+    else:
+        session = serving.session_id(request, body.prompt_cache_key)
+    if session is None and body.store and store.budget_bytes > 0:
+        session = response_id
+    try:
+        chat = body.to_chat(_ITEMS.validate_python(conversation), body.max_output_tokens, session)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+        raise APIError(400, f"the conversation cannot be rendered as a chat: {message}", code="invalid_value", param="input", rejection="bad_request") from None
+    with _renamed(messages="input", max_tokens="max_output_tokens", response_format="text.format", prompt_cache_key="previous_response_id" if previous else "prompt_cache_key"):
+        prompt_ids = await asyncio.to_thread(serving_chat.render_prompt, ctx.tokenizer, chat)
+        max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.max_output_tokens, "max_output_tokens")
+        params = serving.choice_params(ctx, chat, max_tokens)
+        grammar, tool_mode = await serving.compile_grammar(ctx, chat, chat.tools, chat.tool_choice)
+        requests = serving.generation_requests(request, chat, response_id, [prompt_ids], params, ctx.request_timeout_s, grammar)
+        handles = serving.submit_all(ctx, requests, 1)
+    turn = Turn(response_id, body, principal, session, input_wire, conversation, tool_mode, int(time.time()), arrived)
+    return turn, handles
+
+
+def remember(ctx: ServingContext, store: ResponseStore, turn: Turn, response: dict) -> None:
+    """Stores a finished turn (`store: true`). A turn too large for the store says `store:
+    false`, and the session named after it goes: no one could ever continue in it."""
+    if not turn.body.store:
+        return
+    conversation = turn.conversation + response["output"]
+    record = StoredResponse(turn.id, turn.principal, turn.session_id, response, turn.input_items, conversation)
+    if not store.put(record):
+        response["store"] = False
+        if turn.session_id == turn.id:
+            drop_session(ctx, turn.principal, turn.id)
+
+
+def drop_session(ctx: ServingContext | None, principal: str, session_id: str) -> None:
+    """Deletes a session kvserve named after a response (from every tier); one with a turn
+    running in it stays, to be evicted like any idle session."""
+    if ctx is not None:
+        with contextlib.suppress(EntryPinnedError):
+            ctx.cache_manager.delete_session(principal, session_id)
+
+
+async def create(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
+    turn, handles = await prepare(ctx, store, body, request)
+    if body.stream:
+        headers = await serving.admission_headers(ctx, request, handles)
+        return EventSourceResponse(stream(ctx, store, turn, handles[0]), ping=15, headers=headers)
+    choice = (await serving.collect(ctx, request, handles, ROUTE))[0]
+    final = choice.final
+    response = turn.response(status_of(final), output_items(choice.text, final, turn.tool_mode), final)
+    remember(ctx, store, turn, response)
+    return JSONResponse(response, headers=serving.cache_headers(final))
+
+
+class Events:
+    """Numbers the stream's events (`sequence_number` from 0) and frames them as SSE."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+
+    def __call__(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return {"event": kind, "data": json.dumps(event, ensure_ascii=False)}
+
+
+def opened_message(ev: Events, index: int, message_id: str) -> list[dict]:
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    return [
+        ev("response.output_item.added", output_index=index, item=message_item(message_id, None, "in_progress")),
+        ev("response.content_part.added", item_id=message_id, output_index=index, content_index=0, part=part),
+    ]
+
+
+def closed_item(ev: Events, index: int, item: dict) -> list[dict]:
+    """The `...done` events of a finished output item."""
+    events = []
+    if item["type"] == "message":
+        part = item["content"][0]
+        common = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        events += [ev("response.output_text.done", **common, text=part["text"], logprobs=[]), ev("response.content_part.done", **common, part=part)]
+    else:
+        events.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=item["arguments"]))
+    return events + [ev("response.output_item.done", output_index=index, item=item)]
+
+
+def held_item(ev: Events, index: int, item: dict) -> list[dict]:
+    """All events of an item sent whole at the end (a function call, or held-back text)."""
+    if item["type"] == "message":
+        text = item["content"][0]["text"]
+        delta = [ev("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0, delta=text, logprobs=[])] if text else []
+        return opened_message(ev, index, item["id"]) + delta + closed_item(ev, index, item)
+    added = {**item, "arguments": "", "status": "in_progress"}
+    return [
+        ev("response.output_item.added", output_index=index, item=added),
+        ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]),
+        *closed_item(ev, index, item),
+    ]
+
+
+async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
+    """The Responses event sequence: created, in_progress, then per output item added /
+    content_part.added / deltas / done events, then completed (or incomplete, or failed).
+
+    Text streams as it comes. A function call (tool_choice required or named: the whole
+    output; "auto": an output starting with `<`) is held back and sent whole, arguments in one
+    delta, once complete, so a client never sees half a call. The response is stored before
+    its final event is sent.
+    """
+    ev = Events()
+    head = turn.response("in_progress", [])
+    yield ev("response.created", response=head)
+    yield ev("response.in_progress", response=head)
+    tracker = serving.Tracker(ctx.metrics, turn.arrived, handle)
+    text = ""
+    message_id: str | None = None  # set once the message item is open and streaming
+    hold = turn.tool_mode == "forced"
+    final = None
+    try:
+        async for output in handle:
+            tracker.saw(output)
+            text += output.text
+            if turn.tool_mode == "auto" and message_id is None and not hold and text:
+                hold = text.startswith("<")
+            if output.text and not hold:
+                if message_id is None:
+                    message_id = item_id("msg")
+                    for event in opened_message(ev, 0, message_id):
+                        yield event
+                yield ev("response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=output.text, logprobs=[])
+            if output.finished:
+                final = output
+                break
+    finally:
+        if final is None:  # cut off by the client
+            handle.cancel()
+            ctx.metrics.finished.labels(ROUTE, "abort").inc()
+    if final is None:
+        return
+    ctx.metrics.finished.labels(ROUTE, final.finish_reason).inc()
+    if final.error is not None or final.finish_reason == "abort":
+        error = serving.engine_error(final, ctx.request_timeout_s)
+        yield ev("response.failed", response=turn.response("failed", [], final, {"code": error.code, "message": error.message}))
+        return
+    items = output_items(text, final, turn.tool_mode, message_id)
+    for index, item in enumerate(items):
+        for event in closed_item(ev, index, item) if index == 0 and message_id is not None else held_item(ev, index, item):
+            yield event
+    response = turn.response(status_of(final), items, final)
+    remember(ctx, store, turn, response)
+    yield ev("response.completed" if response["status"] == "completed" else "response.incomplete", response=response)
+
+
+def retrieve(store: ResponseStore, principal: str, response_id: str) -> dict:
+    record = store.get(principal, response_id)
+    if record is None:
+        raise not_found(response_id, "response_id")
+    return record.response
+
+
+def delete(ctx: ServingContext | None, store: ResponseStore, principal: str, response_id: str) -> dict:
+    """Forgets the response. Its KV session (named after the chain's first response) is
+    deleted too once no stored response continues in it; a session named by the client's
+    `prompt_cache_key` is the client's to delete."""
+    record = store.delete(principal, response_id)
+    if record is None:
+        raise not_found(response_id, "response_id")
+    session = record.session_id
+    if session is not None and session.startswith("resp_") and not store.sessions_in_use(principal, session):
+        drop_session(ctx, principal, session)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def input_items(store: ResponseStore, principal: str, response_id: str, query: InputItemsQuery) -> dict:
+    """This response's own input items (not the earlier turns'), as a cursor page."""
+    record = store.get(principal, response_id)
+    if record is None:
+        raise not_found(response_id, "response_id")
+    items = record.input_items if query.order == "asc" else record.input_items[::-1]
+    if query.after is not None:
+        ids = [item["id"] for item in items]
+        if query.after not in ids:
+            raise APIError(400, f"no input item '{query.after}' in response '{response_id}'", code="invalid_value", param="after")
+        items = items[ids.index(query.after) + 1:]
+    page = items[: query.limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }
