@@ -99,8 +99,14 @@ class Pool:
         # (server/attention.py) multiplies unwritten slots by a zero weight, and garbage NaNs
         # would poison it. On CUDA the pool is memory taken at start-up anyway.
         new = torch.zeros if self.device.type == "cuda" else torch.empty
-        self.keys = [new(shape, device=self.device, dtype=dtype) for _ in self.layout.windows]
-        self.values = [new(shape, device=self.device, dtype=dtype) for _ in self.layout.windows]
+        try:
+            self.keys = [new(shape, device=self.device, dtype=dtype) for _ in self.layout.windows]
+            self.values = [new(shape, device=self.device, dtype=dtype) for _ in self.layout.windows]
+        except torch.OutOfMemoryError as exc:
+            raise MemoryError(
+                f"a KV pool of {budget_bytes} bytes does not fit on {self.device} beside the model: "
+                "lower --kv-budget-bytes or --kv-budget-fraction"
+            ) from exc
         self._zeroed = bytearray([self.device.type == "cuda"]) * (num_blocks + 1)
         self._zero([self.trash_block])
 

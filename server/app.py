@@ -155,6 +155,9 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         disk=disk,
     )
     metrics.watch_tiers(cache_manager)
+    pool = cache_manager.pool
+    log.info("KV pool on %s: %d blocks of %d tokens, %.2f GiB (%d tokens)", pool.device, pool.num_blocks,
+             pool.block_size, pool.num_blocks * pool.block_bytes / 2**30, pool.num_blocks * pool.block_size)
     engine = Engine(
         loaded.model,
         loaded.tokenizer,
