@@ -117,22 +117,28 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
                 "finish_reason": finish_reason,
             }
             for c in choices
-            for message, finish_reason in [assistant_message(ctx.tokenizer, c, tool_mode)]
+            for message, finish_reason in [assistant_message(c.text, c.final.finish_reason, tool_mode, tokenizer=ctx.tokenizer, tokens=c.tokens)]
         ],
         "usage": serving.usage([c.final for c in choices], body.n),
     })
 
 
-def assistant_message(tokenizer, choice: serving.Choice, tool_mode: str | None) -> tuple[dict, str]:
+def assistant_message(
+    text: str, finish_reason: str, tool_mode: str | None, *, tokenizer=None, tokens: list[TokenInfo] | None = None,
+) -> tuple[dict, str]:
     """A finished choice's message fields and finish reason; generated calls become
     `tool_calls` (arguments as the JSON text generated), with finish reason "tool_calls", or
     "length" for a call max_tokens cut short (its arguments so far). Text around the calls is
-    `content`; the format's wrappers never are."""
+    `content`; the format's wrappers never are.
+
+    Pass the `tokenizer` and the choice's `tokens` so that a model's marker tokens (absent
+    from the text) are seen; without them the text is read in kvserve's own format.
+    """
     parser = tool_parser(tokenizer, tool_mode)
     if parser is None:
-        return {"content": choice.text, "refusal": None}, choice.final.finish_reason
-    parser.feed(RequestOutput(text=choice.text, tokens=choice.tokens, finish_reason=choice.final.finish_reason))
-    _, finish_reason = parser.finish(choice.final.finish_reason)
+        return {"content": text, "refusal": None}, finish_reason
+    parser.feed(RequestOutput(text=text, tokens=tokens or [], finish_reason=finish_reason))
+    _, finish_reason = parser.finish(finish_reason)
     message = {"content": parser.content or (None if parser.calls else ""), "refusal": None}
     if parser.calls:
         message["tool_calls"] = [call.wire() for call in parser.calls]

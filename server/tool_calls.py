@@ -213,8 +213,9 @@ class ToolCallParser:
 
 
 def tool_parser(tokenizer, tool_mode: str | None) -> ToolCallParser | None:
-    """The parser for a request's tool mode ("forced", "auto" or None: no parsing)."""
+    """The parser for a request's tool mode ("forced", "auto" or None: no parsing), in the
+    tokenizer's tool format (no tokenizer: kvserve's own, read from the text)."""
     if tool_mode is None:
         return None
-    model_format = tool_format(tokenizer)
+    model_format = tool_format(tokenizer) if tokenizer is not None else None
     return ToolCallParser(output_format(model_format), at_start=model_format is None, tokenizer=tokenizer)
