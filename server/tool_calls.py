@@ -55,9 +55,6 @@ class Events:
     started: list[Call] = field(default_factory=list)
     arguments: dict[int, str] = field(default_factory=dict)  # call index -> new argument text
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.started or self.arguments)
-
 
 class _MarkerText:
     """Token ids -> text, markers written as sentinels (the engine's text skips them)."""
