@@ -101,6 +101,21 @@ def test_parser_with_marker_tokens_ignores_marker_text(hermes_tokenizer):
     assert [(c.name, c.arguments) for c in parser.calls] == [("get_time", "{}")]
 
 
+@pytest.mark.parametrize("marker, text", [
+    ("<|python_tag|>", '{"name":"get_time","parameters":{}}; {"name":"get_weather","parameters":{"city":"Oslo"}}'),
+    ("[TOOL_CALLS]", '[{"name":"get_time","arguments":{}}, {"name":"get_weather","arguments":{"city":"Oslo"}}]'),
+])
+def test_parser_reads_llama_and_mistral_blocks(tokenizer, marker, text):
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": [marker]})
+    ids = tok("Sure.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(marker)]
+    ids += tok(text, add_special_tokens=False)["input_ids"]
+    outputs = [RequestOutput(tokens=[TokenInfo(t)]) for t in ids]
+    parser, _, reason = parse(tool_format(tok), outputs, "stop", at_start=False, tokenizer=tok)
+    assert reason == "tool_calls" and parser.content == "Sure."
+    assert [(c.name, c.arguments) for c in parser.calls] == [("get_time", "{}"), ("get_weather", '{"city":"Oslo"}')]
+
+
 def request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest(model="m", **fields)
 
