@@ -1,7 +1,8 @@
 """Structured output with llguidance: an engine-level part and a per-request part.
 
-Engine level (`compile.py`): `spec_from_request` / `tool_call_spec` turn request fields into a
-`GrammarSpec`; one `GrammarCompiler` per loaded model compiles specs into shared
+Engine level (`compile.py`): `spec_from_request` turns request fields into a `GrammarSpec`
+(`tools.py`: `tool_call_spec` / `auto_tool_spec` for tool calls, written in the model's
+`tool_format`); one `GrammarCompiler` per loaded model compiles specs into shared
 `CompiledGrammar`s (LRU, time limit, `GrammarError` for anything a client got wrong).
 
 Per request (`matcher.py`): `compiled.new_matcher()` gives each sequence its own `Matcher`.
@@ -21,20 +22,21 @@ One decode step, as the engine drives it::
     finish("stop")                          # complete grammar: no extra forward pass
 """
 
-from grammars.compile import (
+from grammars.compile import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec, spec_from_request
+from grammars.matcher import Matcher
+from grammars.tools import (
+    KVSERVE_FORMAT,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
-    CompiledGrammar,
-    GrammarCompiler,
-    GrammarError,
-    GrammarSpec,
+    ToolFormat,
     auto_tool_spec,
-    spec_from_request,
+    output_format,
     tool_call_spec,
+    tool_format,
 )
-from grammars.matcher import Matcher
 
 __all__ = [
+    "KVSERVE_FORMAT",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "auto_tool_spec",
@@ -44,5 +46,8 @@ __all__ = [
     "GrammarSpec",
     "Matcher",
     "spec_from_request",
+    "ToolFormat",
+    "output_format",
     "tool_call_spec",
+    "tool_format",
 ]

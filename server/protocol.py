@@ -197,6 +197,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
+    parallel_tool_calls: bool = True  # OpenAI's default: "required" and "auto" may make several calls
     tool_choice: str | dict[str, Any] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None

@@ -287,6 +287,7 @@ class ResponsesRequest(OpenAIModel):
             "response_format": fmt.response_format() if fmt is not None else None,
             "tools": tools,
             "tool_choice": tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
             "prompt_cache_key": session_id,
             "speculative": self.speculative,
         })

@@ -24,8 +24,10 @@ from grammars import (
     GrammarError,
     GrammarSpec,
     auto_tool_spec,
+    output_format,
     spec_from_request,
     tool_call_spec,
+    tool_format,
 )
 from server.engine import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
 from server.errors import APIError
@@ -163,9 +165,12 @@ async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, 
     """The request's grammar, compiled (or from the LRU) off the event loop, before admission.
 
     Returns (grammar, tool_mode): tool_mode "forced" (tool_choice required or named), "auto"
-    (tools offered: text or a call behind the `<tool_call>` trigger) or None. An invalid,
-    unsupported or too slow grammar is a 400 naming the field; nothing is queued.
+    (tools offered: text or calls behind the trigger) or None. Calls are written in the
+    model's own tool format (grammars.tool_format) or kvserve's; `body.parallel_tool_calls`
+    false (where the body has it) allows one call. An invalid, unsupported or too slow
+    grammar is a 400 naming the field; nothing is queued.
     """
+    parallel = getattr(body, "parallel_tool_calls", None) is not False
     try:
         spec: GrammarSpec | None = spec_from_request(
             body.response_format, body.structured_outputs, body.guided_json, body.guided_regex,
@@ -173,12 +178,13 @@ async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, 
         )
         if tool_choice not in (None, "auto", "none") and not tools:
             raise GrammarError("tool_choice needs tools", "tool_choice")
-        tool_spec = tool_call_spec(tools, tool_choice) if tools else None
+        model_format = tool_format(ctx.tokenizer) if tools else None
+        tool_spec = tool_call_spec(tools, tool_choice, parallel=parallel, fmt=output_format(model_format)) if tools else None
         if spec is not None and tool_spec is not None:
             raise GrammarError(f"a forced tool call and {spec.param} cannot be combined", "tool_choice")
         mode = "forced" if tool_spec is not None else None
         if spec is None and tool_spec is None and tools and tool_choice in (None, "auto"):
-            tool_spec, mode = auto_tool_spec(tools), "auto"
+            tool_spec, mode = auto_tool_spec(tools, parallel=parallel, fmt=output_format(model_format)), "auto"
         spec = spec or tool_spec
         if spec is None:
             return None, None

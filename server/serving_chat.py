@@ -5,44 +5,53 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
-from grammars import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from grammars import output_format, tool_format
 from server import serving
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.sequence import RequestOutput, TokenInfo
 from server.serving import ServingContext
+from server.tool_calls import tool_parser
 
 ROUTE = "/v1/chat/completions"
 
 
 TOOLS_PROMPT = (
     "You can call these functions:\n{tools}\n"
-    "To call one, reply with only " + TOOL_CALL_OPEN + '{{"name": <function name>, "arguments": '
-    "<arguments object>}}" + TOOL_CALL_CLOSE + ". Otherwise reply normally."
+    "To call one, reply with only {example}; to call several, write one such call per line. "
+    "Otherwise reply normally."
 )
 
 
 def template_messages(tokenizer, body: ChatCompletionRequest) -> list[dict]:
-    """Messages for the chat template. A template that knows nothing of tools (no `tools` in
-    its source) gets them as a system note with the `<tool_call>` trigger, and earlier calls
-    written back in that form, so the model sees what the grammar allows."""
+    """Messages for the chat template, earlier calls' arguments as objects (what templates
+    that know tools expect). A template that knows nothing of tools (no `tools` in its
+    source) gets them as a system note showing how a call is written, and earlier calls
+    written back in that form (several calls of one turn as the grammar writes them), so the
+    model sees what the grammar allows."""
     messages = [m.for_template() for m in body.messages]
+    for message in messages:
+        for call in message.get("tool_calls") or []:
+            fn = call.get("function", {})
+            if isinstance(fn.get("arguments"), str):
+                fn["arguments"] = json.loads(fn["arguments"])
     if not body.tools or body.tool_choice == "none" or "tools" in (tokenizer.chat_template or ""):
         return messages
+    fmt = output_format(tool_format(tokenizer))
+    marker_text = {i: tokenizer.convert_ids_to_tokens(i) for i in fmt.marker_ids}
     for message in messages:
-        for call in message.pop("tool_calls", None) or []:
-            fn = call.get("function", {})
-            arguments = fn.get("arguments", "{}")
-            payload = json.dumps({"name": fn.get("name"), "arguments": json.loads(arguments) if isinstance(arguments, str) else arguments})
-            message["content"] += TOOL_CALL_OPEN + payload + TOOL_CALL_CLOSE
-    note = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.get("function", t)) for t in body.tools))
+        calls = [(c.get("function", {}).get("name"), c.get("function", {}).get("arguments", {}))
+                 for c in message.pop("tool_calls", None) or []]
+        if calls:
+            message["content"] += fmt.render(calls, marker_text)
+    example = fmt.render([("<function name>", "<arguments object>")], marker_text).replace('"<', "<").replace('>"', ">")
+    note = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.get("function", t)) for t in body.tools), example=example)
     if messages[0]["role"] == "system":
         messages[0]["content"] = messages[0]["content"] + "\n\n" + note
     else:
@@ -63,9 +72,10 @@ def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
 
 
 def logprobs_entry(ctx: ServingContext, token: TokenInfo) -> dict:
+    """One token's logprobs; `bytes` are the token's own bytes (a byte-fallback or partial
+    UTF-8 token gives its raw byte, not U+FFFD's encoding as its `token` text does)."""
     def item(token_id: int, logprob: float) -> dict:
-        text = ctx.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": ctx.token_text(token_id), "logprob": logprob, "bytes": list(ctx.compiler.ll_tokenizer.decode_bytes([token_id]))}
 
     entry = item(token.token_id, token.logprob)
     entry["top_logprobs"] = [item(t, lp) for t, lp in token.top]
@@ -107,52 +117,45 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
                 "finish_reason": finish_reason,
             }
             for c in choices
-            for message, finish_reason in [assistant_message(c.text, c.final.finish_reason, tool_mode)]
+            for message, finish_reason in [assistant_message(c.text, c.final.finish_reason, tool_mode, tokenizer=ctx.tokenizer, tokens=c.tokens)]
         ],
         "usage": serving.usage([c.final for c in choices], body.n),
     })
 
 
-def assistant_message(text: str, finish_reason: str, tool_mode: str | None) -> tuple[dict, str]:
-    """The message fields and finish reason; a completed tool call becomes `tool_calls`.
+def assistant_message(
+    text: str, finish_reason: str, tool_mode: str | None, *, tokenizer=None, tokens: list[TokenInfo] | None = None,
+) -> tuple[dict, str]:
+    """A finished choice's message fields and finish reason; generated calls become
+    `tool_calls` (arguments as the JSON text generated), with finish reason "tool_calls", or
+    "length" for a call max_tokens cut short (its arguments so far). Text around the calls is
+    `content`; the format's wrappers never are.
 
-    Forced calls are the whole output, `{"name": ..., "arguments": {...}}`; under "auto" a call
-    is wrapped in `<tool_call>...</tool_call>`. OpenAI's wire format carries the arguments as a
-    JSON string. A call cut short by max_tokens stays text.
+    Pass the `tokenizer` and the choice's `tokens` so that a model's marker tokens (absent
+    from the text) are seen; without them the text is read in kvserve's own format.
     """
-    if tool_mode == "auto" and text.startswith(TOOL_CALL_OPEN):
-        text_call = text.removeprefix(TOOL_CALL_OPEN).removesuffix(TOOL_CALL_CLOSE)
-    elif tool_mode == "forced":
-        text_call = text
-    else:
+    parser = tool_parser(tokenizer, tool_mode)
+    if parser is None:
         return {"content": text, "refusal": None}, finish_reason
-    if finish_reason != "stop":
-        return {"content": text, "refusal": None}, finish_reason
-    call = json.loads(text_call)
-    return {
-        "content": None,
-        "refusal": None,
-        "tool_calls": [
-            {
-                "id": "call_" + uuid.uuid4().hex[:24],
-                "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)},
-            }
-        ],
-    }, "tool_calls"
+    parser.feed(RequestOutput(text=text, tokens=tokens or [], finish_reason=finish_reason))
+    _, finish_reason = parser.finish(finish_reason)
+    message = {"content": parser.content or (None if parser.calls else ""), "refusal": None}
+    if parser.calls:
+        message["tool_calls"] = [call.wire() for call in parser.calls]
+    return message, finish_reason
 
 
 def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool_mode: str | None = None):
     """The two callbacks that turn engine outputs into chat.completion.chunk objects.
 
-    A tool call is sent whole in one `tool_calls` delta once it is complete (its text is
-    buffered, so a client never sees half a call as content). Under "auto" the first character
-    decides: `<` starts a call, anything else streams as text.
+    Under a tool mode each choice's output goes through a `ToolCallParser`: content streams as
+    text; each call streams as OpenAI's do, a first delta with its index, id and name, then
+    its arguments as they are generated. The format's wrappers are never sent.
     """
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     started: set[int] = set()
-    buffered: dict[int, str] = {}  # tool-call text held back until complete
-    streaming: set[int] = set()  # choices already streaming as text
+    parsers: dict[int, object] = {}
+    pending_logprobs: dict[int, list] = {}  # logprobs of tokens whose text is not sent yet
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
         out = {
@@ -164,36 +167,40 @@ def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool
             out["usage"] = None
         return out
 
-    def holds_back(index: int, output: RequestOutput) -> bool:
-        if index in buffered or tool_mode == "forced":
-            return True
-        return tool_mode == "auto" and index not in streaming and output.text.startswith("<")
+    def deltas(events) -> list[dict]:
+        out = [{"content": events.content}] if events.content else []
+        for call in events.started:
+            fn = {"name": call.name, "arguments": events.arguments.pop(call.index, "")}
+            out.append({"tool_calls": [{"index": call.index, "id": call.id, "type": "function", "function": fn}]})
+        for i, text in events.arguments.items():
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": text}}]})
+        return out
 
     def on_output(index: int, output: RequestOutput) -> list[dict]:
         chunks = []
         if index not in started:
             started.add(index)
+            parsers[index] = tool_parser(ctx.tokenizer, tool_mode)
             chunks.append(chunk(index, {"role": "assistant", "content": ""}))
-        logprobs = None
-        if body.logprobs and output.tokens:
-            logprobs = {"content": [logprobs_entry(ctx, t) for t in output.tokens]}
-        if holds_back(index, output):
-            buffered[index] = buffered.get(index, "") + output.text
-            if not output.finished:
-                return chunks
-            message, finish_reason = assistant_message(buffered.pop(index), output.finish_reason, tool_mode)
-            if "tool_calls" in message:
-                delta = {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}
-            else:
-                delta = {"content": message["content"]}
-            chunks.append(chunk(index, delta))
-            chunks.append(chunk(index, {}, finish_reason=finish_reason))
-            return chunks
-        if output.text or logprobs:
-            streaming.add(index)
-            chunks.append(chunk(index, {"content": output.text}, logprobs=logprobs))
+        parser = parsers[index]
+        finish_reason = output.finish_reason
+        if parser is None:
+            out = [{"content": output.text}] if output.text else []
+        else:
+            out = deltas(parser.feed(output))
+            if output.finished:
+                events, finish_reason = parser.finish(output.finish_reason)
+                out += deltas(events)
+        logprobs = pending_logprobs.pop(index, [])
+        if body.logprobs:
+            logprobs += [logprobs_entry(ctx, t) for t in output.tokens]
+        if logprobs and not out and not output.finished:
+            pending_logprobs[index] = logprobs
+        for i, delta in enumerate(out):
+            chunks.append(chunk(index, delta, logprobs={"content": logprobs} if i == 0 and logprobs else None))
         if output.finished:
-            chunks.append(chunk(index, {}, finish_reason=output.finish_reason))
+            chunks.append(chunk(index, {}, finish_reason=finish_reason,
+                                logprobs={"content": logprobs} if logprobs and not out else None))
         return chunks
 
     def on_end(finals: list[RequestOutput]) -> list[dict]:

@@ -122,20 +122,22 @@ def status_of(final: RequestOutput) -> str:
     return "completed" if final.finish_reason == "stop" else "incomplete"
 
 
-def output_items(text: str, final: RequestOutput, tool_mode: str | None, message_id: str | None = None) -> list[dict]:
-    """The output of a finished turn: its function calls (each its own item), or one message.
-
-    At most one call per response: kvserve's tool grammar allows one (`parallel_tool_calls`
-    permits several, it does not require them)."""
-    message, _ = serving_chat.assistant_message(text, final.finish_reason, tool_mode)
+def output_items(text: str, final: RequestOutput, tool_mode: str | None, message_id: str | None = None, *, tokenizer=None, tokens=None) -> list[dict]:
+    """The output of a finished turn: its function calls (each its own item; several when
+    `parallel_tool_calls` allows them), or one message. A call `max_output_tokens` cut short
+    is "incomplete", with its arguments so far. `tokenizer` and the turn's `tokens` let a
+    model's marker tokens be seen (serving_chat.assistant_message)."""
+    message, finish_reason = serving_chat.assistant_message(text, final.finish_reason, tool_mode, tokenizer=tokenizer, tokens=tokens)
     calls = message.get("tool_calls")
     if calls:
+        last = len(calls) - 1
         return [
             {
-                "id": item_id("fc"), "type": "function_call", "status": "completed", "call_id": call["id"],
+                "id": item_id("fc"), "type": "function_call", "call_id": call["id"],
+                "status": "incomplete" if i == last and finish_reason == "length" else "completed",
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"],
             }
-            for call in calls
+            for i, call in enumerate(calls)
         ]
     return [message_item(message_id or item_id("msg"), message["content"] or "", status_of(final))]
 
@@ -210,7 +212,8 @@ async def create(ctx: ServingContext, store: ResponseStore, body: ResponsesReque
         return EventSourceResponse(stream(ctx, store, turn, handles[0]), ping=15, headers=headers)
     choice = (await serving.collect(ctx, request, handles, ROUTE))[0]
     final = choice.final
-    response = turn.response(status_of(final), output_items(choice.text, final, turn.tool_mode), final)
+    items = output_items(choice.text, final, turn.tool_mode, tokenizer=ctx.tokenizer, tokens=choice.tokens)
+    response = turn.response(status_of(final), items, final)
     remember(ctx, store, turn, response)
     return JSONResponse(response, headers=serving.cache_headers(final))
 
@@ -275,7 +278,7 @@ async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
     yield ev("response.created", response=head)
     yield ev("response.in_progress", response=head)
     tracker = serving.Tracker(ctx.metrics, turn.arrived, handle)
-    text = ""
+    text, tokens = "", []
     message_id: str | None = None  # set once the message item is open and streaming
     hold = turn.tool_mode == "forced"
     final = None
@@ -283,6 +286,7 @@ async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
         async for output in handle:
             tracker.saw(output)
             text += output.text
+            tokens += output.tokens
             if turn.tool_mode == "auto" and message_id is None and not hold and text:
                 hold = text.startswith("<")
             if output.text and not hold:
@@ -305,7 +309,7 @@ async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
         error = serving.engine_error(final, ctx.request_timeout_s)
         yield ev("response.failed", response=turn.response("failed", [], final, {"code": error.code, "message": error.message}))
         return
-    items = output_items(text, final, turn.tool_mode, message_id)
+    items = output_items(text, final, turn.tool_mode, message_id, tokenizer=ctx.tokenizer, tokens=tokens)
     for index, item in enumerate(items):
         for event in closed_item(ev, index, item) if index == 0 and message_id is not None else held_item(ev, index, item):
             yield event

@@ -98,7 +98,8 @@ def test_structured_output_and_parse(client):
 
 
 def test_function_call_round_trip(client):
-    ask = {"input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 30}
+    ask = {"input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 30,
+           "parallel_tool_calls": False}
     with client.responses.stream(**GREEDY | ask) as stream:
         kinds = [e.type for e in stream]
         first = stream.get_final_response()

@@ -268,10 +268,9 @@ CLOCK = {"type": "function", "function": {"name": "now"}}
 def test_tool_call_spec(compiler):
     assert tool_call_spec([WEATHER], "auto") is None and tool_call_spec([WEATHER], "none") is None
     both = tool_call_spec([WEATHER, CLOCK], "required")
-    names = [call["properties"]["name"]["const"] for call in both.schema["anyOf"]]
-    assert names == ["get_weather", "now"]
+    assert both.kind == "lark" and '{"const": "get_weather"}' in both.payload and '{"const": "now"}' in both.payload
     named = tool_call_spec([WEATHER, CLOCK], {"type": "function", "function": {"name": "now"}})
-    assert named.schema["properties"]["name"] == {"const": "now"}
+    assert '{"const": "now"}' in named.payload and "get_weather" not in named.payload
     compiler.compile(both)
     compiler.compile(named)
     with pytest.raises(GrammarError) as info:

@@ -176,6 +176,7 @@ async def test_forced_tool_calls(app_client):
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
             out = (await client.post("/v1/chat/completions", json=body(
                 messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER_TOOL], tool_choice=choice,
+                parallel_tool_calls=False,  # several calls: tests/e2e/test_tool_calls_sdk.py
             ))).json()
             c = out["choices"][0]
             assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
@@ -185,10 +186,13 @@ async def test_forced_tool_calls(app_client):
             jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_TOOL["function"]["parameters"])
         plain = (await client.post("/v1/chat/completions", json=body(tools=[WEATHER_TOOL], tool_choice="none", max_tokens=5))).json()
         assert plain["choices"][0]["message"]["content"] and "tool_calls" not in plain["choices"][0]["message"]
-        streamed = await client.post("/v1/chat/completions", json=body(tools=[WEATHER_TOOL], tool_choice="required", stream=True))
+        streamed = await client.post("/v1/chat/completions", json=body(tools=[WEATHER_TOOL], tool_choice="required", stream=True, parallel_tool_calls=False))
         chunks = [c for c in sse_payloads(streamed.text) if c != "[DONE]"]
-        calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
-        assert len(calls) == 1 and calls[0][0]["function"]["name"] == "get_weather"
+        calls = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+        heads = [call for call in calls if "id" in call]  # each call: id and name first, then its arguments
+        assert heads and heads[0]["function"]["name"] == "get_weather" and calls[0] is heads[0]
+        first = "".join(call["function"]["arguments"] for call in calls if call["index"] == 0)
+        jsonschema.validate(json.loads(first), WEATHER_TOOL["function"]["parameters"])
         assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -219,7 +223,7 @@ async def test_auto_tool_choice_text_or_triggered_call(app_client):
         open_id = "44"  # "<" in SmolLM2's vocabulary (checked below)
         call = (await client.post("/v1/chat/completions", json=body(
             messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER_TOOL],
-            logit_bias={open_id: 30}, max_tokens=60,
+            logit_bias={open_id: 30}, max_tokens=60, parallel_tool_calls=False,  # the bias would start call after call
         ))).json()
         c = call["choices"][0]
         assert c["finish_reason"] == "tool_calls", c
@@ -232,7 +236,7 @@ async def test_auto_tool_choice_text_or_triggered_call(app_client):
         assert not text["choices"][0]["message"]["content"].startswith("<")
         streamed = await client.post("/v1/chat/completions", json=body(
             messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER_TOOL],
-            logit_bias={open_id: 30}, max_tokens=60, stream=True,
+            logit_bias={open_id: 30}, max_tokens=60, stream=True, parallel_tool_calls=False,
         ))
         chunks = [c for c in sse_payloads(streamed.text) if c != "[DONE]"]
         assert not any(c["choices"][0]["delta"].get("content") for c in chunks)

@@ -1,0 +1,211 @@
+"""Tool calls: the output parser on hand-built outputs, chat-template round trips, and a tiny
+random-weight model whose tokenizer carries Hermes markers, driven in-process by the official
+openai SDK (the marker starts calls, so free text may start with `<`)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+
+import anyio
+import httpx
+import jsonschema
+import pytest
+import torch
+from openai import AsyncOpenAI
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from grammars import KVSERVE_FORMAT, tool_format
+from server.model_loader import LoadedModel
+from server.protocol import ChatCompletionRequest
+from server.sequence import RequestOutput, TokenInfo
+from server.serving_chat import render_prompt
+from server.tool_calls import ToolCallParser
+
+TWO_CALLS = (
+    '<tool_call>{"name":"get_weather","arguments":{"city":"Pa\\"}{ris"}}</tool_call>\n'
+    '<tool_call>{"name":"get_time","arguments":{}}</tool_call>'
+)
+PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+          "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def parse(fmt, pieces, finish_reason, *, at_start=True, tokenizer=None):
+    parser = ToolCallParser(fmt, at_start=at_start, tokenizer=tokenizer)
+    events = [parser.feed(p) for p in pieces]
+    last, reason = parser.finish(finish_reason)
+    return parser, [*events, last], reason
+
+
+def test_parser_streams_names_first_then_arguments_as_they_come():
+    chunks = [RequestOutput(text=TWO_CALLS[i : i + 5]) for i in range(0, len(TWO_CALLS), 5)]
+    parser, events, reason = parse(KVSERVE_FORMAT, chunks, "stop")
+    assert reason == "tool_calls" and parser.content == ""
+    assert [c.name for c in parser.calls] == ["get_weather", "get_time"]
+    assert [c.index for c in parser.calls] == [0, 1] and len({c.id for c in parser.calls}) == 2
+    assert json.loads(parser.calls[0].arguments) == {"city": 'Pa"}{ris'} and parser.calls[1].arguments == "{}"
+    streamed = {0: "", 1: ""}
+    for e in events:
+        assert not e.content
+        for call in e.started:  # the name comes before any of the call's arguments
+            assert streamed[call.index] == ""
+        for i, text in e.arguments.items():
+            streamed[i] += text
+    assert streamed == {0: parser.calls[0].arguments, 1: "{}"}
+
+
+def test_parser_cut_off_calls_and_plain_text():
+    cut, _, reason = parse(KVSERVE_FORMAT, [RequestOutput(text=TWO_CALLS[:60])], "length")
+    assert reason == "length" and cut.content == "" and [c.name for c in cut.calls] == ["get_weather"]
+    assert cut.calls[0].arguments == '{"city":"Pa\\"}{ris"}}'[: len(cut.calls[0].arguments)]
+    wrapper, _, reason = parse(KVSERVE_FORMAT, [RequestOutput(text='<tool_call>{"na')], "length")
+    assert reason == "length" and wrapper.content == "" and not wrapper.calls  # never the wrapper as text
+    text, _, reason = parse(KVSERVE_FORMAT, [RequestOutput(text="Hi <tool_call>"), RequestOutput(text="!")], "stop")
+    assert reason == "stop" and text.content == "Hi <tool_call>!" and not text.calls
+
+
+@pytest.fixture(scope="module")
+def hermes_tokenizer(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tok.chat_template = HERMES_TEMPLATE
+    return tok
+
+
+HERMES_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+Functions: {% for t in tools %}{{ t.function | tojson }}{% endfor %}
+Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>
+{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}
+</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_parser_with_marker_tokens_ignores_marker_text(hermes_tokenizer):
+    tok = hermes_tokenizer
+    ids = tok('<b>x</b> "<tool_call>" text', add_special_tokens=False)["input_ids"]
+    open_id, close_id = tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    assert open_id in ids  # the tokenizer matches marker text: the text before it is content
+    ids = tok("<b>x</b>", add_special_tokens=False)["input_ids"] + [open_id]
+    ids += tok('\n{"name":"get_time","arguments":{}}\n', add_special_tokens=False)["input_ids"] + [close_id]
+    outputs = [RequestOutput(tokens=[TokenInfo(t)]) for t in ids]
+    parser, _, reason = parse(tool_format(tok), outputs, "stop", at_start=False, tokenizer=tok)
+    assert reason == "tool_calls" and parser.content == "<b>x</b>"
+    assert [(c.name, c.arguments) for c in parser.calls] == [("get_time", "{}")]
+
+
+@pytest.mark.parametrize("marker, text", [
+    ("<|python_tag|>", '{"name":"get_time","parameters":{}}; {"name":"get_weather","parameters":{"city":"Oslo"}}'),
+    ("[TOOL_CALLS]", '[{"name":"get_time","arguments":{}}, {"name":"get_weather","arguments":{"city":"Oslo"}}]'),
+])
+def test_parser_reads_llama_and_mistral_blocks(tokenizer, marker, text):
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": [marker]})
+    ids = tok("Sure.", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids(marker)]
+    ids += tok(text, add_special_tokens=False)["input_ids"]
+    outputs = [RequestOutput(tokens=[TokenInfo(t)]) for t in ids]
+    parser, _, reason = parse(tool_format(tok), outputs, "stop", at_start=False, tokenizer=tok)
+    assert reason == "tool_calls" and parser.content == "Sure."
+    assert [(c.name, c.arguments) for c in parser.calls] == [("get_time", "{}"), ("get_weather", '{"city":"Oslo"}')]
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", **fields)
+
+
+def round_trip_messages(arguments=('{"city":"Paris","unit":"c"}', "{}")):
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+             for i, (name, args) in enumerate(zip(("get_weather", "get_time"), arguments))]
+    return [
+        {"role": "user", "content": "Weather in Paris and the time?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_0", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "10:42"},
+    ]
+
+
+def test_several_calls_and_results_round_trip_through_templates(tokenizer, hermes_tokenizer):
+    body = request(messages=round_trip_messages(), tools=[WEATHER, TIME])
+    plain = tokenizer.decode(render_prompt(tokenizer, body))  # SmolLM2: no tools in its template
+    assert ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>') in plain
+    assert "18 C" in plain and "10:42" in plain and "one such call per line" in plain
+    hermes = hermes_tokenizer.decode(render_prompt(hermes_tokenizer, body))
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>') in hermes  # objects, not strings
+    assert "18 C" in hermes and "10:42" in hermes and "one such call" not in hermes
+
+
+# ---------------------------------------------------------------- a tiny model with markers
+
+
+@pytest.fixture(scope="module")
+def hermes_model(hermes_tokenizer):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(hermes_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
+    return LoadedModel(model, hermes_tokenizer, "tiny-hermes", torch.device("cpu"), torch.float32, 2048)
+
+
+@pytest.fixture
+def sdk(hermes_model):
+    """`async with sdk() as client`: the official AsyncOpenAI client on an in-process app."""
+    from asgi_lifespan import LifespanManager
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    @contextlib.asynccontextmanager
+    async def make():
+        app = create_app(Settings(), loaded=hermes_model)
+        async with LifespanManager(app) as manager:
+            transport = httpx.ASGITransport(app=manager.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://kvserve") as http:
+                while (await http.get("/ready")).status_code != 200:
+                    await anyio.sleep(0.05)
+                yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=http, max_retries=0)
+
+    return make
+
+
+pytestmark = pytest.mark.anyio
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def test_marker_model_text_may_start_with_lt_and_calls_after_the_marker_are_valid(sdk, hermes_tokenizer):
+    open_id = hermes_tokenizer.convert_tokens_to_ids("<tool_call>")
+    async with sdk() as client:
+        html = await client.chat.completions.create(
+            model="tiny-hermes", messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=6, logit_bias={"44": 100})
+        assert html.choices[0].message.content.startswith("<") and not html.choices[0].message.tool_calls
+        for seed in range(3):  # the marker (pushed up by the bias) starts a call whatever the model then writes
+            out = await client.chat.completions.create(
+                model="tiny-hermes", messages=ASK, tools=[WEATHER, TIME], temperature=1, seed=seed, max_tokens=40,
+                logit_bias={str(open_id): 100}, parallel_tool_calls=False)
+            choice = out.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            (call,) = choice.message.tool_calls
+            schema = {"get_weather": PARAMS, "get_time": TIME["function"]["parameters"]}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+        stream = await client.chat.completions.create(
+            model="tiny-hermes", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=40, stream=True)
+        heads, arguments, finish = [], "", None
+        async for chunk in stream:
+            delta = chunk.choices[0].delta
+            assert not delta.content
+            for call in delta.tool_calls or []:
+                if call.id:
+                    heads.append((call.index, call.function.name))
+                arguments += call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert heads[0] == (0, "get_weather") and finish in ("tool_calls", "length")
+        if finish == "tool_calls":
+            assert [i for i, _ in heads] == list(range(len(heads)))
