@@ -3,10 +3,9 @@
 import pytest
 
 from tests.server.test_api import MODEL, assert_error_shape, sample, sse_payloads
+from tests.server.test_sessions_api import KEY_A, KEY_B
 
 pytestmark = pytest.mark.anyio
-KEY_A = {"Authorization": "Bearer key-a"}
-KEY_B = {"Authorization": "Bearer key-b"}
 
 
 def turn(input, **extra):
