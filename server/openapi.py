@@ -75,10 +75,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 }
 
 
+# NOTE: one server-sent event, as SSE readers (schemathesis among them) hand it over: its data
+# alone, or its fields when it has more than data (the Responses API names every event).
+SSE_EVENT = {"anyOf": [
+    {"type": "string"},
+    {"type": "object", "required": ["data"],
+     "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}},
+]}
+
+
 def describe(operation: dict, spec: Operation) -> None:
     """Replaces FastAPI's guessed responses of one operation with what the server sends."""
     generated = operation.get("responses", {}).get("200", {}).get("content", {}).get("application/json", {})
-    content = {media: generated if media == "application/json" else {"schema": {"type": "string"}} for media in spec.media}
+    schemas = {"application/json": generated, "text/event-stream": {"schema": SSE_EVENT}}
+    content = {media: schemas.get(media, {"schema": {"type": "string"}}) for media in spec.media}
     success = {"description": "Success"} | ({"content": content} if content else {})
     operation["responses"] = {str(spec.success): success} | {
         str(status): {"description": ERRORS[status], "content": {"application/json": {"schema": ERROR_REF}}}

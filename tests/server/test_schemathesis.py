@@ -81,3 +81,18 @@ def test_api_conforms_to_its_openapi_document(api_schema, method, path):
         check(case)
 
     run()
+
+
+STREAMED = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
+    "/v1/completions": {"prompt": "Hi"},
+    "/v1/responses": {"input": "Hi"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(STREAMED))
+def test_streamed_answers_conform_to_the_document(api_schema, path):
+    """Every route that streams, streaming for sure (generated bodies stream only by chance):
+    each server-sent event conforms, named ones (the Responses API's) included."""
+    case = api_schema[path]["POST"].Case(body={"model": MODEL, "stream": True, **STREAMED[path]}, media_type="application/json")
+    check(case)
