@@ -246,24 +246,13 @@ class ModelRunner:
     def _capture(self, size: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """One decode graph over the persistent buffers of (size, blocks); the buffers hold
         padding rows while capturing (they write the trash block only)."""
-        meta = self._buffers(size, blocks)
-        ids, pos, batch = self._views(meta, size, blocks)
-        _pad(ids, pos, batch, self.pool)
+        ids, pos, batch = self._fill([], [], size, blocks)  # every row a padding row
         self._forward(ids, pos, Step([], batch), None)  # warm up outside the graph
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             logits = self._forward(ids, pos, Step([], batch), None)
         return graph, logits
-
-
-def _pad(ids: torch.Tensor, pos: torch.Tensor, batch: Batch, pool: kv.Pool) -> None:
-    """Every row of the buffers a padding row (token 0, position 0, trash block, length 1)."""
-    ids.zero_()
-    pos.zero_()
-    batch.slots.fill_(pool.trash_block * pool.block_size)
-    batch.tables.fill_(pool.trash_block)
-    batch.lens.fill_(1)
 
 
 def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
