@@ -140,6 +140,16 @@ class Pool:
         slots = (table[:, None] * bs + torch.arange(bs)).flatten()[start % bs : start % bs + end - start]
         return slots.to(self.device, non_blocking=True)
 
+    def store(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values [kv_heads, n, head_dim] into `slots` [n] of `layer`."""
+        self.keys[layer].index_copy_(1, slots, keys)
+        self.values[layer].index_copy_(1, slots, values)
+
+    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at the slots of `index` (any shape S) of `layer`: [kv_heads, *S,
+        head_dim] copies."""
+        return self.keys[layer][:, index], self.values[layer][:, index]
+
     def _zero(self, blocks: list[int]) -> None:
         if not blocks:
             return
@@ -251,7 +261,8 @@ def read(cache: SequenceKV, layer: int, start: int, end: int, slots: torch.Tenso
     if cache.base is not None:
         return k[None, :, cache.base + start : cache.base + end], v[None, :, cache.base + start : cache.base + end]
     slots = cache.slots(start, end) if slots is None else slots[start:end]
-    return k.index_select(1, slots)[None], v.index_select(1, slots)[None]
+    k, v = pool.gather(layer, slots)
+    return k[None], v[None]
 
 
 def write(cache: SequenceKV, layer: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor | None = None) -> None:
@@ -265,8 +276,7 @@ def write(cache: SequenceKV, layer: int, start: int, k_new: torch.Tensor, v_new:
         pool.values[layer][:, cache.base + start : cache.base + start + n] = v_new[0]
         return
     slots = cache.slots(start, start + n) if slots is None else slots[start : start + n]
-    pool.keys[layer].index_copy_(1, slots, k_new[0])
-    pool.values[layer].index_copy_(1, slots, v_new[0])
+    pool.store(layer, slots, k_new[0], v_new[0])
 
 
 # -- tiers: export and load --------------------------------------------------------------------

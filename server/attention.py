@@ -6,16 +6,18 @@ layer with query [1, H, N, D] and the new keys/values [1, Hkv, N, D]. The step's
 through the model as the `kvserve_step` keyword) says whose tokens they are. Two paths, one
 call each per layer:
 
-* `Batch`, the paged path: rows of ONE new token each (decode rows), first in the flattened
-  batch. One write of their keys/values into the pool at `slots` [B], one gather of their keys
-  by block table (`tables` [B, max_blocks]), one attention call over [B, Hkv, L, D] with each
-  row's length in `lens` [B] as a mask. Fixed shapes for a given (B, max_blocks): the runner
-  replays it from a CUDA graph, and padded rows point at the pool's trash block, so they write
-  nowhere a sequence reads. The default for decode rows on CUDA; on CPU only when asked for
-  (tests), since it gathers what the row path reads in place.
-* `Row`s, the row path: any number of tokens (prefill chunks, forced or drafted tokens), one
-  attention call per row over a view of the row's own keys (a gather when its blocks are not
-  consecutive), with a causal mask. On CPU every row takes it.
+* `Batch`es, the paged path (every row on CUDA): B rows of up to T new tokens each. One write
+  of their keys/values into the pool at `slots`, one gather of their keys by block table
+  (`tables` [B, max_blocks]), one attention call over [B, Hkv, L, D] with each query's position
+  as a mask. Decode rows (T = 1) form one batch, first in the flattened batch; multi-token rows
+  (prefill chunks, forced and drafted tokens) one batch per power-of-two width, padded (so a
+  step makes one or two calls per layer, not one per row). Padding tokens and padding rows
+  write the pool's trash block only, so padding never touches a slot a sequence reads. Fixed
+  shapes for a given (B, max_blocks): the runner replays a decode batch from a CUDA graph. On
+  CPU only when asked for (tests), since it gathers what the row path reads in place.
+* `Row`s, the row path (every row on CPU): any number of tokens, one attention call per row
+  over a view of the row's own keys (a gather when its blocks are not consecutive), with a
+  causal mask.
 
 Either way a row's result depends only on its own query, keys and values; only the linear
 layers see the batch's shape. Grouped-query attention folds a KV head's query heads into the
@@ -53,45 +55,56 @@ class Row:
 
 
 class Batch:
-    """The paged path's per-step tensors for B rows of one token each, on the pool's device:
-    `slots` [B] (where each row's new key/value goes), `tables` [B, max_blocks] (block
-    tables, trash block past a row's end), `lens` [B] (keys each row attends over, its new
-    one included). `prepare` derives the gather index and the masks from them; in a CUDA
-    graph these are persistent buffers, refilled before each replay."""
+    """The paged path's per-step tensors for B rows of up to T (`width`) new tokens each, on
+    the pool's device: `slots` [B * T] (where each token's key/value goes: the trash block for
+    padding tokens), `tables` [B, max_blocks] (block tables, trash block past a row's end),
+    `positions` [B * T] (each token's position; a padding token repeats its row's last one).
+    `tokens` [B * T]: each token's index in the step's flattened batch (padding tokens: any);
+    None for decode rows (T = 1), which come first in the flattened batch. `real` [R]: which of
+    the B * T are real tokens (None: all). `prepare` derives the gather index and the masks; in a
+    CUDA graph these are persistent buffers, refilled before each replay."""
 
-    def __init__(self, pool: kv.Pool, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> None:
-        self.pool, self.slots, self.tables, self.lens = pool, slots, tables, lens
+    def __init__(self, pool: kv.Pool, slots: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                 width: int = 1, tokens: torch.Tensor | None = None, real: torch.Tensor | None = None) -> None:
+        self.pool, self.slots, self.tables, self.positions = pool, slots, tables, positions
+        self.width, self.tokens, self.real = width, tokens, real
         self.token_slots: torch.Tensor | None = None
+        self.targets: torch.Tensor | None = None  # tokens[real]: where the real outputs go
         self.masks: dict[int | None, torch.Tensor] = {}
 
     @property
     def size(self) -> int:
-        return self.slots.shape[0]
+        return self.tables.shape[0]
 
-    def prepare(self, dtype: torch.dtype) -> None:
-        """The gather index [B, L] and one additive mask [B, 1, 1, L] per window (device ops
-        only: this runs inside graph capture)."""
+    def prepare(self, dtype: torch.dtype, groups: int) -> None:
+        """The gather index [B, L] and one additive mask [B, 1, groups * T, L] per window:
+        query at position q sees keys at positions <= q (and > q - window). Device ops only:
+        this runs inside graph capture."""
         bs = self.pool.block_size
         offsets = torch.arange(bs, device=self.tables.device)
         self.token_slots = (self.tables[:, :, None] * bs + offsets).flatten(1)
-        pos = torch.arange(self.token_slots.shape[1], device=self.tables.device)[None, :]
-        lens = self.lens[:, None]
+        keys = torch.arange(self.token_slots.shape[1], device=self.tables.device)[None, None, :]
+        queries = self.positions.view(self.size, self.width, 1)
         self.masks = {}
         for window in set(self.pool.layout.windows):
-            allowed = pos < lens
+            allowed = keys <= queries
             if window is not None:
-                allowed &= pos >= lens - window
-            zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            self.masks[window] = zeros.masked_fill(~allowed, -math.inf)[:, None, None, :]
+                allowed &= keys > queries - window
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, -math.inf)
+            # a KV head's query heads side by side, as `_attend_batch` folds them (one query
+            # per row: the same mask for each, broadcast)
+            self.masks[window] = (mask.repeat(1, groups, 1) if self.width > 1 else mask)[:, None]
+        if self.tokens is not None:
+            self.targets = self.tokens if self.real is None else self.tokens[self.real]
 
 
 @dataclass(slots=True)
 class Step:
-    """Who the step's flattened tokens belong to: the batch's B rows first (one token each),
-    then the rows, in order."""
+    """Who the step's flattened tokens belong to: the paged path's batches (decode rows first in
+    the flattened batch, one token each) and the row path's rows."""
 
     rows: list[Row]
-    batch: Batch | None = None
+    batches: list[Batch] = field(default_factory=list)
 
 
 def enable(model) -> None:
@@ -126,18 +139,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     out = query.new_empty(1, query.shape[2], heads, head_dim)
-    batch = kvserve_step.batch
-    if batch is not None:
-        b = batch.size
-        keys, values = batch.pool.keys[layer], batch.pool.values[layer]
-        keys.index_copy_(1, batch.slots, key[0, :, :b])
-        values.index_copy_(1, batch.slots, value[0, :, :b])
-        # [Hkv, B, L, D] -> [B, Hkv, L, D]; the queries [1, H, B, D] -> [B, Hkv, groups, D]
-        k_rows = keys[:, batch.token_slots].transpose(0, 1)
-        v_rows = values[:, batch.token_slots].transpose(0, 1)
-        q = query[0, :, :b].transpose(0, 1).reshape(b, kv_heads, groups, head_dim)
-        o = _attend(q, k_rows, v_rows, batch.masks[batch.pool.layout.windows[layer]], scale, softcap)
-        out[0, :b] = o.reshape(b, heads, head_dim)
+    for batch in kvserve_step.batches:
+        _attend_batch(batch, layer, query[0], key[0], value[0], out[0], groups, scale, softcap)
     for row in kvserve_step.rows:
         lo, hi = row.offset, row.offset + row.n
         k_row, v_row, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi])
@@ -147,6 +150,28 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         o = _attend(q, k_row, v_row, mask, scale, softcap)
         out[:, lo:hi] = o.reshape(1, heads, row.n, -1).transpose(1, 2)
     return out, None
+
+
+def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int, scale, softcap) -> None:
+    """The paged path for one batch: query/out [N, H, D] and key/value [Hkv, N, D] of the
+    whole step (query [H, N, D] as transformers hands it)."""
+    b, t = batch.size, batch.width
+    heads, kv_heads, head_dim = query.shape[0], key.shape[0], query.shape[2]
+    if batch.tokens is None:  # decode rows: the step's first B tokens
+        q, k_new, v_new = query[:, :b], key[:, :b], value[:, :b]
+    else:
+        q, k_new, v_new = query[:, batch.tokens], key[:, batch.tokens], value[:, batch.tokens]
+    batch.pool.store(layer, batch.slots, k_new, v_new)
+    # [Hkv, B, L, D] -> [B, Hkv, L, D]; queries [H, B * T, D] -> [B, Hkv, groups * T, D]
+    k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
+    q = q.reshape(kv_heads, groups, b, t, head_dim).permute(2, 0, 1, 3, 4).reshape(b, kv_heads, groups * t, head_dim)
+    o = _attend(q, k_rows, v_rows, batch.masks[batch.pool.layout.windows[layer]], scale, softcap)
+    # [B, Hkv, groups * T, D] -> [B * T, H, D]
+    o = o.view(b, kv_heads, groups, t, head_dim).permute(0, 3, 1, 2, 4).reshape(b * t, heads, head_dim)
+    if batch.tokens is None:
+        out[:b] = o
+    else:
+        out.index_copy_(0, batch.targets, o if batch.real is None else o[batch.real])
 
 
 def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -56,6 +56,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # with a proposer
     cpu_packed_weights: bool = True  # cpu_linear.pack_model's `packed`
     cuda_graphs: bool = True  # capture decode steps (CUDA only; --no-cuda-graphs)
+    paged: bool | None = None  # ModelRunner's `paged`: the paged attention path (None: on CUDA)
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -143,6 +144,7 @@ class Engine:
             packed=config.cpu_packed_weights,
             cuda_graphs=config.cuda_graphs,
             max_rows=config.max_running,
+            paged=config.paged,
         )
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []

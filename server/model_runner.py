@@ -62,6 +62,8 @@ class ModelRunner:
         self.paged = self.device.type == "cuda" if paged is None else paged
         self.max_rows = bucket(max_rows)
         self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
+        text_config = model.config.get_text_config(decoder=True)
+        self.groups = text_config.num_attention_heads // pool.layout.kv_heads  # query heads per KV head
         self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.paged
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # NOTE: transformers builds no mask when handed a 4D one; ours are built per row/batch.
@@ -83,7 +85,7 @@ class ModelRunner:
         attention.enable(self.model)
         cpu_linear.pack_model(self.model, self.packed)
         if self.paged:
-            self._meta = torch.zeros(self.max_rows * (4 + self.max_blocks), dtype=torch.long, device=self.device)
+            self._meta = torch.zeros(self.max_rows * (3 + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
 
     # -- a step ------------------------------------------------------------------------------
@@ -119,11 +121,12 @@ class ModelRunner:
         counts = logits_counts or [1] * len(logits_rows)
         if len(counts) != len(logits_rows) or any(not 1 <= c <= rows[i].n for i, c in zip(logits_rows, counts)):
             raise ValueError(f"logits counts {counts} do not fit rows {logits_rows}")
-        singles = [i for i, r in enumerate(rows) if r.n == 1] if self.paged else []
-        if singles and len(singles) == len(rows) and counts == [1] * len(rows) and logits_rows == list(range(len(rows))):
+        if self.paged and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
             return self._decode(rows, token_ids)
-        # the paged rows first, then the others in plan order; logits are kept in plan order
-        others = [i for i in range(len(rows)) if rows[i].n != 1 or not self.paged]
+        # decode rows first (the paged path's decode batch), then the others in plan order;
+        # logits are kept in plan order
+        singles = [i for i, r in enumerate(rows) if r.n == 1] if self.paged else []
+        others = [i for i in range(len(rows)) if i not in set(singles)]
         given = [0]
         for row in rows:
             given.append(given[-1] + row.n)
@@ -134,9 +137,15 @@ class ModelRunner:
             flat_ids += token_ids[given[i] : given[i + 1]]
             positions += range(row.kv.length, row.kv.length + row.n)
         keep = [starts[i] + rows[i].n - c + j for i, c in zip(logits_rows, counts) for j in range(c)]
-        batch = self._batch([rows[i].kv for i in singles]) if singles else None
+        batches = [self._batch([rows[i] for i in singles], decode=True)] if singles else []
+        if self.paged and others:  # multi-token rows: one padded batch per width bucket
+            widths: dict[int, list[Row]] = {}
+            for i in others:
+                widths.setdefault(_width_bucket(rows[i].n), []).append(rows[i])
+            batches += [self._batch(group, decode=False) for group in widths.values()]
+            others = []
         ids, pos, keep_t = _to_device([flat_ids, positions, keep], self.device)
-        logits = self._forward(ids[None], pos[None], Step([rows[i] for i in others], batch), keep_t)
+        logits = self._forward(ids[None], pos[None], Step([rows[i] for i in others], batches), keep_t)
         for row in rows:
             row.kv.length += row.n
         return logits
@@ -155,56 +164,69 @@ class ModelRunner:
             graph[0].replay()
             logits = graph[1][:n]
         else:
-            logits = self._forward(ids, pos, Step([], batch), None)[:n]
+            logits = self._forward(ids, pos, Step([], [batch]), None)[:n]
         for row in rows:
             row.kv.length += 1
         return logits
 
     def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int):
-        """The decode inputs of `rows` (`_decode_inputs`) in the persistent device buffer,
-        with ONE host-to-device copy: views (ids, positions, batch)."""
-        host = torch.tensor(self._decode_inputs([r.kv for r in rows], token_ids, size, blocks), dtype=torch.long)
+        """The decode inputs of `rows` in the persistent device buffer, with ONE host-to-device
+        copy: views (ids [1, size], positions [1, size], batch). Padding rows: token 0 at
+        position 0, writing and reading the trash block only."""
+        positions, slots, tables = self._paged_inputs([r.kv for r in rows], [1] * len(rows), size, 1, blocks)
+        host = torch.tensor(token_ids + [0] * (size - len(rows)) + positions + slots + tables, dtype=torch.long)
         meta = self._buffers(size, blocks)
         meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
-        return self._views(meta, size, blocks)
+        ids, pos, slots_t = (meta[i * size : (i + 1) * size] for i in range(3))
+        tables_t = meta[3 * size : size * (3 + blocks)].view(size, blocks)
+        return ids[None], pos[None], Batch(self.pool, slots_t, tables_t, pos)
 
-    def _decode_inputs(self, caches: list[kv.SequenceKV], token_ids: list[int], size: int, blocks: int) -> list[int]:
-        """Ids, positions, slots, lens [size] and tables [size, blocks], flat, for one new token
-        per cache, padded to `size` rows reading `blocks` blocks. Padding rows: token 0 at
-        position 0, slot and table in the trash block, length 1."""
+    def _paged_inputs(self, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
+        """Positions and slots [size * width] and block tables [size, blocks], flat, of
+        `counts[i]` new tokens for each cache, padded to `width` tokens a row and `size` rows.
+        A padding token repeats its row's last position and writes the trash block; a padding
+        row is one token at position 0 with a table of trash blocks."""
         bs, trash = self.pool.block_size, self.pool.trash_block
-        pad = size - len(caches)
-        positions = [c.length for c in caches]
-        slots = [c.blocks[p // bs] * bs + p % bs for c, p in zip(caches, positions)]
-        tables = []
-        for c in caches:
-            table = c.blocks[:blocks]
+        positions, slots, tables = [], [], []
+        for cache, n in zip(caches, counts):
+            first = cache.length
+            for t in range(width):
+                p = first + min(t, n - 1)
+                positions.append(p)
+                slots.append(cache.blocks[p // bs] * bs + p % bs if t < n else trash * bs)
+            table = cache.blocks[:blocks]
             tables += table + [trash] * (blocks - len(table))
-        return (token_ids + [0] * pad + positions + [0] * pad + slots + [trash * bs] * pad
-                + [p + 1 for p in positions] + [1] * pad + tables + [trash] * (pad * blocks))
+        pad = size - len(caches)
+        return positions + [0] * (pad * width), slots + [trash * bs] * (pad * width), tables + [trash] * (pad * blocks)
 
     def _buffers(self, size: int, blocks: int) -> torch.Tensor:
-        need = size * (4 + blocks)
+        need = size * (3 + blocks)
         if self._meta is None or self._meta.numel() < need:  # past the largest bucket: eager only
             return torch.empty(need, dtype=torch.long, device=self.device)
         return self._meta[:need]
 
-    def _views(self, meta: torch.Tensor, size: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, Batch]:
-        ids, pos, slots, lens = (meta[i * size : (i + 1) * size] for i in range(4))
-        tables = meta[4 * size : size * (4 + blocks)].view(size, blocks)
-        return ids[None], pos[None], Batch(self.pool, slots, tables, lens)
-
-    def _batch(self, caches: list[kv.SequenceKV]) -> Batch:
-        """The paged path's tensors for the one-token rows of a mixed step (eager, not padded;
-        their ids and positions travel with the step's other tokens)."""
-        n, blocks = len(caches), max(kv.blocks_for(c.length + 1, self.pool.block_size) for c in caches)
-        [meta] = _to_device([self._decode_inputs(caches, [0] * n, n, blocks)], self.device)
-        return self._views(meta, n, blocks)[2]
+    def _batch(self, rows: list[Row], decode: bool) -> Batch:
+        """The paged path's tensors for rows of a mixed step (eager, not padded to a bucket;
+        their ids and positions travel with the step's other tokens). `decode`: one token per
+        row, first in the flattened batch; else up to the widest row's tokens per row, the
+        shorter ones padded."""
+        caches = [r.kv for r in rows]
+        counts = [r.n for r in rows]
+        width = max(counts)
+        blocks = max(kv.blocks_for(c.length + n, self.pool.block_size) for c, n in zip(caches, counts))
+        positions, slots, tables = self._paged_inputs(caches, counts, len(rows), width, blocks)
+        if decode:
+            pos, slots_t, tables_t = _to_device([positions, slots, tables], self.device)
+            return Batch(self.pool, slots_t, tables_t.view(len(rows), blocks), pos)
+        tokens = [r.offset + min(t, r.n - 1) for r in rows for t in range(width)]
+        real = [i * width + t for i, r in enumerate(rows) for t in range(r.n)]
+        pos, slots_t, tables_t, tokens_t, real_t = _to_device([positions, slots, tables, tokens, real], self.device)
+        return Batch(self.pool, slots_t, tables_t.view(len(rows), blocks), pos, width, tokens_t, None if len(real) == len(tokens) else real_t)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None) -> torch.Tensor:
         """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""
-        if step.batch is not None:
-            step.batch.prepare(self.pool.dtype)
+        for batch in step.batches:
+            batch.prepare(self.pool.dtype, self.groups)
         out = self.model(
             input_ids=ids,
             attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
@@ -247,12 +269,18 @@ class ModelRunner:
         """One decode graph over the persistent buffers of (size, blocks); the buffers hold
         padding rows while capturing (they write the trash block only)."""
         ids, pos, batch = self._fill([], [], size, blocks)  # every row a padding row
-        self._forward(ids, pos, Step([], batch), None)  # warm up outside the graph
+        self._forward(ids, pos, Step([], [batch]), None)  # warm up outside the graph
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._forward(ids, pos, Step([], batch), None)
+            logits = self._forward(ids, pos, Step([], [batch]), None)
         return graph, logits
+
+
+def _width_bucket(n: int) -> int:
+    """The paged batch a multi-token row joins: rows of n tokens up to the next power of two
+    share one (the padding is at most the row's own size)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:

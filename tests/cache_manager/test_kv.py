@@ -249,6 +249,32 @@ def test_padded_decode_rows_write_only_the_trash_block(models):
     assert (padded - alone).abs().max() < 1e-4
 
 
+def test_padded_chunk_rows_write_only_their_own_slots(models):
+    """Multi-token rows on the paged path share a batch padded to the widest (3 and 7 tokens:
+    the 3-token row has 4 padding tokens): each row writes exactly its new positions' slots,
+    padding writes the trash block only, and the logits equal the row path's."""
+    model = models["gemma2-hybrid"]
+    pool, caches = scattered_caches(model, 2, 64)
+    runner = ModelRunner(model, pool, paged=True, max_rows=4)
+    for i, cache in enumerate(caches):
+        runner.forward([Row(cache, 10 + i)], IDS[: 10 + i], [0])
+    before = [t.clone() for t in pool.keys + pool.values]
+    lengths = [c.length for c in caches]
+    counts = [3, 7]
+    ids = IDS[20:23] + IDS[30:37]
+    padded = runner.forward([Row(c, n) for c, n in zip(caches, counts)], ids, [0, 1], counts)
+    bs = pool.block_size
+    written = {c.blocks[p // bs] * bs + p % bs for c, n0, n in zip(caches, lengths, counts) for p in range(n0, n0 + n)}
+    trash = set(range(pool.trash_block * bs, (pool.trash_block + 1) * bs))
+    for old, new in zip(before, pool.keys + pool.values):
+        changed = set((old != new).any(dim=(0, 2)).nonzero().flatten().tolist())
+        assert written <= changed and changed <= written | trash
+    for cache, n in zip(caches, lengths):
+        kv.crop(cache, n)
+    alone = ModelRunner(model, pool, paged=False).forward([Row(c, n) for c, n in zip(caches, counts)], ids, [0, 1], counts)
+    assert (padded - alone).abs().max() < 1e-4
+
+
 def test_runner_buckets():
     assert [model_runner.bucket(n) for n in (1, 3, 5, 17, 33, 600)] == [1, 4, 8, 24, 48, 600]
     assert [model_runner.block_bucket(n, 512) for n in (1, 16, 17, 300, 900)] == [16, 16, 32, 512, 512]

@@ -104,8 +104,11 @@ def mixed_requests(b: Bench, compiler) -> list[GenerationRequest]:
     return reqs
 
 
-def test_concurrent_mixed_requests_equal_each_run_alone(bench, compiler):
-    b = bench(max_batch_tokens=128)  # the long prompt prefills in chunks beside decoding rows
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_concurrent_mixed_requests_equal_each_run_alone(bench, compiler, paged):
+    """`paged`: the attention path CUDA takes (decode rows bucket-padded from the persistent
+    buffers, multi-token rows in padded batches), run eagerly on this device."""
+    b = bench(max_batch_tokens=128, paged=paged)  # the long prompt prefills in chunks beside decoding rows
 
     async def go():
         for i in range(4):  # first turns, so the batched second turns reuse their sessions

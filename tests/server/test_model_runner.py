@@ -81,12 +81,12 @@ def test_capture_writes_only_the_trash_block_and_allocates_nothing():
 
 def test_a_bucket_of_no_rows_is_all_padding():
     """What a graph is captured over: every row token 0 at position 0, writing the trash
-    block's first slot, reading the trash block, length 1."""
+    block's first slot, reading the trash block."""
     model = tiny(torch.device("cpu"))
     pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, torch.float32), "cpu", torch.float32)
     runner = ModelRunner(model, pool, paged=True, max_rows=4)
     runner.prepare()
     ids, pos, batch = runner._fill([], [], 4, 16)
     trash = pool.trash_block
-    assert ids.tolist() == [[0] * 4] and pos.tolist() == [[0] * 4] and batch.lens.tolist() == [1] * 4
+    assert ids.tolist() == [[0] * 4] and pos.tolist() == [[0] * 4] and batch.positions.tolist() == [0] * 4
     assert batch.slots.tolist() == [trash * pool.block_size] * 4 and batch.tables.tolist() == [[trash] * 16] * 4

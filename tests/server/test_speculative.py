@@ -388,11 +388,13 @@ def check(s: Spec, request, got, want, tally):
     tally.append(got.tokens == want.tokens)
 
 
-def test_prompt_lookup_greedy_equals_no_speculation_with_sessions_and_n(spec):
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_prompt_lookup_greedy_equals_no_speculation_with_sessions_and_n(spec, paged):
     """Copy-heavy prompts drafting every step they can, three interleaved sessions over two
     turns (the second reusing the first's KV, cropped drafts included), and n = 2 as serving
-    builds it; rows in one step draft different numbers of tokens."""
-    s = spec()
+    builds it; rows in one step draft different numbers of tokens. `paged`: the attention
+    path CUDA takes (drafted rows in padded multi-token batches), run eagerly here."""
+    s = spec(paged=paged)
     tally = []
 
     async def go():
