@@ -103,8 +103,9 @@ def sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
 ) -> list[int]:
     """One token per row of processed logits [rows, vocab]: argmax for greedy rows; for the
-    others temperature, top-k and top-p per row, vectorised, then a draw from each row's own
-    generator (a seeded row draws the same whatever else is in the batch)."""
+    others temperature, top-k and top-p per row, vectorised, then a draw: a seeded row from
+    its own generator (it draws the same whatever else is in the batch), the unseeded rows
+    all in one call."""
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -114,18 +115,29 @@ def sample_rows(
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         probs = filtered_probs(logits[drawn], [params[i] for i in drawn])
-        for i, token in zip(drawn, draw_rows(probs, [generators[i] for i in drawn])):
+        for i, token in zip(drawn, draw_rows(probs, [generators[i] if params[i].seed is not None else None for i in drawn])):
             tokens[i] = token
     return tokens
 
 
-def draw_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
-    """One token per row of probabilities [rows, vocab] (each row's own scale), each drawn
-    from its row's own generator (a seeded row draws the same whatever else is in the batch),
-    where the generator lives: with generators on the probabilities' device (the engine makes
-    them there) nothing but the drawn ids crosses to the host, in one copy."""
-    picked = [torch.multinomial(row.to(g.device), 1, generator=g) for row, g in zip(probs, generators)]
-    return torch.cat(picked).tolist() if len({t.device for t in picked}) == 1 else [int(t) for t in picked]
+def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of probabilities [rows, vocab] (each row's own scale). A row with a
+    generator draws from it, where it lives (a seeded row draws the same whatever else is in
+    the batch; the engine makes generators on the probabilities' device); the rows without
+    one draw together, in one call, from the device's default generator. Only the drawn ids
+    cross to the host, in one copy when every draw was on one device."""
+    shared = [i for i, g in enumerate(generators) if g is None]
+    own = [i for i, g in enumerate(generators) if g is not None]
+    picked: list[torch.Tensor] = [torch.multinomial(probs[shared], 1).flatten()] if shared else []
+    picked += [torch.multinomial(probs[i].to(generators[i].device), 1, generator=generators[i]) for i in own]
+    if len({t.device for t in picked}) == 1:
+        drawn = torch.cat(picked).tolist()
+    else:
+        drawn = [x for t in picked for x in t.tolist()]
+    tokens = [0] * len(generators)
+    for i, token in zip(shared + own, drawn):
+        tokens[i] = token
+    return tokens
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -80,18 +80,33 @@ def test_each_row_filters_with_its_own_parameters():
     assert torch.equal(probs[1], filtered_probs(logits[1:2], params[1:2])[0])
 
 
-def test_rows_draw_from_their_own_generators():
+def test_seeded_rows_draw_from_their_own_generators():
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    params = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=1, top_p=0.9), SamplingParams(max_tokens=1)]
+    params = [SamplingParams(max_tokens=1, seed=s, **kw) for s, kw in zip((1, 2, 3, 4), ({}, {"temperature": 0}, {"top_p": 0.9}, {}))]
     together = sample_rows(logits, params, [make_generator(s) for s in (1, 2, 3, 4)])
     alone = [sample_rows(logits[i : i + 1], params[i : i + 1], [make_generator(s)])[0] for i, s in enumerate((1, 2, 3, 4))]
     assert together == alone
     assert together[1] == int(logits[1].argmax())
 
 
+def test_unseeded_rows_draw_together_each_from_its_own_distribution():
+    """Rows without a seed are drawn in one call: each row's draws follow its own filtered
+    distribution (two tokens at 3:1 in one row, 1:3 in the other; a point mass in a third)."""
+    logits = torch.full((3, 50), -math.inf, device=DEVICE)
+    logits[0, 7], logits[0, 9] = math.log(3.0), 0.0
+    logits[1, 7], logits[1, 9] = 0.0, math.log(3.0)
+    logits[2, 30] = 0.0
+    params = [SamplingParams(max_tokens=1)] * 3
+    draws = [sample_rows(logits, params, [make_generator(None)] * 3) for _ in range(400)]
+    firsts = [d[0] for d in draws]
+    seconds = [d[1] for d in draws]
+    assert set(firsts) == set(seconds) == {7, 9} and {d[2] for d in draws} == {30}
+    assert 0.65 < firsts.count(7) / 400 < 0.85 and 0.65 < seconds.count(9) / 400 < 0.85
+
+
 def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    params = SamplingParams(max_tokens=1, temperature=1.0)
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=7)
     draws_a = [sample(logits, params, g) for g in [make_generator(7)] for _ in range(20)]
     g = make_generator(7)
     draws_b = [sample(logits, params, g) for _ in range(20)]
