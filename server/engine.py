@@ -334,6 +334,7 @@ class Engine:
         try:
             t_run = time.perf_counter()
             logits = self.runner.run(plan)
+            self.runner.synchronize()  # the step's cost, not its launch's (sampling waits anyway)
             self.speculator.observe(plan.num_tokens, time.perf_counter() - t_run)
         except torch.OutOfMemoryError:
             log.warning("out of memory in a step of %d rows", len(plan.rows))

@@ -237,6 +237,12 @@ class ModelRunner:
         )
         return out.logits[0].float()
 
+    def synchronize(self) -> None:
+        """Wait for the device to finish what was launched (on CUDA `run` returns once the
+        step's kernels are queued)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # -- CUDA graphs ---------------------------------------------------------------------------
 
     def _capture_all(self) -> None:
