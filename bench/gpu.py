@@ -24,9 +24,9 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 from cache_manager.manager import CacheConfig, CacheManager
-from server.engine import Engine, EngineConfig
-from server.sampling import SamplingParams
-from server.sequence import GenerationRequest
+from server.engine.core import Engine, EngineConfig
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
 
 PROMPT_TOKENS = 16
 

@@ -35,13 +35,13 @@ import torch
 
 from bench import speculative as workloads
 from cache_manager import kv
-from server import model_runner
-from server.attention import Row
-from server.engine import end_of_turn_ids
+from server.engine import model_runner
+from server.engine.attention import Row
+from server.engine.core import end_of_turn_ids
 from server.model_loader import load_model
-from server.prompt_lookup import NgramProposer
+from server.engine.prompt_lookup import NgramProposer
 from server.settings import Settings, default_cache_dir
-from server.speculative import Draft, SpecState, StepCost, allocate
+from server.engine.speculative import Draft, SpecState, StepCost, allocate
 
 SIZES = (*range(1, 17), 20, 24, 28, 32)  # positions one row is timed at
 STREAMS = 4  # the perfect drafter also runs bench.speculative's 4 streams in one batch

@@ -1,7 +1,7 @@
 """The KV pool: every sequence's keys and values, in storage allocated once, and the handle a
 sequence holds on it.
 
-This module and server/attention.py are the only code touching transformers internals about
+This module and server/engine/attention.py are the only code touching transformers internals about
 caches (`get_layer_types_and_kwargs`); a transformers upgrade breaks them and their tests.
 
 Layout (docs/architecture.md, "KV pool"):
@@ -96,7 +96,7 @@ class Pool:
         shape = (self.layout.kv_heads, (num_blocks + 1) * block_size, self.layout.head_dim)
         # NOTE: on CPU the storage is left untouched (pages are committed as blocks are used)
         # and a block is zeroed the first time it is handed out: a batched read of a padded row
-        # (server/attention.py) multiplies unwritten slots by a zero weight, and garbage NaNs
+        # (server/engine/attention.py) multiplies unwritten slots by a zero weight, and garbage NaNs
         # would poison it. On CUDA the pool is memory taken at start-up anyway.
         new = torch.zeros if self.device.type == "cuda" else torch.empty
         try:
@@ -165,7 +165,7 @@ class Pool:
 
 class SequenceKV:
     """One sequence's block table into `pool` and the `length` tokens written so far
-    (positions 0..length-1). Only this module and server/attention.py read the storage."""
+    (positions 0..length-1). Only this module and server/engine/attention.py read the storage."""
 
     __slots__ = ("pool", "blocks", "length", "base")
 

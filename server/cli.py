@@ -74,7 +74,7 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, state, grace_s: float) -> None:
         super().__init__(config)
-        self.state = state  # server.app.AppState
+        self.state = state  # server.api.app.AppState
         self.grace_s = grace_s
         self.drain_started: float | None = None
         self._announced = False
@@ -117,7 +117,7 @@ class DrainingServer(uvicorn.Server):
 def serve(settings: Settings) -> int:
     from sse_starlette.sse import AppStatus
 
-    from server.app import create_app
+    from server.api.app import create_app
 
     # NOTE: sse-starlette cancels every open stream once it sees uvicorn's should_exit, which
     # races with the last chunks (or the abort chunk) of the streams our drain lets finish.

@@ -247,7 +247,7 @@ class _GrammarCacheCollector:
 
 class _ResponseStoreCollector:
     def __init__(self, store) -> None:
-        self.store = store  # server.response_store.ResponseStore
+        self.store = store  # server.api.response_store.ResponseStore
 
     def collect(self):
         s = self.store

@@ -45,7 +45,7 @@ def app_client(smollm2):
     import httpx
     from asgi_lifespan import LifespanManager
 
-    from server.app import create_app
+    from server.api.app import create_app
     from server.settings import Settings
 
     @contextlib.asynccontextmanager

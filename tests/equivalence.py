@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from cache_manager import kv
-from server.model_runner import forward
+from server.engine.model_runner import forward
 
 NEAR_TIE = 1e-4
 

@@ -1,4 +1,4 @@
-"""cache_manager.kv and server/attention.py on real caches: crop and grow against fresh prefills,
+"""cache_manager.kv and server/engine/attention.py on real caches: crop and grow against fresh prefills,
 both attention paths (rows, and the paged batch with its bucket padding) against transformers'
 own attention."""
 
@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, MistralConfig
 
 from cache_manager import kv
-from server import attention, cpu_linear, model_runner
-from server.attention import Row
-from server.model_runner import ModelRunner, forward
+from server.engine import attention, cpu_linear, model_runner
+from server.engine.attention import Row
+from server.engine.model_runner import ModelRunner, forward
 from tests.device import DEVICE, DTYPE
 
 torch.set_grad_enabled(False)

@@ -34,7 +34,7 @@ from openai import OpenAI
 
 from bench.common import free_port, launch, launch_with_metrics_port
 from server.metrics import Metrics
-from server.response_store import ResponseStore
+from server.api.response_store import ResponseStore
 from tests.conftest import test_cache_dir as cache_dir
 from tests.device import SERVE_FLAGS
 

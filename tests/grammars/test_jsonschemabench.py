@@ -11,10 +11,10 @@ import jsonschema
 import pytest
 
 from grammars import GrammarError, GrammarSpec
-from server.app import build_context
+from server.api.app import build_context
 from server.metrics import Metrics
-from server.sampling import SamplingParams
-from server.sequence import GenerationRequest
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
 from server.settings import Settings
 
 from .conftest import JSONSCHEMABENCH as DATA

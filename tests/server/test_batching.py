@@ -12,10 +12,10 @@ import pytest
 
 from cache_manager.manager import CacheConfig, CacheManager
 from grammars import GrammarCompiler, spec_from_request
-from server.engine import Engine, EngineConfig
+from server.engine.core import Engine, EngineConfig
 from server.metrics import Metrics
-from server.sampling import SamplingParams
-from server.sequence import GenerationRequest
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
 from tests.equivalence import assert_equivalent
 
 TOPICS = ["the sea", "a lighthouse", "bread", "rain", "trains", "chess", "the moon", "coffee", "winter", "owls"]

@@ -1,4 +1,4 @@
-from server.detokenizer import TextStream
+from server.engine.detokenizer import TextStream
 
 
 def _stream_all(tokenizer, text: str, stops=()):

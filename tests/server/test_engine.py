@@ -5,11 +5,11 @@ import asyncio
 import pytest
 import torch
 
-from server import attention
+from server.engine import attention
 from cache_manager.manager import CacheConfig, CacheManager
-from server.engine import Engine, EngineConfig, EngineStopped, QueueFull
-from server.sampling import SamplingParams
-from server.sequence import GenerationRequest
+from server.engine.core import Engine, EngineConfig, EngineStopped, QueueFull
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
 from tests.device import DEVICE
 
 PROMPTS = [

@@ -9,9 +9,9 @@ import math
 import pytest
 
 from cache_manager.manager import CacheConfig, CacheManager
-from server.engine import Engine, EngineConfig
-from server.sampling import SamplingParams
-from server.sequence import GenerationRequest
+from server.engine.core import Engine, EngineConfig
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
 from tests.server.test_api import HELLO, MODEL, assert_error_shape, sse_payloads
 
 pytestmark = pytest.mark.anyio

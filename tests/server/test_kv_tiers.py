@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cache_manager import disk, kv
-from server import model_runner
-from server.attention import Row
+from server.engine import model_runner
+from server.engine.attention import Row
 from cache_manager.tiers import DiskTier, HostTier
 from server.metrics import Metrics
 from server.model_loader import load_model

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from cache_manager import kv
-from server.attention import Row
-from server.model_runner import ModelRunner
+from server.engine.attention import Row
+from server.engine.model_runner import ModelRunner
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 PROMPTS = [[5 + i, 17, 33 + i, 9, 41, 2 + i, 77][: 4 + i] for i in range(5)]

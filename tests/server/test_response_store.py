@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.response_store import ResponseStore, StoredResponse
+from server.api.response_store import ResponseStore, StoredResponse
 
 
 def record(n: int, principal: str = "p", pad: int = 0) -> StoredResponse:

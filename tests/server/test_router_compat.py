@@ -1,4 +1,4 @@
-"""The worker endpoints a router calls (server/routes/router_compat.py), in-process on the real
+"""The worker endpoints a router calls (server/api/routes/router_compat.py), in-process on the real
 model: SGLang's /server_info and load report (/v1/loads, /loads) in the shapes SMG parses,
 filled from the engine's own counts."""
 

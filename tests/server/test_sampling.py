@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from server.sampling import (
+from server.engine.sampling import (
     SamplingParams,
     apply_logit_bias,
     apply_penalties,

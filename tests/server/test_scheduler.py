@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from server.scheduler import Scheduler
-from server.sequence import Status
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Status
 
 
 @dataclass

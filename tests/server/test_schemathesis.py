@@ -20,8 +20,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from server.app import create_app
-from server.openapi import OPERATIONS
+from server.api.app import create_app
+from server.api.openapi import OPERATIONS
 from server.settings import Settings
 from tests.server.test_api import MODEL, assert_error_shape
 

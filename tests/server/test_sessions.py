@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, MistralConfig
 from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.prefix import common_prefix_len
-from server.engine import Engine, EngineConfig, SessionBusy
-from server.sampling import SamplingParams
-from server.sequence import GenerationRequest
+from server.engine.core import Engine, EngineConfig, SessionBusy
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
 from tests.device import DEVICE, DTYPE
 from tests.equivalence import assert_equivalent
 

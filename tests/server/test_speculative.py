@@ -1,4 +1,4 @@
-"""Speculative decoding (server/speculative.py, server/draft_model.py): the accept/reject rules
+"""Speculative decoding (server/engine/speculative.py, server/engine/draft_model.py): the accept/reject rules
 and the draft-length choice without a model; then the engine on the real SmolLM2 model, where
 every greedy output with speculation equals the output without it (docs/architecture.md's
 rule: token-identical, or the first differing step is a near-tie) for prompt lookup, a draft
@@ -21,18 +21,18 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
 from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
-from server import attention, cpu_linear
+from server.engine import attention, cpu_linear
 from grammars import GrammarCompiler, spec_from_request
-from server.app import build_context
-from server.draft_model import DraftModelProposer
-from server.engine import Engine, EngineConfig
+from server.api.app import build_context
+from server.engine.draft_model import DraftModelProposer
+from server.engine.core import Engine, EngineConfig
 from server.metrics import Metrics
-from server.sampling import SamplingParams, make_generator, sample_rows
-from server.scheduler import Plan, ScheduledRow
-from server.sequence import GenerationRequest, Status
+from server.engine.sampling import SamplingParams, make_generator, sample_rows
+from server.engine.scheduler import Plan, ScheduledRow
+from server.engine.sequence import GenerationRequest, Status
 from server.settings import Settings
-from server.prompt_lookup import NgramProposer
-from server.speculative import (
+from server.engine.prompt_lookup import NgramProposer
+from server.engine.speculative import (
     Draft,
     SharedAcceptance,
     SpeculativeConfig,

@@ -18,10 +18,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from grammars import KVSERVE_FORMAT, tool_format
 from server.model_loader import LoadedModel
-from server.protocol import ChatCompletionRequest
-from server.sequence import RequestOutput, TokenInfo
-from server.serving_chat import render_prompt
-from server.tool_calls import ToolCallParser
+from server.api.protocol import ChatCompletionRequest
+from server.engine.sequence import RequestOutput, TokenInfo
+from server.api.serving_chat import render_prompt
+from server.api.tool_calls import ToolCallParser
 
 TWO_CALLS = (
     '<tool_call>{"name":"get_weather","arguments":{"city":"Pa\\"}{ris"}}</tool_call>\n'
@@ -160,7 +160,7 @@ def sdk(hermes_model):
     """`async with sdk() as client`: the official AsyncOpenAI client on an in-process app."""
     from asgi_lifespan import LifespanManager
 
-    from server.app import create_app
+    from server.api.app import create_app
     from server.settings import Settings
 
     @contextlib.asynccontextmanager

@@ -5,9 +5,9 @@ turn is rendered, constrained, tool-called and sampled exactly as the equivalent
 the two APIs share one chat template, one grammar path and one tool-call parser.
 
 Items (the conversation) are a discriminated union on `type`; a message may omit it (OpenAI's
-"easy input message"). Tags are spelled with a space so that `server.errors` leaves them out of
+"easy input message"). Tags are spelled with a space so that `server.api.errors` leaves them out of
 the `param` it reports (`input[2].content[0].type`, not `input[2].message item.content...`).
-Unknown fields are ignored, as in `server.protocol`; fields kvserve cannot honour and that would
+Unknown fields are ignored, as in `server.api.protocol`; fields kvserve cannot honour and that would
 change the meaning of the request (`background`, `conversation`, `prompt`, non-function tools)
 are refused with a 400 naming them.
 """
@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from server.protocol import INT64, MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, OpenAIModel, StopString
+from server.api.protocol import INT64, MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, OpenAIModel, StopString
 
 Text = Annotated[str, Field(max_length=10_000_000)]
 CallId = Annotated[str, Field(min_length=1, max_length=256)]

@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from server.sequence import Status
+from server.engine.sequence import Status
 
 
 class Schedulable(Protocol):
@@ -46,7 +46,7 @@ class ScheduledRow:
     seq: Schedulable
     n_tokens: int
     # Drafted tokens computed after the pending one and verified from their logits
-    # (a server/speculative.py `Draft`, filled in after scheduling); None: no speculation.
+    # (a server/engine/speculative.py `Draft`, filled in after scheduling); None: no speculation.
     draft: object | None = None
 
     @property

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.detokenizer import TextStream
-from server.sampling import SamplingParams, make_generator
+from server.engine.detokenizer import TextStream
+from server.engine.sampling import SamplingParams, make_generator
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""The Responses API: translate only; the work is in server.serving_responses.
+"""The Responses API: translate only; the work is in server.api.serving_responses.
 
 The stored-response routes (GET, DELETE, input_items) read the response store only: they
 answer while the model is still loading. A response is visible only to the API key that created
@@ -9,8 +9,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from server import serving_responses
-from server.protocol_responses import InputItemsQuery, ResponsesRequest
+from server.api import serving_responses
+from server.api.protocol_responses import InputItemsQuery, ResponsesRequest
 
 router = APIRouter()
 

@@ -28,12 +28,12 @@ from pydantic import TypeAdapter, ValidationError
 from sse_starlette import EventSourceResponse
 
 from cache_manager.sessions import EntryPinnedError
-from server import serving, serving_chat
-from server.errors import APIError
-from server.protocol_responses import InputItemsQuery, Item, ResponsesRequest, item_id
-from server.response_store import ResponseStore, StoredResponse
-from server.sequence import RequestOutput
-from server.serving import ServingContext
+from server.api import serving, serving_chat
+from server.api.errors import APIError
+from server.api.protocol_responses import InputItemsQuery, Item, ResponsesRequest, item_id
+from server.api.response_store import ResponseStore, StoredResponse
+from server.engine.sequence import RequestOutput
+from server.api.serving import ServingContext
 
 ROUTE = "/v1/responses"
 _ITEMS = TypeAdapter(list[Item])

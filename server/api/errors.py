@@ -135,14 +135,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        state = getattr(request.app.state, "kv", None)  # server.app.AppState
+        state = getattr(request.app.state, "kv", None)  # server.api.app.AppState
         if exc.rejection is not None and state is not None:
             state.metrics.rejections.labels(exc.rejection).inc()
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        state = getattr(request.app.state, "kv", None)  # server.app.AppState
+        state = getattr(request.app.state, "kv", None)  # server.api.app.AppState
         if state is not None:
             state.metrics.rejections.labels("bad_request").inc()
         return (body_error(exc, request.headers) or validation_error(exc)).response()

@@ -27,8 +27,8 @@ from prometheus_client import Gauge
 from pydantic import BaseModel
 
 from server import __version__
-from server.errors import APIError
-from server.serving import ServingContext
+from server.api.errors import APIError
+from server.api.serving import ServingContext
 
 router = APIRouter()
 

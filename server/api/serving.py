@@ -29,11 +29,11 @@ from grammars import (
     tool_call_spec,
     tool_format,
 )
-from server.engine import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
-from server.errors import APIError
+from server.engine.core import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
+from server.api.errors import APIError
 from server.metrics import Metrics
-from server.sampling import SamplingParams
-from server.sequence import GenerationRequest, RequestOutput, TokenInfo
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest, RequestOutput, TokenInfo
 
 RETRY_AFTER_S = "1"
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from server.sampling import SamplingParams
+from server.engine.sampling import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 4

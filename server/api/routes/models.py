@@ -2,7 +2,7 @@
 
 from fastapi import APIRouter, Request
 
-from server.errors import APIError
+from server.api.errors import APIError
 
 router = APIRouter()
 

@@ -12,11 +12,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from server import serving
-from server.errors import APIError
-from server.protocol import CompletionRequest
-from server.sequence import RequestOutput, TokenInfo
-from server.serving import ServingContext
+from server.api import serving
+from server.api.errors import APIError
+from server.api.protocol import CompletionRequest
+from server.engine.sequence import RequestOutput, TokenInfo
+from server.api.serving import ServingContext
 
 ROUTE = "/v1/completions"
 

@@ -12,12 +12,12 @@ from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
 from grammars import output_format, tool_format
-from server import serving
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest
-from server.sequence import RequestOutput, TokenInfo
-from server.serving import ServingContext
-from server.tool_calls import tool_parser
+from server.api import serving
+from server.api.errors import APIError
+from server.api.protocol import ChatCompletionRequest
+from server.engine.sequence import RequestOutput, TokenInfo
+from server.api.serving import ServingContext
+from server.api.tool_calls import tool_parser
 
 ROUTE = "/v1/chat/completions"
 

@@ -18,8 +18,8 @@ import time
 from fastapi import APIRouter, Request, Response
 
 from cache_manager.sessions import EntryPinnedError, is_anonymous
-from server.errors import APIError
-from server.middleware import ANONYMOUS
+from server.api.errors import APIError
+from server.api.middleware import ANONYMOUS
 
 router = APIRouter()
 

@@ -33,10 +33,10 @@ import torch
 from cache_manager import kv
 from cache_manager.prefix import decide_reuse
 from cache_manager.sessions import Entry, SessionStore
-from server.attention import Row
-from server.model_runner import ModelRunner
-from server.sampling import draw_rows, filtered_probs
-from server.speculative import Draft
+from server.engine.attention import Row
+from server.engine.model_runner import ModelRunner
+from server.engine.sampling import draw_rows, filtered_probs
+from server.engine.speculative import Draft
 
 
 class DraftModelProposer:

@@ -4,8 +4,8 @@ the accepted prefix, crop the rest from the KV cache.
 One engine step with speculation (still schedule -> run -> postprocess):
 
 1. after `Scheduler.schedule`, `Speculator.draft(plan)` gives some decode rows a `Draft`: tokens
-   proposed by a `Proposer` (prompt lookup, server/prompt_lookup.py, or a small draft model,
-   server/draft_model.py), as many per row as `allocate` finds worth their cost, within what
+   proposed by a `Proposer` (prompt lookup, server/engine/prompt_lookup.py, or a small draft model,
+   server/engine/draft_model.py), as many per row as `allocate` finds worth their cost, within what
    the step's token budget leaves; a grammar row's draft is cut to what its grammar accepts;
 2. `model_runner.run` computes each such row's pending token and its draft in the same forward
    pass (KV written for all of them) and returns logits at every one of those positions;
@@ -52,9 +52,9 @@ import torch
 
 from cache_manager import kv
 from grammars.matcher import start_draft_masks
-from server.model_runner import processed, taken
-from server.sampling import draw_rows, filtered_probs, sample_rows
-from server.sequence import Status, TokenInfo
+from server.engine.model_runner import processed, taken
+from server.engine.sampling import draw_rows, filtered_probs, sample_rows
+from server.engine.sequence import Status, TokenInfo
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ with a plain-data plan between them: `Scheduler.schedule()` picks the rows (ever
 sequence, then prefill chunks under the token budget), `model_runner.run(plan)` does ONE forward
 pass for all of them, and `_postprocess(plan, logits)` samples, appends, emits and finishes.
 With speculative decoding the speculator completes the plan with drafts after scheduling, and
-postprocess verifies them (server/speculative.py). Outputs cross back to the event loop through
+postprocess verifies them (server/engine/speculative.py). Outputs cross back to the event loop through
 `loop.call_soon_threadsafe` onto the request's own asyncio queue.
 """
 
@@ -24,11 +24,11 @@ import torch
 from cache_manager import kv
 from cache_manager.manager import CacheManager, NoRoom
 from grammars.matcher import start_masks
-from server import model_runner
-from server.model_runner import ModelRunner
-from server.scheduler import Plan, Scheduler
-from server.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
-from server.speculative import NoSpeculation, SpeculativeConfig, Speculator
+from server.engine import model_runner
+from server.engine.model_runner import ModelRunner
+from server.engine.scheduler import Plan, Scheduler
+from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
+from server.engine.speculative import NoSpeculation, SpeculativeConfig, Speculator
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Engine:
         self._last_expiry = 0.0
         self.eos_ids = end_of_turn_ids(model, tokenizer)
         self.scheduler = Scheduler(config.max_batch_tokens, config.max_running)
-        # speculative decoding with a server/speculative.py proposer, or a speculator doing nothing
+        # speculative decoding with a server/engine/speculative.py proposer, or a speculator doing nothing
         self.speculator = (
             NoSpeculation() if proposer is None else Speculator(proposer, self.eos_ids, config.speculative, metrics)
         )

@@ -20,8 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from grammars import ToolFormat, output_format, tool_format
-from server.detokenizer import TextStream
-from server.sequence import RequestOutput
+from server.engine.detokenizer import TextStream
+from server.engine.sequence import RequestOutput
 
 
 def _sentinel(token_id: int) -> str:

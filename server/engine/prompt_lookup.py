@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 
-from server.speculative import Draft
+from server.engine.speculative import Draft
 
 
 class NgramProposer:

@@ -24,21 +24,21 @@ from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
-from server.draft_model import DraftModelProposer, check_compatible, draft_budget_for
-from server.engine import Engine, EngineConfig
-from server.errors import APIError, install_handlers
+from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
+from server.engine.core import Engine, EngineConfig
+from server.api.errors import APIError, install_handlers
 from server.metrics import Metrics
-from server.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
+from server.api.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.model_loader import LoadedModel, load_model
-from server.openapi import install_openapi
-from server.prompt_lookup import NgramProposer
-from server.response_store import ResponseStore
-from server.routes import chat, completions, health, models, responses, router_compat, sessions
-from server.sampling import SamplingParams
-from server.sequence import GenerationRequest
-from server.serving import ServingContext
+from server.api.openapi import install_openapi
+from server.engine.prompt_lookup import NgramProposer
+from server.api.response_store import ResponseStore
+from server.api.routes import chat, completions, health, models, responses, router_compat, sessions
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
+from server.api.serving import ServingContext
 from server.settings import Settings
-from server.speculative import SpeculativeConfig
+from server.engine.speculative import SpeculativeConfig
 
 log = logging.getLogger(__name__)
 

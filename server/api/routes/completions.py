@@ -1,9 +1,9 @@
-"""POST /v1/completions: translate only; the work is in server.serving_completions."""
+"""POST /v1/completions: translate only; the work is in server.api.serving_completions."""
 
 from fastapi import APIRouter, Request
 
-from server import serving_completions
-from server.protocol import CompletionRequest
+from server.api import serving_completions
+from server.api.protocol import CompletionRequest
 
 router = APIRouter()
 

@@ -1,9 +1,9 @@
-"""POST /v1/chat/completions: translate only; the work is in server.serving_chat."""
+"""POST /v1/chat/completions: translate only; the work is in server.api.serving_chat."""
 
 from fastapi import APIRouter, Request
 
-from server import serving_chat
-from server.protocol import ChatCompletionRequest
+from server.api import serving_chat
+from server.api.protocol import ChatCompletionRequest
 
 router = APIRouter()
 

@@ -10,7 +10,7 @@ import hashlib
 import hmac
 import json
 
-from server.errors import APIError
+from server.api.errors import APIError
 from server.metrics import Metrics
 
 ANONYMOUS = "anonymous"

@@ -4,9 +4,9 @@ It holds the model, the KV pool the model's sequences live in, the persistent in
 and, on CUDA, the captured graphs. Each step it prepares the inputs (one host-to-device copy),
 replays a graph or runs the model eagerly, and returns logits.
 
-Shapes: the plan's rows are packed into one flattened batch of N tokens (server/attention.py);
+Shapes: the plan's rows are packed into one flattened batch of N tokens (server/engine/attention.py);
 `run` returns float32 logits [R, vocab], one row per plan row that `completes` (its last pending
-token was computed), in plan order; a row carrying a draft of k tokens (server/speculative.py)
+token was computed), in plan order; a row carrying a draft of k tokens (server/engine/speculative.py)
 has k + 1 consecutive logits rows instead: at its pending token and at each drafted one.
 
 Decode rows (one token each) take the paged attention path when `paged` (the default on CUDA):
@@ -24,11 +24,11 @@ import time
 import torch
 
 from cache_manager import kv
-from server import attention, cpu_linear
-from server.attention import Batch, Row, Step
-from server.sampling import process_logits, sample_rows, top_logprobs
-from server.scheduler import Plan
-from server.sequence import Sequence, TokenInfo
+from server.engine import attention, cpu_linear
+from server.engine.attention import Batch, Row, Step
+from server.engine.sampling import process_logits, sample_rows, top_logprobs
+from server.engine.scheduler import Plan
+from server.engine.sequence import Sequence, TokenInfo
 
 log = logging.getLogger(__name__)
 

@@ -103,7 +103,7 @@ def document(app: FastAPI) -> dict:
         for method, operation in methods.items():
             spec = OPERATIONS.get((method, path))
             if spec is None:
-                raise KeyError(f"{method.upper()} {path} is not described in server.openapi.OPERATIONS")
+                raise KeyError(f"{method.upper()} {path} is not described in server.api.openapi.OPERATIONS")
             describe(operation, spec)
     schemas = schema.setdefault("components", {}).setdefault("schemas", {})
     schemas.pop("HTTPValidationError", None)
