@@ -26,7 +26,7 @@ import torch
 from cache_manager import kv
 from server.engine import attention, cpu_linear
 from server.engine.attention import Batch, Row, Step
-from server.engine.sampling import process_logits, sample_rows, top_logprobs
+from server.engine.sampling import logprob_infos, process_logits, sample_rows
 from server.engine.scheduler import Plan
 from server.engine.sequence import Sequence, TokenInfo
 
@@ -326,14 +326,17 @@ def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
     Side effects: grammar masks are added to `logits` in place; penalty counts move forward.
     """
     asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
-    logprobs = dict(zip(asked, torch.log_softmax(logits[asked], dim=-1))) if asked else {}
+    logprobs = torch.log_softmax(logits[asked], dim=-1) if asked else None
     apply_masks([s.matcher for s in seqs], logits)
     for i, seq in enumerate(seqs):
         row = logits[i]
         if (done := processed(seq, row)) is not row:
             logits[i] = done
     token_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
-    return [taken(seq, token_id, logprobs.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
+    infos = {}
+    if asked:
+        infos = dict(zip(asked, logprob_infos(logprobs, [token_ids[i] for i in asked], [seqs[i].params.top_logprobs for i in asked])))
+    return [taken(seq, token_id, infos.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
 
 
 def apply_masks(matchers: list, logits: torch.Tensor) -> None:
@@ -365,11 +368,11 @@ def processed(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def taken(seq: Sequence, token_id: int, logprobs: torch.Tensor | None) -> TokenInfo:
-    """The token chosen at one position, counted for penalties; with the position's
-    log-softmax [vocab] (when the request asks for logprobs), its logprob and top ones."""
+def taken(seq: Sequence, token_id: int, info: tuple[float, list[tuple[int, float]]] | None) -> TokenInfo:
+    """The token chosen at one position, counted for penalties; with its logprob and the top
+    ones (`logprob_infos`), when the request asks for logprobs."""
     if seq.counts is not None:
         seq.counts[token_id] += 1
-    if logprobs is None:
+    if info is None:
         return TokenInfo(token_id)
-    return TokenInfo(token_id, logprob=float(logprobs[token_id]), top=top_logprobs(logprobs, seq.params.top_logprobs))
+    return TokenInfo(token_id, logprob=info[0], top=info[1])

@@ -163,9 +163,14 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return torch.softmax(logits.float(), dim=-1)
 
 
-def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    """The k most likely (token id, logprob) pairs, most likely first."""
-    if k <= 0:
-        return []
-    values, ids = torch.topk(logprobs, k)
-    return list(zip(ids.tolist(), values.tolist()))
+def logprob_infos(logprobs: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of log-probabilities [rows, vocab]: the logprob of its chosen token and its
+    `ks[i]` most likely (token id, logprob) pairs, most likely first; one device-to-host copy
+    for all rows."""
+    rows = logprobs.shape[0]
+    ids = torch.tensor(token_ids, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, ids).double()
+    k = max(ks, default=0)
+    values, top = torch.topk(logprobs, k, dim=-1) if k else (logprobs[:, :0], ids[:, :0])
+    host = torch.cat([chosen, values.double(), top.double()], dim=1).tolist()
+    return [(row[0], [(int(t), v) for t, v in zip(row[1 + k : 1 + k + ks[i]], row[1 : 1 + ks[i]])]) for i, row in enumerate(host[:rows])]

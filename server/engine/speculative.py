@@ -53,7 +53,7 @@ import torch
 from cache_manager import kv
 from grammars.matcher import start_draft_masks
 from server.engine.model_runner import processed, taken
-from server.engine.sampling import draw_rows, filtered_probs, sample_rows
+from server.engine.sampling import draw_rows, filtered_probs, logprob_infos, sample_rows
 from server.engine.sequence import Status, TokenInfo
 
 log = logging.getLogger(__name__)
@@ -506,7 +506,8 @@ class Speculator:
                     ok, token = accept_point_mass(p, draft.tokens[j], seq.generator)
                 else:
                     ok, token = accept_or_resample(p, draft.probs[j], draft.tokens[j], seq.generator)
-            tokens.append(taken(seq, token, None if logprobs is None else logprobs[j]))
+            info = None if logprobs is None else logprob_infos(logprobs[j : j + 1], [token], [params.top_logprobs])[0]
+            tokens.append(taken(seq, token, info))
             if not ok:
                 break
             accepted += 1

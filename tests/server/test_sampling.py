@@ -8,10 +8,10 @@ from server.engine.sampling import (
     apply_logit_bias,
     apply_penalties,
     filtered_probs,
+    logprob_infos,
     make_generator,
     sample,
     sample_rows,
-    top_logprobs,
 )
 from tests.device import DEVICE
 
@@ -115,8 +115,9 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     assert sample(logits, SamplingParams(max_tokens=1, temperature=0), make_generator(None)) == int(logits.argmax())
 
 
-def test_top_logprobs_sorted():
-    lp = torch.log_softmax(torch.tensor([0.0, 3.0, 1.0, 2.0], device=DEVICE), -1)
-    top = top_logprobs(lp, 2)
-    assert [t for t, _ in top] == [1, 3]
-    assert top[0][1] > top[1][1]
+def test_logprob_infos_give_each_row_its_chosen_and_top_logprobs():
+    lp = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 1.0, 0.5]], device=DEVICE), -1)
+    (chosen0, top0), (chosen1, top1) = logprob_infos(lp, [2, 3], [2, 0])
+    assert [t for t, _ in top0] == [1, 3] and top0[0][1] > top0[1][1] and top1 == []
+    assert chosen0 == float(lp[0, 2]) and chosen1 == float(lp[1, 3])
+    assert top0[0][1] == float(lp[0, 1])
