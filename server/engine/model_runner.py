@@ -332,7 +332,9 @@ def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
         row = logits[i]
         if (done := processed(seq, row)) is not row:
             logits[i] = done
-    token_ids = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+    # a seeded request draws from its own generator; the others draw together, in one call
+    generators = [s.generator if s.params.seed is not None else None for s in seqs]
+    token_ids = sample_rows(logits, [s.params for s in seqs], generators)
     infos = {}
     if asked:
         infos = dict(zip(asked, logprob_infos(logprobs, [token_ids[i] for i in asked], [seqs[i].params.top_logprobs for i in asked])))

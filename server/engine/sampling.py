@@ -100,12 +100,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
     """One token per row of processed logits [rows, vocab]: argmax for greedy rows; for the
-    others temperature, top-k and top-p per row, vectorised, then a draw: a seeded row from
-    its own generator (it draws the same whatever else is in the batch), the unseeded rows
-    all in one call."""
+    others temperature, top-k and top-p per row, vectorised, then a draw (`draw_rows`): a row
+    with a generator from it (it draws the same whatever else is in the batch), the rows
+    without one all in one call."""
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -115,7 +115,7 @@ def sample_rows(
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         probs = filtered_probs(logits[drawn], [params[i] for i in drawn])
-        for i, token in zip(drawn, draw_rows(probs, [generators[i] if params[i].seed is not None else None for i in drawn])):
+        for i, token in zip(drawn, draw_rows(probs, [generators[i] for i in drawn])):
             tokens[i] = token
     return tokens
 

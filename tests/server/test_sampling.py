@@ -89,15 +89,15 @@ def test_seeded_rows_draw_from_their_own_generators():
     assert together[1] == int(logits[1].argmax())
 
 
-def test_unseeded_rows_draw_together_each_from_its_own_distribution():
-    """Rows without a seed are drawn in one call: each row's draws follow its own filtered
+def test_rows_without_a_generator_draw_together_each_from_its_own_distribution():
+    """Rows without a generator (the engine's unseeded requests) are drawn in one call: each row's draws follow its own filtered
     distribution (two tokens at 3:1 in one row, 1:3 in the other; a point mass in a third)."""
     logits = torch.full((3, 50), -math.inf, device=DEVICE)
     logits[0, 7], logits[0, 9] = math.log(3.0), 0.0
     logits[1, 7], logits[1, 9] = 0.0, math.log(3.0)
     logits[2, 30] = 0.0
     params = [SamplingParams(max_tokens=1)] * 3
-    draws = [sample_rows(logits, params, [make_generator(None)] * 3) for _ in range(400)]
+    draws = [sample_rows(logits, params, [None] * 3) for _ in range(400)]
     firsts = [d[0] for d in draws]
     seconds = [d[1] for d in draws]
     assert set(firsts) == set(seconds) == {7, 9} and {d[2] for d in draws} == {30}
