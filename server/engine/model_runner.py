@@ -70,6 +70,7 @@ class ModelRunner:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._meta: torch.Tensor | None = None  # the decode inputs, one device buffer
         self._graph_pool = None
+        self._logits: torch.Tensor | None = None  # the decode graphs' shared output [max_rows, vocab]
         self._enabled = False
 
     def prepare(self) -> None:
@@ -265,6 +266,7 @@ class ModelRunner:
             log.exception("capturing CUDA graphs failed: decode steps run eagerly")
             self.graphs.clear()
             self.use_graphs = False
+            self._graph_pool = self._logits = None
             return
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
@@ -275,12 +277,15 @@ class ModelRunner:
         """One decode graph over the persistent buffers of (size, blocks); the buffers hold
         padding rows while capturing (they write the trash block only)."""
         ids, pos, batch = self._fill([], [], size, blocks)  # every row a padding row
-        self._forward(ids, pos, Step([], [batch]), None)  # warm up outside the graph
+        warm = self._forward(ids, pos, Step([], [batch]), None)  # warm up outside the graph
+        if self._logits is None:  # every graph's output, so none holds logits of its own
+            self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
+        del warm
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._forward(ids, pos, Step([], [batch]), None)
-        return graph, logits
+            self._logits[:size].copy_(self._forward(ids, pos, Step([], [batch]), None))
+        return graph, self._logits[:size]
 
 
 def _width_bucket(n: int) -> int:
