@@ -26,7 +26,7 @@ import torch
 from cache_manager import kv
 from server.engine import attention, cpu_linear
 from server.engine.attention import Batch, Row, Step
-from server.engine.sampling import logprob_infos, process_logits, sample_rows
+from server.engine.sampling import apply_logit_bias, apply_penalties, logprob_infos, sample_rows
 from server.engine.scheduler import Plan
 from server.engine.sequence import Sequence, TokenInfo
 
@@ -333,9 +333,10 @@ def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
     asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
     logprobs = torch.log_softmax(logits[asked], dim=-1) if asked else None
     apply_masks([s.matcher for s in seqs], logits)
+    logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
     for i, seq in enumerate(seqs):
         row = logits[i]
-        if (done := processed(seq, row)) is not row:
+        if (done := penalized(seq, row)) is not row:
             logits[i] = done
     # a seeded request draws from its own generator; the others draw together, in one call
     generators = [s.generator if s.params.seed is not None else None for s in seqs]
@@ -366,13 +367,19 @@ def apply_masks(matchers: list, logits: torch.Tensor) -> None:
 
 def processed(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
     """One position's logits [vocab] after the request's logit bias and penalties (`logits`
-    itself when it has neither); a request with penalties starts counting its tokens here."""
+    itself when it has neither)."""
+    return penalized(seq, apply_logit_bias(logits[None], [seq.params.logit_bias])[0])
+
+
+def penalized(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    """One position's logits [vocab] after the request's penalties (`logits` itself without);
+    a request with penalties starts counting its tokens here."""
     params = seq.params
     if params.uses_penalties and seq.counts is None:
         seq.counts = torch.zeros(logits.shape[-1], dtype=torch.int32, device=logits.device)
-    if params.logit_bias or seq.counts is not None:
-        return process_logits(logits, params, seq.counts)
-    return logits
+    if seq.counts is None:
+        return logits
+    return apply_penalties(logits, seq.counts, params.presence_penalty, params.frequency_penalty)
 
 
 def taken(seq: Sequence, token_id: int, info: tuple[float, list[tuple[int, float]]] | None) -> TokenInfo:

@@ -66,12 +66,18 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
-def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
-    if not bias:
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
+    """Logits [rows, vocab] with each row's bias (token id -> added value) added: a new tensor,
+    or `logits` itself when no row has one. One host-to-device copy and one add for all rows."""
+    entries = [(row, token, value) for row, bias in enumerate(biases) for token, value in bias.items()]
+    if not entries:
         return logits
-    ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
-    values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-    return logits.index_add(0, ids, values)
+    # NOTE: one float64 tensor carries rows, ids and values (exact for any vocabulary size)
+    host = torch.tensor(list(zip(*entries)), dtype=torch.float64)
+    if logits.device.type == "cuda":
+        host = host.pin_memory()
+    rows, ids, values = host.to(logits.device, non_blocking=True)
+    return logits.index_put((rows.long(), ids.long()), values.to(logits.dtype), accumulate=True)
 
 
 def apply_penalties(
@@ -82,16 +88,6 @@ def apply_penalties(
         return logits
     counts = counts.to(logits.dtype)
     return logits - presence * (counts > 0).to(logits.dtype) - frequency * counts
-
-
-def process_logits(
-    logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor | None
-) -> torch.Tensor:
-    """Bias and penalties, the parts that also change greedy choices."""
-    logits = apply_logit_bias(logits, params.logit_bias)
-    if counts is not None:
-        logits = apply_penalties(logits, counts, params.presence_penalty, params.frequency_penalty)
-    return logits
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

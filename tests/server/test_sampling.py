@@ -30,11 +30,12 @@ def test_params_validate_bounds():
     assert not SamplingParams(max_tokens=1).greedy
 
 
-def test_logit_bias_adds_to_listed_ids_only():
-    logits = torch.zeros(5, device=DEVICE)
-    out = apply_logit_bias(logits, {1: 2.5, 4: -100})
-    assert out.tolist() == [0, 2.5, 0, 0, -100]
-    assert logits.tolist() == [0] * 5  # input untouched
+def test_logit_bias_adds_each_rows_own_to_listed_ids_only():
+    logits = torch.zeros(3, 5, device=DEVICE)
+    out = apply_logit_bias(logits, [{1: 2.5, 4: -100}, {}, {0: 1.0, 4: 0.5}])
+    assert out.tolist() == [[0, 2.5, 0, 0, -100], [0] * 5, [1.0, 0, 0, 0, 0.5]]
+    assert logits.tolist() == [[0] * 5] * 3  # input untouched
+    assert apply_logit_bias(logits, [{}, {}, {}]) is logits
 
 
 def test_penalties_follow_openai_definition():
