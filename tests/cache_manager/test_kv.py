@@ -224,45 +224,22 @@ def test_layer_kinds_it_cannot_batch_are_refused():
         kv.layout(config)
 
 
-def test_padded_decode_rows_write_only_the_trash_block(models):
-    """A decode step of 3 rows padded to a bucket of 4: the real rows' new slots change, the
-    padding row writes the trash block only, every other slot of the pool is untouched, and
-    the real rows' logits equal an unpadded eager step's."""
+@pytest.mark.parametrize("counts", [[1, 1, 1], [3, 7]], ids=["decode", "chunks"])
+def test_padded_rows_write_only_their_own_slots_and_the_trash_block(models, counts):
+    """Paged rows and their padding. `decode`: 3 decode rows padded to a bucket of 4 (the
+    padding row is token 0 at position 0); `chunks`: rows of 3 and 7 tokens in one batch padded
+    to the widest (the 3-token row has 4 padding tokens). Each row writes exactly its new
+    positions' slots, padding writes the trash block only, every other slot of the pool is
+    untouched, and the logits equal the row path's, unpadded."""
     model = models["gemma2-hybrid"]
-    pool, caches = scattered_caches(model, 3, 64)
+    pool, caches = scattered_caches(model, len(counts), 64)
     runner = ModelRunner(model, pool, paged=True, max_rows=4)
     for i, cache in enumerate(caches):
         runner.forward([Row(cache, 10 + i)], IDS[: 10 + i], [0])
     before = [t.clone() for t in pool.keys + pool.values]
     lengths = [c.length for c in caches]
-    padded = runner.forward([Row(c, 1) for c in caches], [IDS[20], IDS[21], IDS[22]], [0, 1, 2])
-    bs = pool.block_size
-    written = {c.blocks[n // bs] * bs + n % bs for c, n in zip(caches, lengths)}
-    trash = set(range(pool.trash_block * bs, (pool.trash_block + 1) * bs))
-    for old, new in zip(before, pool.keys + pool.values):
-        changed = set((old != new).any(dim=(0, 2)).nonzero().flatten().tolist())
-        assert written <= changed and changed <= written | trash
-    for cache, n in zip(caches, lengths):
-        kv.crop(cache, n)
-    rows = [Row(c, 1) for c in caches]
-    alone = ModelRunner(model, pool, paged=False).forward(rows, [IDS[20], IDS[21], IDS[22]], [0, 1, 2])
-    assert (padded - alone).abs().max() < 1e-4
-
-
-def test_padded_chunk_rows_write_only_their_own_slots(models):
-    """Multi-token rows on the paged path share a batch padded to the widest (3 and 7 tokens:
-    the 3-token row has 4 padding tokens): each row writes exactly its new positions' slots,
-    padding writes the trash block only, and the logits equal the row path's."""
-    model = models["gemma2-hybrid"]
-    pool, caches = scattered_caches(model, 2, 64)
-    runner = ModelRunner(model, pool, paged=True, max_rows=4)
-    for i, cache in enumerate(caches):
-        runner.forward([Row(cache, 10 + i)], IDS[: 10 + i], [0])
-    before = [t.clone() for t in pool.keys + pool.values]
-    lengths = [c.length for c in caches]
-    counts = [3, 7]
-    ids = IDS[20:23] + IDS[30:37]
-    padded = runner.forward([Row(c, n) for c, n in zip(caches, counts)], ids, [0, 1], counts)
+    ids = [t for i, n in enumerate(counts) for t in IDS[20 + 10 * i : 20 + 10 * i + n]]
+    padded = runner.forward([Row(c, n) for c, n in zip(caches, counts)], ids, list(range(len(caches))), counts)
     bs = pool.block_size
     written = {c.blocks[p // bs] * bs + p % bs for c, n0, n in zip(caches, lengths, counts) for p in range(n0, n0 + n)}
     trash = set(range(pool.trash_block * bs, (pool.trash_block + 1) * bs))
@@ -271,7 +248,8 @@ def test_padded_chunk_rows_write_only_their_own_slots(models):
         assert written <= changed and changed <= written | trash
     for cache, n in zip(caches, lengths):
         kv.crop(cache, n)
-    alone = ModelRunner(model, pool, paged=False).forward([Row(c, n) for c, n in zip(caches, counts)], ids, [0, 1], counts)
+    rows = [Row(c, n) for c, n in zip(caches, counts)]
+    alone = ModelRunner(model, pool, paged=False).forward(rows, ids, list(range(len(caches))), counts)
     assert (padded - alone).abs().max() < 1e-4
 
 
