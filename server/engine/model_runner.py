@@ -9,11 +9,12 @@ Shapes: the plan's rows are packed into one flattened batch of N tokens (server/
 token was computed), in plan order; a row carrying a draft of k tokens (server/engine/speculative.py)
 has k + 1 consecutive logits rows instead: at its pending token and at each drafted one.
 
-Decode rows (one token each) take the paged attention path when `paged` (the default on CUDA):
-they go first in the flattened batch, padded to a bucket size (`BUCKETS`) whose padding rows
-write and read the pool's trash block only. A step of decode rows alone on CUDA replays the
-graph captured for its (bucket, max blocks) pair; everything else runs eagerly, the same code
-on CPU and CUDA.
+With `paged` (the default on CUDA) every row takes the paged attention path: decode rows (one
+token each) first in the flattened batch, multi-token rows in padded batches. A step of decode
+rows alone is padded to a bucket size (`BUCKETS`) whose padding rows write and read the pool's
+trash block only, its inputs in persistent buffers; on CUDA it replays the graph captured for
+its (bucket, max blocks) pair. Everything else runs eagerly, the same code on CPU and CUDA.
+Each step's inputs reach the device in one host-to-device copy.
 """
 
 from __future__ import annotations
@@ -138,14 +139,20 @@ class ModelRunner:
             flat_ids += token_ids[given[i] : given[i + 1]]
             positions += range(row.kv.length, row.kv.length + row.n)
         keep = [starts[i] + rows[i].n - c + j for i, c in zip(logits_rows, counts) for j in range(c)]
-        batches = [self._batch([rows[i] for i in singles], decode=True)] if singles else []
+        groups = [[rows[i] for i in singles]] if singles else []
         if self.paged and others:  # multi-token rows: one padded batch per width bucket
             widths: dict[int, list[Row]] = {}
             for i in others:
                 widths.setdefault(_width_bucket(rows[i].n), []).append(rows[i])
-            batches += [self._batch(group, decode=False) for group in widths.values()]
+            groups += widths.values()
             others = []
-        ids, pos, keep_t = _to_device([flat_ids, positions, keep], self.device)
+        inputs = [self._batch_inputs(group) for group in groups]
+        tensors = _to_device([flat_ids, positions, keep] + [x for lists, _ in inputs for x in lists], self.device)
+        ids, pos, keep_t = tensors[:3]
+        batches, at = [], 3
+        for lists, build in inputs:
+            batches.append(build(tensors[at : at + len(lists)]))
+            at += len(lists)
         logits = self._forward(ids[None], pos[None], Step([rows[i] for i in others], batches), keep_t)
         for row in rows:
             row.kv.length += row.n
@@ -206,23 +213,21 @@ class ModelRunner:
             return torch.empty(need, dtype=torch.long, device=self.device)
         return self._meta[:need]
 
-    def _batch(self, rows: list[Row], decode: bool) -> Batch:
-        """The paged path's tensors for rows of a mixed step (eager, not padded to a bucket;
-        their ids and positions travel with the step's other tokens). `decode`: one token per
-        row, first in the flattened batch; else up to the widest row's tokens per row, the
-        shorter ones padded."""
-        caches = [r.kv for r in rows]
+    def _batch_inputs(self, rows: list[Row]):
+        """The paged path's inputs for rows of a mixed step (eager, not padded to a bucket;
+        their ids and positions travel with the step's other tokens): host lists, and how to
+        build the `Batch` from them once on the device. Decode rows (one token each) come
+        first in the flattened batch; multi-token rows are padded to the widest."""
         counts = [r.n for r in rows]
-        width = max(counts)
-        blocks = max(kv.blocks_for(c.length + n, self.pool.block_size) for c, n in zip(caches, counts))
-        positions, slots, tables = self._paged_inputs(caches, counts, len(rows), width, blocks)
-        if decode:
-            pos, slots_t, tables_t = _to_device([positions, slots, tables], self.device)
-            return Batch(self.pool, slots_t, tables_t.view(len(rows), blocks), pos)
+        size, width = len(rows), max(counts)
+        blocks = max(kv.blocks_for(r.kv.length + r.n, self.pool.block_size) for r in rows)
+        lists = list(self._paged_inputs([r.kv for r in rows], counts, size, width, blocks))
+        if width == 1 and all(r.offset == i for i, r in enumerate(rows)):
+            return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0])
         tokens = [r.offset + min(t, r.n - 1) for r in rows for t in range(width)]
         real = [i * width + t for i, r in enumerate(rows) for t in range(r.n)]
-        pos, slots_t, tables_t, tokens_t, real_t = _to_device([positions, slots, tables, tokens, real], self.device)
-        return Batch(self.pool, slots_t, tables_t.view(len(rows), blocks), pos, width, tokens_t, None if len(real) == len(tokens) else real_t)
+        lists += [tokens, real]
+        return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0], width, t[3], None if len(real) == len(tokens) else t[4])
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None) -> torch.Tensor:
         """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""
