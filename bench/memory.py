@@ -144,8 +144,8 @@ def identity(loaded, kv_dtype: str, prompts: int, max_tokens: int) -> tuple[floa
     difference) against the unquantized cache."""
     tok, same, kept, total = loaded.tokenizer, 0, 0, 0
     for text in PROMPTS[:prompts]:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        ids = tok(chat, add_special_tokens=False)["input_ids"]
         want, got = greedy(loaded.model, ids, "auto", max_tokens), greedy(loaded.model, ids, kv_dtype, max_tokens)
         same += got == want
         kept += next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), max_tokens)

@@ -110,9 +110,31 @@ class _Scaled:
         return q.view(self.wire).to(dtype) * scale.to(dtype)[..., None]
 
 
+class _Fp8(_Scaled):
+    """float8 e4m3 values. On a CPU they are decoded through float16 (`e4m3_as_half`): torch's
+    own float8 conversion runs element by element there (measured: 2.7 ms for one SmolLM2
+    layer's keys at 4k tokens, against 0.4 ms this way, on the 2-core dev box)."""
+
+    def decode(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if q.device.type != "cpu":
+            return super().decode(q, scale, dtype)
+        x = e4m3_as_half(q).float() * (scale.float() * 256)[..., None]
+        return x if dtype == torch.float32 else x.to(dtype)
+
+
+def e4m3_as_half(q: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3fn bits (uint8) -> float16 of exactly 1/256 of their value, subnormals
+    included: the sign, exponent and mantissa bits move into float16's places (exponent bias 15
+    instead of 7: a factor 2**-8). Three vectorized integer ops; the NaN codes, which the pool
+    never stores (values are clamped), would read as +-480/256."""
+    # sign-extended, shifted: bits 14..7 hold the exponent and mantissa, bit 15 the sign, and
+    # bit 14 a copy of the sign that the mask 0xBF80 (-16512) clears
+    return ((q.view(torch.int8).to(torch.int16) << 7) & -16512).view(torch.float16)
+
+
 KV_DTYPES = {
     "auto": _Plain(),
-    "fp8": _Scaled("fp8", torch.float8_e4m3fn, torch.uint8, 448.0, rounds=False),
+    "fp8": _Fp8("fp8", torch.float8_e4m3fn, torch.uint8, 448.0, rounds=False),
     "int8": _Scaled("int8", torch.int8, torch.int8, 127.0, rounds=True),
 }
 

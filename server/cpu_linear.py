@@ -33,7 +33,8 @@ def _dense(module) -> bool:
     return (
         type(module) is torch.nn.Linear
         and weight is not None
-        and type(weight.detach()) is torch.Tensor
+        # NOTE: a Parameter around a tensor subclass is an instance of the subclass itself
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
         and weight.dtype.is_floating_point
     )
 

@@ -50,12 +50,16 @@ QUANTIZATION_PACKAGES: dict[str, tuple[tuple[str, str], ...]] = {
 
 
 def quantization_method(config) -> str | None:
-    """The checkpoint's quant_method (None: not pre-quantized)."""
+    """The checkpoint's quant_method (None: not pre-quantized).
+
+    NOTE: "gguf" is not: transformers de-quantizes GGUF weights when it loads them, and a model
+    converted from a GGUF file (`convert_gguf`) keeps that quantization_config in its config."""
     quant = getattr(config, "quantization_config", None)
     if quant is None:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    return None if method is None else str(getattr(method, "value", method))
+    method = None if method is None else str(getattr(method, "value", method))
+    return None if method == "gguf" else method
 
 
 def check_quantization(name: str, config) -> str | None:

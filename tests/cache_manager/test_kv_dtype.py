@@ -46,6 +46,17 @@ def test_bytes_per_token_of_each_format(smollm2):
     assert pool.keys[0].dtype == torch.uint8 and pool.key_scales[0].dtype == torch.bfloat16
 
 
+def test_fp8_decoding_through_float16_is_exact_for_every_code():
+    """The CPU's fast fp8 decoding (kv.e4m3_as_half) gives torch's own float8 conversion for
+    all 254 codes that are not NaN, subnormals and both zeros included."""
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(kv.e4m3_as_half(codes).float() * 256, want)
+    scale = torch.full((codes.numel(),), 0.37, dtype=torch.bfloat16)
+    fast = kv.kv_format("fp8").decode(codes[:, None], scale, torch.float32)
+    assert torch.equal(fast[:, 0], want * scale.float())
+
+
 def test_unknown_format_names_the_choices():
     with pytest.raises(ValueError, match="auto, fp8, int8"):
         kv.kv_format("fp4")
