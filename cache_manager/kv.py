@@ -118,7 +118,7 @@ class _Fp8(_Scaled):
     def decode(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if q.device.type != "cpu":
             return super().decode(q, scale, dtype)
-        x = e4m3_as_half(q).float() * (scale.float() * 256)[..., None]
+        x = e4m3_as_half(q).float().mul_((scale.float() * 256).unsqueeze(-1))
         return x if dtype == torch.float32 else x.to(dtype)
 
 
@@ -129,7 +129,8 @@ def e4m3_as_half(q: torch.Tensor) -> torch.Tensor:
     never stores (values are clamped), would read as +-480/256."""
     # sign-extended, shifted: bits 14..7 hold the exponent and mantissa, bit 15 the sign, and
     # bit 14 a copy of the sign that the mask 0xBF80 (-16512) clears
-    return ((q.view(torch.int8).to(torch.int16) << 7) & -16512).view(torch.float16)
+    bits = q.view(torch.int8).to(torch.int16)
+    return bits.bitwise_left_shift_(7).bitwise_and_(-16512).view(torch.float16)
 
 
 KV_DTYPES = {
