@@ -22,8 +22,8 @@ from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
-from server.draft_model import DraftModelProposer, check_compatible, draft_budget_for
 from server import kv_budget
+from server.draft_model import DraftModelProposer, check_compatible, draft_budget_for
 from server.engine import Engine, EngineConfig
 from server.errors import APIError, install_handlers
 from server.metrics import Metrics
