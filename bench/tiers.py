@@ -55,7 +55,9 @@ def main() -> None:
     convs = {f"s{i}": [{"role": "system", "content": "Answer from this document.\n" + document(i, args.doc_tokens)}] for i in range(args.sessions)}
     with tempfile.TemporaryDirectory() as logs:
         tier = ("--kv-disk-dir", str(Path(logs) / "kv")) if args.tier == "disk" else ("--kv-host-bytes", str(bucket_bytes * 2 * args.sessions))
-        flags = (*tier, "--kv-budget-bytes", str(int(bucket_bytes * 1.5)))
+        # the context is what the budget holds (a smaller budget than one full context is refused)
+        context = int(blocks_for(int(args.doc_tokens * 1.3)) * 1.5) * BLOCK_SIZE
+        flags = (*tier, "--kv-budget-bytes", str(int(bucket_bytes * 1.5)), "--max-model-len", str(context))
         with launch(logs, *flags) as server:
             client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
             model = client.models.list().data[0].id

@@ -4,16 +4,18 @@ A file holds the session's KV (`kv.export`: ``k.i``/``v.i`` per layer) and its t
 (``tokens``, int64), plus a small JSON header in the safetensors metadata (key ``kvserve``):
 
     {"format": "kvserve-session/1", "fingerprint": <model fingerprint>, "principal": <sha256 of
-     the principal>, "session_id": <the client's id>, "n_tokens": N, "checksum": <sha256 of the
-     tensors' bytes, in name order>}
+     the principal>, "session_id": <the client's id>, "n_tokens": N, "kv_dtype": <the
+     --kv-cache-dtype the KV is stored in; absent in older files: "auto">, "checksum": <sha256 of
+     the tensors' bytes, in name order>}
 
 * The name derives from a hash of (hashed principal, session id), never from client strings.
 * Writes go to a temporary file in the same directory, are fsynced, then renamed over the final
   name (and the directory fsynced): a reader sees the old file or the new one, never half of
   one. A process killed mid-write leaves only a ``*.tmp`` file, which `scan` deletes.
 * `read` checks everything before a tensor is used: the header parses, the format, model
-  fingerprint, principal and session id are this caller's, the checksum matches. Any mismatch
-  raises `BadFile` with a reason; the caller deletes the file and recomputes.
+  fingerprint, KV dtype, principal and session id are this caller's, the checksum matches. Any
+  mismatch raises `BadFile` with a reason; the caller deletes the file and recomputes (a file of
+  another --kv-cache-dtype is "foreign": recomputed, never read as this one's format).
 
 The model fingerprint covers the config, the dtype, kvserve's cache layout version and a
 sample of every weight tensor, so a file written by another model, another fine-tune of the
@@ -58,6 +60,7 @@ class Header:
     principal: str  # hashed
     session_id: str
     n_tokens: int
+    kv_dtype: str = "auto"
     checksum: str = ""
 
 
@@ -83,7 +86,10 @@ def fingerprint(model, dtype: torch.dtype) -> str:
     h.update(model.config.to_json_string(use_diff=False).encode())
     with torch.no_grad():
         for name, param in model.state_dict().items():
-            flat = param.detach().reshape(-1)
+            param = param.detach()
+            if type(param) is not torch.Tensor and hasattr(param, "dequantize"):
+                param = param.dequantize()  # a quantized weight (torchao's tensor subclasses)
+            flat = param.reshape(-1)
             sample = flat[:: max(1, flat.numel() // 256)][:256].to("cpu", torch.float64)
             h.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
             h.update(sample.numpy().tobytes())
@@ -162,6 +168,8 @@ def read(path: Path, expected: Header) -> tuple[list[int], dict[str, torch.Tenso
             header = _header(f.metadata())
             if header.fingerprint != expected.fingerprint:
                 raise BadFile("foreign", "written by another model, dtype or kvserve cache layout")
+            if header.kv_dtype != expected.kv_dtype:
+                raise BadFile("foreign", f"KV stored as {header.kv_dtype!r}, not {expected.kv_dtype!r} (--kv-cache-dtype)")
             if (header.principal, header.session_id) != (expected.principal, expected.session_id):
                 raise BadFile("principal", "the file belongs to another principal or session")
             tensors = {name: f.get_tensor(name) for name in f.keys()}
@@ -195,6 +203,7 @@ def _header(meta: dict | None) -> Header:
             principal=str(fields["principal"]),
             session_id=str(fields["session_id"]),
             n_tokens=int(fields["n_tokens"]),
+            kv_dtype=str(fields.get("kv_dtype", "auto")),
             checksum=str(fields["checksum"]),
         )
     except BadFile:

@@ -19,6 +19,13 @@ Layout (docs/architecture.md, "KV pool"):
 * Bytes are counted in whole blocks: `bytes_for` is what the cache manager's budget counts, and
   the pool is exactly the budget's blocks, so the budget allowing a cache means the pool has its
   blocks.
+* Storage format (`--kv-cache-dtype`, `KV_DTYPES`): `auto` stores keys and values in the model's
+  dtype; `fp8` (e4m3) and `int8` store one byte per value plus one bf16 scale per token and KV
+  head (its absolute maximum over head_dim maps to the format's largest value), about half the
+  bytes of bf16. Values are quantized when stored (`Pool.store`, `write`, `load`) and
+  dequantized to the pool's compute dtype (`Pool.dtype`) when read (`Pool.gather`, `read`), so
+  attention never sees the storage format. A token's stored bytes depend on its own keys and
+  values only: reuse, batching and the tiers store and read the same bytes.
 """
 
 from __future__ import annotations
@@ -34,7 +41,115 @@ from cache_manager.blocks import BlockAllocator, NoBlocks
 BLOCK_SIZE = 16
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
-__all__ = ["BLOCK_SIZE", "Layout", "NoBlocks", "Pool", "SequenceKV", "layout"]
+__all__ = ["BLOCK_SIZE", "KV_DTYPES", "Layout", "NoBlocks", "Pool", "SequenceKV", "kv_format", "layout"]
+
+
+# -- storage formats ---------------------------------------------------------------------------
+
+
+SCALE_DTYPE = torch.bfloat16  # one scale per token and KV head: bf16 keeps fp32's range in 2 bytes
+_MIN_SCALE = 1e-30  # an all-zero vector gets this scale (and stores zeros), never a division by 0
+
+
+class _Plain:
+    """`auto`: keys and values stored as computed, in the pool's compute dtype."""
+
+    name = "auto"
+    quantized = False
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
+
+    def bytes_per_vector(self, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of one token's keys (or values) in one KV head."""
+        return head_dim * _itemsize(dtype)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x, None
+
+    def decode(self, q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        return q
+
+
+class _Scaled:
+    """One byte per value (`wire`: float8_e4m3fn or int8) and one bf16 scale per vector (a
+    token's keys or values in one KV head): x ~= q * scale, scale = amax(|x|) / qmax. Stored as
+    `storage` (uint8 for fp8: indexing kernels exist for it on every device; the `wire` view is
+    what tiers and files see)."""
+
+    quantized = True
+
+    def __init__(self, name: str, wire: torch.dtype, storage: torch.dtype, qmax: float, rounds: bool) -> None:
+        self.name, self.wire, self.storage, self.qmax, self.rounds = name, wire, storage, qmax, rounds
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.storage
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.wire
+
+    def bytes_per_vector(self, head_dim: int, dtype: torch.dtype) -> int:
+        return head_dim + _itemsize(SCALE_DTYPE)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., head_dim] -> (q [..., head_dim] in `storage`, scale [...] in SCALE_DTYPE)."""
+        x = x.float()
+        scale = (x.abs().amax(-1, keepdim=True) / self.qmax).clamp_(min=_MIN_SCALE).to(SCALE_DTYPE)
+        q = x / scale.float()
+        if self.rounds:
+            q = q.round_()
+        # NOTE: the bf16 scale may round below amax / qmax: clamp, never overflow to NaN/inf
+        q = q.clamp_(-self.qmax, self.qmax).to(self.wire).view(self.storage)
+        return q, scale[..., 0]
+
+    def decode(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(q [..., head_dim], scale [...]) -> x [..., head_dim] in `dtype` (a copy)."""
+        return q.view(self.wire).to(dtype) * scale.to(dtype)[..., None]
+
+
+class _Fp8(_Scaled):
+    """float8 e4m3 values. On a CPU they are decoded through float16 (`e4m3_as_half`): torch's
+    own float8 conversion runs element by element there (measured: 2.7 ms for one SmolLM2
+    layer's keys at 4k tokens, against 0.4 ms this way, on the 2-core dev box)."""
+
+    def decode(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if q.device.type != "cpu":
+            return super().decode(q, scale, dtype)
+        x = e4m3_as_half(q).float().mul_((scale.float() * 256).unsqueeze(-1))
+        return x if dtype == torch.float32 else x.to(dtype)
+
+
+def e4m3_as_half(q: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3fn bits (uint8) -> float16 of exactly 1/256 of their value, subnormals
+    included: the sign, exponent and mantissa bits move into float16's places (exponent bias 15
+    instead of 7: a factor 2**-8). Three vectorized integer ops; the NaN codes, which the pool
+    never stores (values are clamped), would read as +-480/256."""
+    # sign-extended, shifted: bits 14..7 hold the exponent and mantissa, bit 15 the sign, and
+    # bit 14 a copy of the sign that the mask 0xBF80 (-16512) clears
+    bits = q.view(torch.int8).to(torch.int16)
+    return bits.bitwise_left_shift_(7).bitwise_and_(-16512).view(torch.float16)
+
+
+KV_DTYPES = {
+    "auto": _Plain(),
+    "fp8": _Fp8("fp8", torch.float8_e4m3fn, torch.uint8, 448.0, rounds=False),
+    "int8": _Scaled("int8", torch.int8, torch.int8, 127.0, rounds=True),
+}
+
+
+def kv_format(name: str):
+    """The storage format called `name` (`KV_DTYPES`); ValueError names the choices."""
+    try:
+        return KV_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown KV cache dtype {name!r}: choose one of {', '.join(KV_DTYPES)}") from None
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # -- layout ------------------------------------------------------------------------------------
@@ -48,9 +163,10 @@ class Layout:
     kv_heads: int
     head_dim: int
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Keys and values of one token in every layer."""
-        return 2 * len(self.windows) * self.kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+        """Keys and values of one token in every layer, stored as `kv_dtype` (`KV_DTYPES`) by
+        a model computing in `dtype` (scales included)."""
+        return 2 * len(self.windows) * self.kv_heads * kv_format(kv_dtype).bytes_per_vector(self.head_dim, dtype)
 
 
 def layout(config: PretrainedConfig) -> Layout:
@@ -71,9 +187,9 @@ def blocks_for(n_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-n_tokens // block_size)
 
 
-def bytes_for(config: PretrainedConfig, capacity: int, dtype: torch.dtype) -> int:
-    """Bytes of a cache with room for `capacity` tokens (whole blocks)."""
-    return blocks_for(capacity) * BLOCK_SIZE * layout(config).bytes_per_token(dtype)
+def bytes_for(config: PretrainedConfig, capacity: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    """Bytes of a cache with room for `capacity` tokens (whole blocks), stored as `kv_dtype`."""
+    return blocks_for(capacity) * BLOCK_SIZE * layout(config).bytes_per_token(dtype, kv_dtype)
 
 
 # -- the pool ----------------------------------------------------------------------------------
@@ -82,14 +198,18 @@ def bytes_for(config: PretrainedConfig, capacity: int, dtype: torch.dtype) -> in
 class Pool:
     """Preallocated KV storage for the sequences of one model (see the module docstring).
 
-    `keys[layer]`, `values[layer]`: [kv_heads, (num_blocks + 1) * block_size, head_dim]; block
-    `trash_block` (the last) belongs to no sequence. Engine thread only.
+    `keys[layer]`, `values[layer]`: [kv_heads, (num_blocks + 1) * block_size, head_dim] in the
+    format's storage dtype; for a quantized format also `key_scales[layer]`,
+    `value_scales[layer]`: [kv_heads, slots] (else None). Block `trash_block` (the last) belongs
+    to no sequence. `dtype` is the compute dtype: what `gather` and `read` return. Engine thread
+    only.
     """
 
-    def __init__(self, config: PretrainedConfig, budget_bytes: int, device: torch.device, dtype: torch.dtype, block_size: int = BLOCK_SIZE) -> None:
+    def __init__(self, config: PretrainedConfig, budget_bytes: int, device: torch.device, dtype: torch.dtype, block_size: int = BLOCK_SIZE, kv_dtype: str = "auto") -> None:
         self.layout = layout(config)
+        self.format = kv_format(kv_dtype)
         self.device, self.dtype, self.block_size = torch.device(device), dtype, block_size
-        self.block_bytes = block_size * self.layout.bytes_per_token(dtype)
+        self.block_bytes = block_size * self.layout.bytes_per_token(dtype, kv_dtype)
         num_blocks = budget_bytes // self.block_bytes
         self.allocator = BlockAllocator(num_blocks)
         self.trash_block = num_blocks
@@ -99,13 +219,20 @@ class Pool:
         # (server/engine/attention.py) multiplies unwritten slots by a zero weight, and garbage NaNs
         # would poison it. On CUDA the pool is memory taken at start-up anyway.
         new = torch.zeros if self.device.type == "cuda" else torch.empty
+        storage = self.format.storage_dtype(dtype)
+        layers = range(len(self.layout.windows))
         try:
-            self.keys = [new(shape, device=self.device, dtype=dtype) for _ in self.layout.windows]
-            self.values = [new(shape, device=self.device, dtype=dtype) for _ in self.layout.windows]
+            self.keys = [new(shape, device=self.device, dtype=storage) for _ in layers]
+            self.values = [new(shape, device=self.device, dtype=storage) for _ in layers]
+            if self.format.quantized:
+                self.key_scales = [new(shape[:2], device=self.device, dtype=SCALE_DTYPE) for _ in layers]
+                self.value_scales = [new(shape[:2], device=self.device, dtype=SCALE_DTYPE) for _ in layers]
+            else:
+                self.key_scales = self.value_scales = [None] * len(layers)
         except torch.OutOfMemoryError as exc:
             raise MemoryError(
                 f"a KV pool of {budget_bytes} bytes does not fit on {self.device} beside the model: "
-                "lower --kv-budget-bytes or --kv-budget-fraction"
+                "lower --kv-budget-bytes or --gpu-memory-utilization, or use --kv-cache-dtype fp8"
             ) from exc
         self._zeroed = bytearray([self.device.type == "cuda"]) * (num_blocks + 1)
         self._zero([self.trash_block])
@@ -113,6 +240,11 @@ class Pool:
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Token slots of all the pool's blocks (the trash block aside)."""
+        return self.num_blocks * self.block_size
 
     @property
     def free_bytes(self) -> int:
@@ -140,24 +272,66 @@ class Pool:
         slots = (table[:, None] * bs + torch.arange(bs)).flatten()[start % bs : start % bs + end - start]
         return slots.to(self.device, non_blocking=True)
 
-    def store(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keys and values [kv_heads, n, head_dim] into `slots` [n] of `layer`."""
-        self.keys[layer].index_copy_(1, slots, keys)
-        self.values[layer].index_copy_(1, slots, values)
+    def store(self, layer: int, slots: torch.Tensor | slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keys and values [kv_heads, n, head_dim] (compute dtype) into `slots` [n] of `layer`
+        (a slice: consecutive slots), quantized to the pool's format."""
+        for data, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
+            q, scale = self.format.encode(x)
+            _put(data[layer], slots, q)
+            if scale is not None:
+                _put(scales[layer], slots, scale)
 
-    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at the slots of `index` (any shape S) of `layer`: [kv_heads, *S,
-        head_dim] copies."""
-        return self.keys[layer][:, index], self.values[layer][:, index]
+        head_dim] in the compute dtype; copies (a slice of an `auto` pool: views)."""
+        fmt, dtype = self.format, self.dtype
+        ks, vs = self.key_scales[layer], self.value_scales[layer]
+        keys = fmt.decode(self.keys[layer][:, index], None if ks is None else ks[:, index], dtype)
+        values = fmt.decode(self.values[layer][:, index], None if vs is None else vs[:, index], dtype)
+        return keys, values
+
+    def stored(self, layer: int, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
+        """What the pool holds at `index` [n] of `layer`, as stored (keys, values and their
+        scales when quantized): {"k", "v", "k_scale", "v_scale"} -> [kv_heads, n(, head_dim)],
+        copies; keys and values in the format's wire dtype."""
+        out = {}
+        for kind, data, scales in (("k", self.keys, self.key_scales), ("v", self.values, self.value_scales)):
+            out[kind] = _copy(data[layer], index).view(self.format.wire_dtype(self.dtype))
+            if scales[layer] is not None:
+                out[f"{kind}_scale"] = _copy(scales[layer], index)
+        return out
+
+    def put_stored(self, layer: int, index: torch.Tensor | slice, tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of `stored`: the same names, already in the pool's format."""
+        storage = self.format.storage_dtype(self.dtype)
+        for kind, data, scales in (("k", self.keys, self.key_scales), ("v", self.values, self.value_scales)):
+            _put(data[layer], index, tensors[kind].view(storage))
+            if scales[layer] is not None:
+                _put(scales[layer], index, tensors[f"{kind}_scale"])
 
     def _zero(self, blocks: list[int]) -> None:
         if not blocks:
             return
         slots = self.slots(blocks, 0, len(blocks) * self.block_size)
-        for t in self.keys + self.values:
-            t.index_fill_(1, slots, 0)
+        for t in self.keys + self.values + self.key_scales + self.value_scales:
+            if t is not None:
+                t.index_fill_(1, slots, 0)
         for b in blocks:
             self._zeroed[b] = 1
+
+
+def _copy(source: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
+    """source[:, index] as a tensor of its own (indexing by slots copies already)."""
+    picked = source[:, index]
+    return picked.clone() if isinstance(index, slice) else picked
+
+
+def _put(target: torch.Tensor, index: torch.Tensor | slice, x: torch.Tensor) -> None:
+    """x [heads, n, ...] into `target`'s dimension 1 at `index` (slots, or a slice of them)."""
+    if isinstance(index, slice):
+        target[:, index] = x
+    else:
+        target.index_copy_(1, index, x)
 
 
 # -- one sequence's KV -------------------------------------------------------------------------
@@ -185,10 +359,10 @@ class SequenceKV:
         return self.pool.slots(self.blocks, start, end)
 
 
-def allocate(config: PretrainedConfig, capacity: int, device: torch.device, dtype: torch.dtype) -> SequenceKV:
+def allocate(config: PretrainedConfig, capacity: int, device: torch.device, dtype: torch.dtype, kv_dtype: str = "auto") -> SequenceKV:
     """An empty cache for up to `capacity` tokens in a pool of its own (tests, benchmarks and
     one-off forwards; the server allocates from its one pool)."""
-    return Pool(config, bytes_for(config, capacity, dtype), device, dtype).allocate(capacity)
+    return Pool(config, bytes_for(config, capacity, dtype, kv_dtype), device, dtype, kv_dtype=kv_dtype).allocate(capacity)
 
 
 def length(cache: SequenceKV) -> int:
@@ -253,30 +427,28 @@ def free(cache: SequenceKV) -> None:
 
 
 def read(cache: SequenceKV, layer: int, start: int, end: int, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions start..end-1 at `layer`: [1, kv_heads, end - start,
-    head_dim], views of the pool when the blocks are consecutive, else gathered copies
-    (`slots`: the slot indices of positions 0..end-1 or more, when the caller has them)."""
-    pool = cache.pool
-    k, v = pool.keys[layer], pool.values[layer]
-    if cache.base is not None:
-        return k[None, :, cache.base + start : cache.base + end], v[None, :, cache.base + start : cache.base + end]
-    slots = cache.slots(start, end) if slots is None else slots[start:end]
-    k, v = pool.gather(layer, slots)
+    """Keys and values of positions start..end-1 at `layer` in the compute dtype: [1, kv_heads,
+    end - start, head_dim]; views of an `auto` pool when the blocks are consecutive, else
+    gathered (or dequantized) copies (`slots`: the slot indices of positions 0..end-1 or more,
+    when the caller has them)."""
+    k, v = cache.pool.gather(layer, _index(cache, start, end, slots))
     return k[None], v[None]
 
 
 def write(cache: SequenceKV, layer: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor | None = None) -> None:
     """Store keys/values [1, kv_heads, n, head_dim] of positions start.. at `layer`
     (`slots`: the slot indices of positions 0..start+n-1 or more, when the caller has them)."""
-    pool, n = cache.pool, k_new.shape[2]
+    n = k_new.shape[2]
     if start + n > capacity(cache):
         raise ValueError(f"{start + n} tokens exceed the cache's capacity {capacity(cache)}")
+    cache.pool.store(layer, _index(cache, start, start + n, slots), k_new[0], v_new[0])
+
+
+def _index(cache: SequenceKV, start: int, end: int, slots: torch.Tensor | None) -> torch.Tensor | slice:
+    """Where positions start..end-1 live: one slice when the blocks are consecutive, else slots."""
     if cache.base is not None:
-        pool.keys[layer][:, cache.base + start : cache.base + start + n] = k_new[0]
-        pool.values[layer][:, cache.base + start : cache.base + start + n] = v_new[0]
-        return
-    slots = cache.slots(start, start + n) if slots is None else slots[start : start + n]
-    pool.store(layer, slots, k_new[0], v_new[0])
+        return slice(cache.base + start, cache.base + end)
+    return cache.slots(start, end) if slots is None else slots[start:end]
 
 
 # -- tiers: export and load --------------------------------------------------------------------
@@ -288,15 +460,17 @@ LAYOUT_VERSION = 2
 
 
 def export(cache: SequenceKV) -> dict[str, torch.Tensor]:
-    """A copy of the cache's KV as named tensors ("k.<layer>", "v.<layer>": [1, kv_heads,
-    length, head_dim]) on its device, for a tier below.
+    """A copy of the cache's KV as stored, as named tensors on its device, for a tier below:
+    "k.<layer>", "v.<layer>": [1, kv_heads, length, head_dim] (the format's wire dtype), and for
+    a quantized pool "k_scale.<layer>", "v_scale.<layer>": [1, kv_heads, length].
 
     NOTE: always a copy, never a view of the pool: the cache's blocks go back to the pool
     (and to the next sequence) while a tier is still copying or writing them."""
+    index = _index(cache, 0, cache.length, None)
     tensors = {}
     for i in range(len(cache.pool.keys)):
-        k, v = read(cache, i, 0, cache.length)
-        tensors[f"k.{i}"], tensors[f"v.{i}"] = (k.clone(), v.clone()) if cache.base is not None else (k, v)
+        for name, t in cache.pool.stored(i, index).items():
+            tensors[f"{name}.{i}"] = t[None]
     return tensors
 
 
@@ -309,23 +483,26 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
     """A cache of `capacity` in `pool` holding `length` tokens whose KV `export` gave
     (bit-identical).
 
-    Raises ValueError when the tensors do not fit this model's layout, the pool's dtype or
-    `length` (a file of another model or version, say): the caller recomputes instead; the
-    blocks are given back then. NoBlocks when the pool has no room.
+    Raises ValueError when the tensors do not fit this model's layout, the pool's KV format
+    (dtype, scales) or `length` (a file of another model, version or --kv-cache-dtype, say): the
+    caller recomputes instead. NoBlocks when the pool has no room.
     """
     if not 0 < length <= capacity:
         raise ValueError(f"{length} tokens do not fit a cache of {capacity}")
-    expected = {f"{kind}.{i}" for i in range(len(pool.keys)) for kind in "kv"}
+    lay, wire = pool.layout, pool.format.wire_dtype(pool.dtype)
+    kinds = ("k", "v", "k_scale", "v_scale") if pool.format.quantized else ("k", "v")
+    expected = {f"{kind}.{i}" for i in range(len(pool.keys)) for kind in kinds}
     if set(tensors) != expected:
-        raise ValueError("the tensors do not match this model's layers")
-    lay = pool.layout
+        raise ValueError(f"the tensors do not match this model's layers in the {pool.format.name} KV format")
     for name, src in tensors.items():
-        if src.dtype != pool.dtype or tuple(src.shape) != (1, lay.kv_heads, length, lay.head_dim):
-            raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {length} positions of {pool.dtype}")
+        scale = "_scale." in name
+        dtype, shape = (SCALE_DTYPE, (1, lay.kv_heads, length)) if scale else (wire, (1, lay.kv_heads, length, lay.head_dim))
+        if src.dtype != dtype or tuple(src.shape) != shape:
+            raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {length} positions of {dtype}")
     cache = pool.allocate(capacity)
-    slots = None if cache.base is not None else cache.slots(0, length)  # once for all layers
+    index = _index(cache, 0, length, None)  # once for all layers
     for i in range(len(pool.keys)):
-        k, v = (tensors[f"{kind}.{i}"].to(pool.device, non_blocking=tensors[f"{kind}.{i}"].is_pinned()) for kind in "kv")
-        write(cache, i, 0, k, v, slots)
+        layer = {kind: tensors[f"{kind}.{i}"][0] for kind in kinds}
+        pool.put_stored(i, index, {k: t.to(pool.device, non_blocking=t.is_pinned()) for k, t in layer.items()})
     cache.length = length
     return cache

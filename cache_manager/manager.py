@@ -82,10 +82,12 @@ class CacheConfig:
     reuse: bool = True
     anonymous_block: int = 32  # anonymous reuse stops at a multiple of this many tokens
     persist_every_s: float = 60.0  # resident sessions are written to the disk tier this often
+    kv_dtype: str = "auto"  # how the pool stores keys and values (kv.KV_DTYPES)
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0:
             raise ValueError("budget_bytes must be > 0")
+        kv.kv_format(self.kv_dtype)  # ValueError names the choices
         if self.ttl_s <= 0:
             raise ValueError("ttl_s must be > 0")
         if self.anonymous_block < 1:
@@ -105,7 +107,7 @@ class CacheManager:
         self.metrics = metrics
         # NOTE: the pool is the budget's blocks, and the store counts whole blocks: whatever
         # the store makes room for, the pool has the blocks of.
-        self.pool = kv.Pool(model_config, config.budget_bytes, device, dtype)
+        self.pool = kv.Pool(model_config, config.budget_bytes, device, dtype, kv_dtype=config.kv_dtype)
         self.store = SessionStore(config.budget_bytes, config.ttl_s, on_drop=self._dropped)
         self._private_bytes = 0  # caches of requests without a session (not in the store)
         self._lock = threading.Lock()
@@ -114,6 +116,7 @@ class CacheManager:
         self.costs = RestoreCosts()
         self._last_persist = time.monotonic()
         self._sweeping = False
+        self._gauges()  # the budget and capacity are known before the first request
 
     # -- the engine's verbs ------------------------------------------------------------------
 
@@ -253,7 +256,7 @@ class CacheManager:
             if not self.costs.worth_restoring(tier.name, parked.nbytes, useful):
                 return None, None, RECOMPUTE_FASTER
             capacity = max(bucket, n)
-            if not self.store.make_room(kv.bytes_for(self.model_config, capacity, self.dtype) + self._private_bytes):
+            if not self.store.make_room(self._bytes_for(capacity) + self._private_bytes):
                 raise NoRoom(f"restoring a session of {n} tokens needs a cache of {capacity}")
             t0 = time.perf_counter()
             try:
@@ -301,6 +304,14 @@ class CacheManager:
         for name, tier in (("host", self.host), ("disk", self.disk)):
             usage[name] = (0, 0, 0) if tier is None else (tier.store.used_bytes, tier.store.budget_bytes, len(tier.store))
         return usage
+
+    def capacity_tokens(self) -> int:
+        """Tokens the device budget holds (whole blocks, every sequence's together)."""
+        return self.store.budget_bytes // self.pool.block_bytes * self.pool.block_size
+
+    def used_tokens(self) -> int:
+        """Token slots of the blocks sessions and private caches hold now."""
+        return (self.store.used_bytes + self._private_bytes) // self.pool.block_bytes * self.pool.block_size
 
     # -- admin -------------------------------------------------------------------------------
 
@@ -357,6 +368,9 @@ class CacheManager:
         finally:
             self._gauges()
 
+    def _bytes_for(self, capacity: int) -> int:
+        return kv.bytes_for(self.model_config, capacity, self.dtype, self.config.kv_dtype)
+
     def _block(self, key: SessionKey) -> int:
         return self.config.anonymous_block if is_anonymous(key[1]) else 1
 
@@ -386,7 +400,7 @@ class CacheManager:
 
     def _grow(self, entry: Entry, cache, bucket: int) -> None:
         """Give the session's cache room for `bucket` tokens: blocks appended, nothing copied."""
-        need = kv.bytes_for(self.model_config, bucket, self.dtype) - kv.nbytes(cache)
+        need = self._bytes_for(bucket) - kv.nbytes(cache)
         if not self.store.make_room(need + self._private_bytes):
             raise NoRoom(f"growing a session's cache to {bucket} tokens needs {need} more bytes")
         kv.grow(cache, bucket)
@@ -395,7 +409,7 @@ class CacheManager:
             self.metrics.cache_grows.inc()
 
     def _allocate(self, bucket: int):
-        need = kv.bytes_for(self.model_config, bucket, self.dtype)
+        need = self._bytes_for(bucket)
         if not self.store.make_room(need + self._private_bytes):
             raise NoRoom(f"a cache of {bucket} tokens needs {need} bytes")
         return self.pool.allocate(bucket)
@@ -434,6 +448,8 @@ class CacheManager:
             self.metrics.sessions_resident.set(len(self.store))
             self.metrics.kv_bytes_used.set(self.store.used_bytes + self._private_bytes)
             self.metrics.kv_bytes_budget.set(self.store.budget_bytes)
+            self.metrics.kv_tokens_used.set(self.used_tokens())
+            self.metrics.kv_tokens_capacity.set(self.capacity_tokens())
 
 
 def _tier_key(key: tuple[str, str]) -> SessionKey:

@@ -157,10 +157,13 @@ class DiskTier:
 
     name = DISK
 
-    def __init__(self, directory: Path, budget_bytes: int, ttl_s: float, fingerprint: str, metrics=None) -> None:
+    def __init__(self, directory: Path, budget_bytes: int, ttl_s: float, fingerprint: str, metrics=None, kv_dtype: str = "auto") -> None:
+        """`kv_dtype`: the format the pool stores KV in (kv.KV_DTYPES); files of another are
+        deleted at start and refused on read (the session is recomputed)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.fingerprint = fingerprint
+        self.kv_dtype = kv_dtype
         self.metrics = metrics
         self.store = SessionStore(budget_bytes, ttl_s, on_drop=self._dropped)
         # NOTE: re-entrant: the store's drop callback (`_dropped`) runs on the thread that caused
@@ -191,7 +194,7 @@ class DiskTier:
         cpu = kv.to_cpu(tensors, copy=False)
         parked = Parked(len(tokens), path=self.directory / disk.file_name(key[0], key[1]))
         self.store.put(Entry(key, list(tokens), parked, reserve))
-        header = disk.Header(self.fingerprint, key[0], key[1], len(tokens))
+        header = disk.Header(self.fingerprint, key[0], key[1], len(tokens), self.kv_dtype)
         self._writer.submit(self._write, key, parked, header, list(tokens), cpu)
         return True
 
@@ -205,7 +208,7 @@ class DiskTier:
         if not parked.written.result():
             return None
         try:
-            tokens, tensors = disk.read(parked.path, disk.Header(self.fingerprint, key[0], key[1], parked.n_tokens))
+            tokens, tensors = disk.read(parked.path, disk.Header(self.fingerprint, key[0], key[1], parked.n_tokens, self.kv_dtype))
         except disk.BadFile:
             self.delete(key)
             raise
@@ -283,6 +286,8 @@ class DiskTier:
                 header = disk.read_header(path)
                 if header.fingerprint != self.fingerprint:
                     raise disk.BadFile("foreign", "another model or layout")
+                if header.kv_dtype != self.kv_dtype:
+                    raise disk.BadFile("foreign", f"KV stored as {header.kv_dtype!r} (--kv-cache-dtype)")
                 if path.name != disk.file_name(header.principal, header.session_id):
                     raise disk.BadFile("principal", "not where its principal's session is looked up")
                 stat = path.stat()

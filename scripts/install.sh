@@ -11,7 +11,8 @@ pip_install() { "$py" -m pip install --quiet --disable-pip-version-check "$@"; }
 # NOTE: torch goes first and pinned: an unpinned resolve would pull the newest (CUDA) build.
 # Where torch is already present (a CUDA base image, say) it is kept.
 "$py" -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
-if [ "${1:-}" = "test" ]; then pip_install -e ".[test]"; else pip_install -e .; fi
+# The test install adds torchao (3 MB, no dependencies of its own): the quantized-checkpoint tests
+if [ "${1:-}" = "test" ]; then pip_install -e ".[test,quant]"; else pip_install -e .; fi
 # The dashboard test (tests/deploy/test_prometheus.py) runs a real Prometheus: Debian's package,
 # installed where we may (root, or passwordless sudo, with apt-get); elsewhere install it
 # yourself, or the test skips (outside CI).

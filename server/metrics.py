@@ -132,6 +132,16 @@ class Metrics:
         self.kv_bytes_budget = Gauge(
             "kvserve_kv_cache_bytes_budget", "The KV cache byte budget.", registry=r
         )
+        self.kv_tokens_capacity = Gauge(
+            "kvserve_kv_cache_capacity_tokens",
+            "Tokens the KV budget holds, all sequences together (in --kv-cache-dtype's bytes per token).",
+            registry=r,
+        )
+        self.kv_tokens_used = Gauge(
+            "kvserve_kv_cache_tokens_used",
+            "Token slots of the KV blocks sessions and in-flight requests hold (whole blocks of 16).",
+            registry=r,
+        )
         self.cache_evictions = Counter(
             "kvserve_session_evictions", "Sessions dropped, by reason (evicted, expired, deleted).",
             ["reason"], registry=r,

@@ -3,6 +3,12 @@
 A GGUF file is de-quantized by transformers (slow: ~25 s for SmolLM2 on 2 cores), so the first
 load converts it once into `<cache_dir>/converted/<name>-<fingerprint>/` as safetensors plus
 tokenizer files; later starts load that directory in well under a second.
+
+A pre-quantized checkpoint (a `quantization_config` in its config.json: fp8 / compressed-tensors,
+GPTQ, AWQ, bitsandbytes, torchao, quanto, ...) loads through transformers' own quantizers, with
+their weights kept quantized, when the quantization library is installed; when it is not, loading
+fails at once with a message naming the package (`QUANTIZATION_PACKAGES`) instead of
+transformers' ImportError deep in the load.
 """
 
 from __future__ import annotations
@@ -27,6 +33,53 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelSourceError(ValueError):
     """The --model value names nothing loadable (message is safe to show the operator)."""
+
+
+# quant_method of a checkpoint's quantization_config -> (module to import, pip package) it needs
+QUANTIZATION_PACKAGES: dict[str, tuple[tuple[str, str], ...]] = {
+    "bitsandbytes": (("bitsandbytes", "bitsandbytes"),),
+    "gptq": (("optimum", "optimum"), ("gptqmodel", "gptqmodel")),
+    "awq": (("gptqmodel", "gptqmodel"),),
+    "compressed-tensors": (("compressed_tensors", "compressed-tensors"),),
+    "torchao": (("torchao", "torchao"),),
+    "quanto": (("optimum.quanto", "optimum-quanto"),),
+    "hqq": (("hqq", "hqq"),),
+    "eetq": (("eetq", "eetq"),),
+    "fbgemm_fp8": (("fbgemm_gpu", "fbgemm-gpu"),),
+}
+
+
+def quantization_method(config) -> str | None:
+    """The checkpoint's quant_method (None: not pre-quantized).
+
+    NOTE: "gguf" is not: transformers de-quantizes GGUF weights when it loads them, and a model
+    converted from a GGUF file (`convert_gguf`) keeps that quantization_config in its config."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    method = None if method is None else str(getattr(method, "value", method))
+    return None if method == "gguf" else method
+
+
+def check_quantization(name: str, config) -> str | None:
+    """The checkpoint's quant_method; ModelSourceError naming the package when its library is
+    not installed."""
+    method = quantization_method(config)
+    missing = [pip for module, pip in QUANTIZATION_PACKAGES.get(method or "", ()) if not _importable(module)]
+    if missing:
+        raise ModelSourceError(
+            f"{name} is a {method}-quantized checkpoint, and loading it needs the package(s) "
+            f"{', '.join(missing)}: pip install {' '.join(missing)}"
+        )
+    return method
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing (optimum.quanto without optimum)
+        return False
 
 
 @dataclass(slots=True)
@@ -147,12 +200,27 @@ def load_model(
     torch_device, torch_dtype = resolve_device_dtype(device, dtype)
     name_or_path, kwargs = resolve_source(source, cache_dir)
     kwargs["trust_remote_code"] = trust_remote_code
+    method = None
     try:
+        method = check_quantization(name_or_path, AutoConfig.from_pretrained(name_or_path, **kwargs))
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        if method is not None or torch_device.type == "cuda":
+            # NOTE: a quantizer places the weights itself (some only on a GPU; .to() would
+            # refuse or de-quantize them), and a big model loads straight onto the GPU instead
+            # of through host memory (a 32B model in bf16 would need 65 GB of RAM first)
+            kwargs["device_map"] = str(torch_device)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     except OSError as exc:
         raise ModelSourceError(f"cannot load model {name_or_path!r}: {exc}") from exc
-    model.to(torch_device).eval()
+    except (ImportError, RuntimeError, ValueError) as exc:
+        if method is None and not isinstance(exc, ImportError):
+            raise
+        what = f"a {method}-quantized checkpoint" if method else "the model"
+        raise ModelSourceError(f"cannot load {name_or_path!r}, {what}: {exc}") from exc
+    if "device_map" not in kwargs:
+        model.to(torch_device)
+    model.eval()
+    log.info("loaded %s%s", name_or_path, f" ({method}-quantized weights)" if method else "")
     config = model.config.get_text_config(decoder=True)
     context = getattr(config, "max_position_embeddings", None) or 2048
     return LoadedModel(

@@ -90,12 +90,28 @@ class Settings(BaseSettings):
     )
     session_ttl_s: float = Field(1800.0, gt=0, description="Idle sessions expire after this long.")
     kv_budget_bytes: int | None = Field(
-        None, ge=1, description="Bytes of KV cache for all sessions together; unset = --kv-budget-fraction."
+        None, ge=1,
+        description="Bytes of KV cache for all sessions together; unset = measured on a GPU "
+        "(--gpu-memory-utilization), --kv-budget-fraction of RAM on CPU. Below one sequence at the "
+        "full context (--max-model-len) the server refuses to start.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1.0,
+        description="On a GPU without --kv-budget-bytes: the share of the GPU's total memory kvserve "
+        "may fill. The KV budget is that share less what is in use after loading (weights, CUDA "
+        "context, other processes), the activation peak of a forward pass at --max-batch-tokens, "
+        "attention's workspace and a reserve, measured at start-up.",
     )
     kv_budget_fraction: float = Field(
         0.25, gt=0, le=0.95,
-        description="Without --kv-budget-bytes: this share of device memory (GPU: total memory; "
-        "CPU: physical RAM).",
+        description="On CPU without --kv-budget-bytes: this share of physical RAM.",
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "int8"] = Field(
+        "auto",
+        description="How the KV cache is stored, on the device and in the host and disk tiers: "
+        "auto = the model's dtype; fp8 = float8 e4m3, int8 = 8-bit integers, each with one bf16 "
+        "scale per token and KV head (about half the bytes of bf16, a quarter of fp32; dequantized "
+        "when attention reads it).",
     )
     kv_host_bytes: int = Field(
         0, ge=0,

@@ -12,10 +12,8 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
 from fastapi import FastAPI
 from prometheus_client import start_http_server
 
@@ -27,6 +25,7 @@ from server import __version__ as VERSION
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
 from server.engine.core import Engine, EngineConfig
 from server.api.errors import APIError, install_handlers
+from server import kv_budget
 from server.metrics import Metrics
 from server.api.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.model_loader import LoadedModel, load_model
@@ -95,24 +94,13 @@ def response_store(settings: Settings) -> ResponseStore:
     return ResponseStore(settings.response_store_bytes, directory)
 
 
-def kv_budget(settings: Settings, device: torch.device) -> int:
-    """--kv-budget-bytes, else a share of the device's memory."""
-    if settings.kv_budget_bytes is not None:
-        return settings.kv_budget_bytes
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(total * settings.kv_budget_fraction)
-
-
 def kv_tiers(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> tuple[HostTier | None, DiskTier | None]:
     """The KV tiers below the device the settings ask for (host memory only on CUDA)."""
     disk = None
     if settings.kv_disk_dir is not None:
         budget = settings.kv_disk_bytes or budget_from_free_space(settings.kv_disk_dir)
         fingerprint = disk_files.fingerprint(loaded.model, loaded.dtype)
-        disk = DiskTier(settings.kv_disk_dir, budget, settings.session_ttl_s, fingerprint, metrics)
+        disk = DiskTier(settings.kv_disk_dir, budget, settings.session_ttl_s, fingerprint, metrics, kv_dtype=settings.kv_cache_dtype)
     host = None
     if settings.kv_host_bytes > 0:
         if loaded.device.type == "cuda":
@@ -135,20 +123,22 @@ def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None,
 def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, draft: LoadedModel | None = None) -> ServingContext:
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
     host, disk = kv_tiers(settings, loaded, metrics)
-    budget = kv_budget(settings, loaded.device)
+    budget = kv_budget.choose(settings, loaded.model, loaded.device, max_context)
     # a draft model's caches (running and kept for sessions) take their share of the budget
-    draft_bytes = draft_budget_for(loaded.model, draft.model, budget, max_context) if settings.speculative == "draft" else 0
+    draft_bytes = draft_budget_for(loaded.model, draft.model, budget.nbytes, max_context, settings.kv_cache_dtype) if settings.speculative == "draft" else 0
+    kv_budget.check(budget, budget.nbytes - draft_bytes, loaded.model.config, loaded.dtype, settings.kv_cache_dtype, max_context)
     cache_manager = CacheManager(
         loaded.model.config,
         loaded.device,
         loaded.dtype,
         max_context,
         CacheConfig(
-            budget_bytes=budget - draft_bytes,
+            budget_bytes=budget.nbytes - draft_bytes,
             ttl_s=settings.session_ttl_s,
             anonymous_reuse=settings.anonymous_reuse,
             reuse=settings.session_reuse,
             persist_every_s=settings.kv_persist_interval_s,
+            kv_dtype=settings.kv_cache_dtype,
         ),
         metrics=metrics,
         host=host,
@@ -156,8 +146,11 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     )
     metrics.watch_tiers(cache_manager)
     pool = cache_manager.pool
+    log.info("KV budget %.2f GiB (%s): %d tokens of %s KV (%d bytes per token); one sequence at the full context of "
+             "%d tokens takes %.1f%% of it", budget.nbytes / 2**30, budget.how, pool.capacity_tokens,
+             pool.format.name, pool.block_bytes // pool.block_size, max_context, 100 * max_context / max(pool.capacity_tokens, 1))
     log.info("KV pool on %s: %d blocks of %d tokens, %.2f GiB (%d tokens)", pool.device, pool.num_blocks,
-             pool.block_size, pool.num_blocks * pool.block_bytes / 2**30, pool.num_blocks * pool.block_size)
+             pool.block_size, pool.num_blocks * pool.block_bytes / 2**30, pool.capacity_tokens)
     engine = Engine(
         loaded.model,
         loaded.tokenizer,
@@ -249,6 +242,9 @@ async def _load(state: AppState, loaded: LoadedModel | None) -> None:
         await warm_up(ctx)
         state.ctx = ctx
         log.info("ready: %s on %s (%s)", ctx.model_id, loaded.device, loaded.dtype)
+    except kv_budget.KVBudgetError as exc:  # the operator's to fix: the message says how
+        state.load_error = str(exc)
+        log.error("cannot start: %s", exc)
     except Exception as exc:  # surfaced on /ready; the process stays up for inspection
         state.load_error = str(exc)
         log.exception("model load failed")

@@ -13,7 +13,7 @@ def pack_model(model, packed: bool = True) -> None:
     """On CPU, run every `nn.Linear` of `model` on a packed weight (`_pack`), or on the
     transposed product (`_cpu_linear`) where this build cannot pack or `packed` is False (the
     dense weights only: half the memory of the linear layers, slower). Nothing on other
-    devices, and nothing for layers already switched.
+    devices, nothing for layers already switched, nothing for quantized layers (`_dense`).
 
     NOTE: call it on the thread that will run the model (the server's engine thread): packing
     runs multi-threaded, and a second thread that runs multi-threaded torch ops slows every
@@ -21,8 +21,22 @@ def pack_model(model, packed: bool = True) -> None:
     if model.device.type != "cpu":
         return
     for module in model.modules():
-        if type(module) is torch.nn.Linear and "forward" not in vars(module) and not (packed and _pack(module)):
+        if _dense(module) and "forward" not in vars(module) and not (packed and _pack(module)):
             module.forward = _cpu_linear.__get__(module)
+
+
+def _dense(module) -> bool:
+    """A plain `nn.Linear` over a plain floating-point weight. Quantized layers are left alone:
+    bitsandbytes, compressed-tensors and GPTQ/AWQ layers are classes of their own, torchao keeps
+    `nn.Linear` around a quantized tensor subclass; each runs its own kernels."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module) is torch.nn.Linear
+        and weight is not None
+        # NOTE: a Parameter around a tensor subclass is an instance of the subclass itself
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and weight.dtype.is_floating_point
+    )
 
 
 PACKED_FOR_ROWS = 16  # the row count oneDNN lays a packed weight out for (any count runs on it)

@@ -218,9 +218,9 @@ def check_compatible(model, tokenizer, draft_model, draft_tokenizer) -> None:
         raise ValueError("the draft model must be on the model's device, in its dtype")
 
 
-def draft_budget_for(model, draft_model, budget_bytes: int, max_context: int) -> int:
+def draft_budget_for(model, draft_model, budget_bytes: int, max_context: int, kv_dtype: str = "auto") -> int:
     """The draft caches' part of a KV budget: r / (1 + r) of it, r the draft's KV bytes per
-    token over the model's, so every token the model's caches hold (in the rest) has room for
-    its draft KV too."""
-    ratio = kv.bytes_for(draft_model.config, max_context, draft_model.dtype) / kv.bytes_for(model.config, max_context, model.dtype)
+    token over the model's (stored as `kv_dtype`; the draft's own caches keep its dtype), so
+    every token the model's caches hold (in the rest) has room for its draft KV too."""
+    ratio = kv.bytes_for(draft_model.config, max_context, draft_model.dtype) / kv.bytes_for(model.config, max_context, model.dtype, kv_dtype)
     return int(budget_bytes * ratio / (1 + ratio))

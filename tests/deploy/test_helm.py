@@ -18,6 +18,7 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import pytest
+import yaml
 
 from server.settings import Settings
 from tests.deploy.helm_chart import ALL_OPTIONS, CHART, KUBE_VERSIONS, render
@@ -44,6 +45,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "terminationGracePeriodSeconds": 60,
     },
     # all-options has the disk tier on a created ReadWriteMany claim; here on an emptyDir.
+    # README's 32B-on-one-80GB-GPU recipe, as shipped
+    "qwen2.5-coder-32b-h100": yaml.safe_load((CHART / "examples/qwen2.5-coder-32b-h100.yaml").read_text()),
     "kv-tiers-emptydir": {
         "kvTiers": {"hostBytes": 8 * 2**30, "disk": {
             "enabled": True, "mountPath": "/kv", "bytes": 10 * 2**30, "persistIntervalSeconds": 2.5,
@@ -379,6 +382,9 @@ def test_notes_warn_when_replicas_would_share_a_read_write_once_kv_claim(chart) 
     {"no_such_option": 1},
     {"gpu": {"enabled": True, "count": 0}},
     {"kvserve": {"dtype": "fp8", "shutdownGraceSeconds": 30}},
+    {"kvserve": {"kvCacheDtype": "fp4", "shutdownGraceSeconds": 30}},
+    {"kvserve": {"gpuMemoryUtilization": 1.5, "shutdownGraceSeconds": 30}},
+    {"kvserve": {"kvBudgetBytes": "8Gi", "shutdownGraceSeconds": 30}},
     {"probes": {"liveness": {"path": "health"}}},
     {"ingress": {"sessionHeader": "X Session"}},
     {"kvTiers": {"hostBytes": "16Gi"}},
@@ -415,3 +421,17 @@ def test_seed_init_container_copies_missing_files_only(chart, tmp_path: Path) ->
     assert (target / "converted/model-abc/model.safetensors").read_text() == "weights"
     assert sorted(p.name for p in (target / "converted/model-abc").iterdir()) == [
         "config.json", "model.safetensors"]
+
+
+def test_kv_memory_settings_render_as_env(chart) -> None:
+    default = env(server_container(render(chart)))
+    assert default["KVSERVE_GPU_MEMORY_UTILIZATION"] == "0.9"
+    assert not {"KVSERVE_KV_CACHE_DTYPE", "KVSERVE_KV_BUDGET_BYTES", "KVSERVE_MAX_MODEL_LEN"} & set(default)  # the server's defaults
+    recipe = server_container(render(chart, VARIANTS["qwen2.5-coder-32b-h100"]))
+    values = env(recipe)
+    assert (values["KVSERVE_KV_CACHE_DTYPE"], values["KVSERVE_MAX_MODEL_LEN"], values["KVSERVE_MAX_RUNNING"]) == ("fp8", "32768", "8")
+    assert values["KVSERVE_MODEL"] == "Qwen/Qwen2.5-Coder-32B-Instruct" and recipe["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # every value the chart renders is one the server accepts
+    Settings(**{k.removeprefix("KVSERVE_").lower(): v for k, v in values.items()
+                if k.startswith("KVSERVE_") and k not in ("KVSERVE_API_KEY_FILE",)})
+    assert env(server_container(render(chart, ALL_OPTIONS)))["KVSERVE_KV_BUDGET_BYTES"] == "8589934592"

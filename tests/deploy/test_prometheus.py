@@ -124,6 +124,9 @@ def test_dashboard_answers_the_operators_questions() -> None:
     assert "sum(rate(kvserve_engine_step_seconds_count" in exprs  # steps / s
     assert re.search(r"rate\(kvserve_prefix_cache_hits_tokens_total[^)]*\)\) / sum\(rate\(kvserve_prefix_cache_queries_tokens_total", exprs)
     assert "sum by (reason) (rate(kvserve_session_evictions_total" in exprs
+    # KV capacity and use in tokens (--kv-cache-dtype changes the tokens a budget holds)
+    assert "sum(kvserve_kv_cache_capacity_tokens{" in exprs and "sum(kvserve_kv_cache_tokens_used{" in exprs
+    assert re.search(r"kvserve_kv_cache_tokens_used\{[^}]*\} / kvserve_kv_cache_capacity_tokens", exprs)
     assert "sum by (reason) (rate(kvserve_prefix_cache_misses_total" in exprs
     assert "histogram_quantile(0.9, sum by (le) (rate(kvserve_grammar_compile_seconds_bucket" in exprs
     assert 'reason="bad_schema"' in exprs

@@ -77,7 +77,7 @@ def test_a_full_disk_stops_the_tier_growing_and_serving_goes_on(tmp_path):
     """RLIMIT_FSIZE makes the server's writes of files over 3 MB fail (EFBIG, as ENOSPC would):
     a short session's file fits, a long one's does not."""
     disk = tmp_path / "kv"
-    flags = ("--cache-dir", str(cache_dir()), *SERVE_FLAGS, "--kv-disk-dir", str(disk), "--kv-budget-bytes", ONE_SESSION_BUDGET)
+    flags = ("--cache-dir", str(cache_dir()), *SERVE_FLAGS, "--kv-disk-dir", str(disk), "--kv-budget-bytes", ONE_SESSION_BUDGET, "--max-model-len", str(14 * 16))
     with launch(tmp_path, *flags) as server:
         limit = 3 * 2**20
         resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (limit, limit))

@@ -70,8 +70,8 @@ def one_session(loaded) -> int:
     return session_budget(loaded)
 
 
-def disk_tier(path, metrics=None, budget=2**31, fingerprint=FINGERPRINT) -> DiskTier:
-    return DiskTier(path, budget, 1800.0, fingerprint, metrics)
+def disk_tier(path, metrics=None, budget=2**31, fingerprint=FINGERPRINT, kv_dtype="auto") -> DiskTier:
+    return DiskTier(path, budget, 1800.0, fingerprint, metrics, kv_dtype=kv_dtype)
 
 
 async def chat(h, sid, messages, reference, question):
@@ -275,3 +275,37 @@ def test_resident_sessions_are_persisted_periodically_in_bounded_steps(harness, 
     h.stop()  # no engine loop: the calls below are the only ones
     h.cache.config.persist_every_s = 0
     assert [h.cache.persist(max_bytes=1) for _ in range(4)] == [1, 1, 1, 0]
+
+
+def test_fp8_sessions_park_quantized_and_a_tier_of_another_kv_dtype_is_recomputed(harness, tmp_path, loaded):
+    """--kv-cache-dtype fp8: sessions go to disk as stored (one byte a value, with their
+    scales; the file header says fp8) and come back identical to fp8 fresh prefills; a restart
+    with another --kv-cache-dtype deletes those files at start and recomputes, never reads fp8
+    bytes as its own format."""
+    metrics = Metrics()
+    budget = kv.bytes_for(loaded.model.config, 7 * kv.BLOCK_SIZE, loaded.dtype, "fp8")
+    tier = disk_tier(tmp_path, metrics, kv_dtype="fp8")
+    h = harness(budget=budget, tiers={"disk": tier}, metrics=metrics, kv_dtype="fp8")
+    reference = harness(kv_dtype="fp8")
+    convs = {sid: conversation_start(k) for k, sid in [(1, "a"), (2, "b")]}
+
+    async def play(engine, expect_restore):
+        for turn in range(2):
+            for sid, messages in convs.items():
+                final = await chat(engine, sid, messages, reference, f"Question {turn}?")
+                if expect_restore and turn > 0:
+                    assert final.miss_reason == "restored_disk" and final.cached_tokens > 0, sid
+
+    asyncio.run(play(h, True))
+    tier.flush()
+    [path, *_] = sorted(tmp_path.glob("*.kv"))
+    header = disk.read_header(path)
+    assert header.kv_dtype == "fp8"
+    _, tensors = disk.read(path, header)
+    assert tensors["k.0"].dtype == torch.float8_e4m3fn and tensors["k_scale.0"].dtype == torch.bfloat16
+    h.stop()
+    with pytest.raises(disk.BadFile, match="fp8"):
+        disk.read(path, disk.Header(header.fingerprint, header.principal, header.session_id, header.n_tokens, "auto"))
+    plain = disk_tier(tmp_path, metrics, kv_dtype="auto")  # a restart with --kv-cache-dtype auto
+    assert len(plain.store) == 0 and not list(tmp_path.glob("*.kv"))
+    assert sample(metrics, "kvserve_kv_restore_failures_total", tier="disk", reason="foreign") >= 2

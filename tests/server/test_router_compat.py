@@ -52,7 +52,7 @@ async def test_load_report_counts_running_and_waiting_requests(app_client):
     they finish, the sessions' caches stay resident but are not load: token_usage is 0 again,
     while vllm:kv_cache_usage_perc (budget in use, idle sessions included) is not."""
     long = {"model": MODEL, "messages": HELLO, "max_tokens": 40, "logit_bias": {"2": -100}}
-    async with app_client(max_running=1, kv_budget_bytes=64 * 2**20) as client:
+    async with app_client(max_running=1, kv_budget_bytes=64 * 2**20, max_model_len=1024) as client:
         requests = [asyncio.create_task(client.post("/v1/chat/completions", json=long | {"prompt_cache_key": key}))
                     for key in ("first", "second")]
         for _ in range(500):

@@ -25,9 +25,9 @@ TOPICS = ["the sea", "mountains", "a cat", "bread", "rain", "trains", "chess", "
 class Harness:
     """One engine over one model; remembers each session's committed tokens to predict reuse."""
 
-    def __init__(self, model, tokenizer, max_context, budget=2**31, ttl_s=1800.0, tiers=None, metrics=None, **engine_kw):
+    def __init__(self, model, tokenizer, max_context, budget=2**31, ttl_s=1800.0, tiers=None, metrics=None, kv_dtype="auto", **engine_kw):
         self.model, self.tokenizer = model, tokenizer
-        config = CacheConfig(budget_bytes=budget, ttl_s=ttl_s)
+        config = CacheConfig(budget_bytes=budget, ttl_s=ttl_s, kv_dtype=kv_dtype)
         self.cache = CacheManager(model.config, model.device, model.dtype, max_context, config, metrics, **(tiers or {}))
         self.engine = Engine(model, tokenizer, EngineConfig(max_context=max_context, **engine_kw), self.cache)
         self.engine.start()
