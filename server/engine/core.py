@@ -135,7 +135,6 @@ class Engine:
         self.metrics = metrics
         self._last_expiry = 0.0
         self.eos_ids = end_of_turn_ids(model, tokenizer)
-        self.scheduler = Scheduler(config.max_batch_tokens, config.max_running)
         # speculative decoding with a server/engine/speculative.py proposer, or a speculator doing nothing
         self.speculator = (
             NoSpeculation() if proposer is None else Speculator(proposer, self.eos_ids, config.speculative, metrics)
@@ -150,6 +149,7 @@ class Engine:
             max_rows=config.max_running,
             paged=config.paged,
         )
+        self.scheduler = Scheduler(config.max_batch_tokens, config.max_running, chunk_alone=self.runner.paged)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
         self._cond = threading.Condition()

@@ -16,7 +16,9 @@ One step is ONE forward pass over a batch built under a token budget (`max_batch
    served), each with as large a chunk as fits. The oldest prefilling sequence always gets at
    least one token, so a budget taken by decode rows never starves a prompt;
 3. a sequence running alone prefills its whole prompt in one pass (chunks only exist to keep
-   others decoding).
+   others decoding), unless `chunk_alone` (the paged path on a GPU: memory is sized for the
+   activations of `max_batch_tokens`, and a padded batch's masks grow with the chunk times the
+   context, so a 32k-token prompt in one pass could run the device out of memory).
 
 Pure Python: tests drive it with hand-built sequences and no model.
 """
@@ -79,11 +81,12 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, max_batch_tokens: int, max_running: int = 2**31) -> None:
+    def __init__(self, max_batch_tokens: int, max_running: int = 2**31, *, chunk_alone: bool = False) -> None:
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
+        self.chunk_alone = chunk_alone
 
     def admit(self, waiting: list[Schedulable], running: list[Schedulable], reserve: Callable[[Schedulable], bool]) -> Admission:
         """Which of `waiting` (arrival order) start now, beside `running` (see the module
@@ -115,7 +118,7 @@ class Scheduler:
     def schedule(self, running: list[Schedulable]) -> Plan:
         """Rows for the next step; `running` is in admission order."""
         prefilling = [s for s in running if s.status is Status.PREFILL and s.num_pending > 0]
-        if len(running) == 1 and prefilling:
+        if len(running) == 1 and prefilling and not self.chunk_alone:
             return Plan([ScheduledRow(prefilling[0], prefilling[0].num_pending)])
         rows = [ScheduledRow(s, s.num_pending) for s in running if s.status is Status.DECODE and s.num_pending > 0]
         budget = self.max_batch_tokens - sum(r.n_tokens for r in rows)

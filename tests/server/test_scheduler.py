@@ -32,6 +32,10 @@ def test_alone_a_prompt_prefills_in_one_pass_whatever_the_budget():
     assert rows(Scheduler(16).schedule([prefill("a", 1500)])) == [("a", 1500, True)]
 
 
+def test_alone_a_prompt_prefills_in_budget_chunks_on_the_paged_path():
+    assert rows(Scheduler(512, chunk_alone=True).schedule([prefill("a", 1500)])) == [("a", 512, False)]
+
+
 def test_decode_rows_first_then_prefill_chunks_fcfs_under_the_budget():
     running = [prefill("p1", 300), decode("d1"), prefill("p2", 100), decode("d2", 3), prefill("p3", 50)]
     plan = Scheduler(256).schedule(running)
