@@ -24,7 +24,7 @@ import time
 import torch
 
 from cache_manager import kv
-from server import attention, cpu_linear
+from server import attention, cpu_linear, exact
 from server.attention import Batch, Row, Step
 from server.sampling import process_logits, sample_rows, top_logprobs
 from server.scheduler import Plan
@@ -54,14 +54,17 @@ def block_bucket(n: int, largest: int) -> int:
 class ModelRunner:
     """Runs `model` over sequences whose KV lives in `pool` (engine thread only, after `prepare`)."""
 
-    def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool = True, cuda_graphs: bool = True, max_rows: int = 64, paged: bool | None = None) -> None:
+    def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool = True, cuda_graphs: bool = True, max_rows: int = 64, paged: bool | None = None, exact: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
         self.packed = packed  # cpu_linear.pack_model's `packed`
+        self.exact = exact  # exact mode (server/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
         self.max_rows = bucket(max_rows)
-        self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
+        # exact mode reads keys in whole blocks of exact.KV_BLOCK positions: tables of whole ones
+        self.key_blocks = exact.KV_BLOCK // pool.block_size if exact else 1
+        self.max_blocks = self._whole(kv.blocks_for(max_context or model_context(model), pool.block_size))
         text_config = model.config.get_text_config(decoder=True)
         self.groups = text_config.num_attention_heads // pool.layout.kv_heads  # query heads per KV head
         self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.paged
@@ -84,6 +87,9 @@ class ModelRunner:
             return
         attention.enable(self.model)
         cpu_linear.pack_model(self.model, self.packed)
+        if self.exact:
+            exact.pin_backends(self.device)
+            exact.enable(self.model)
         if self.paged:
             self._meta = torch.zeros(self.max_rows * (3 + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
@@ -145,7 +151,7 @@ class ModelRunner:
             batches += [self._batch(group, decode=False) for group in widths.values()]
             others = []
         ids, pos, keep_t = _to_device([flat_ids, positions, keep], self.device)
-        logits = self._forward(ids[None], pos[None], Step([rows[i] for i in others], batches), keep_t)
+        logits = self._forward(ids[None], pos[None], Step([rows[i] for i in others], batches, self.exact), keep_t)
         for row in rows:
             row.kv.length += row.n
         return logits
@@ -157,14 +163,14 @@ class ModelRunner:
         size = bucket(n)
         blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
         if size > self.max_rows:
-            size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
+            size, blocks = n, self._whole(kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size))
         ids, pos, batch = self._fill(rows, token_ids, size, blocks)
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()
             logits = graph[1][:n]
         else:
-            logits = self._forward(ids, pos, Step([], [batch]), None)[:n]
+            logits = self._forward(ids, pos, Step([], [batch], self.exact), None)[:n]
         for row in rows:
             row.kv.length += 1
         return logits
@@ -213,7 +219,7 @@ class ModelRunner:
         caches = [r.kv for r in rows]
         counts = [r.n for r in rows]
         width = max(counts)
-        blocks = max(kv.blocks_for(c.length + n, self.pool.block_size) for c, n in zip(caches, counts))
+        blocks = self._whole(max(kv.blocks_for(c.length + n, self.pool.block_size) for c, n in zip(caches, counts)))
         positions, slots, tables = self._paged_inputs(caches, counts, len(rows), width, blocks)
         if decode:
             pos, slots_t, tables_t = _to_device([positions, slots, tables], self.device)
@@ -223,18 +229,23 @@ class ModelRunner:
         pos, slots_t, tables_t, tokens_t, real_t = _to_device([positions, slots, tables, tokens, real], self.device)
         return Batch(self.pool, slots_t, tables_t.view(len(rows), blocks), pos, width, tokens_t, None if len(real) == len(tokens) else real_t)
 
+    def _whole(self, blocks: int) -> int:
+        """`blocks` rounded up to whole key blocks of exact mode (itself otherwise)."""
+        return -(-blocks // self.key_blocks) * self.key_blocks
+
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None) -> torch.Tensor:
         """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""
         for batch in step.batches:
             batch.prepare(self.pool.dtype, self.groups)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
-            position_ids=pos,
-            use_cache=False,
-            logits_to_keep=0 if keep is None else keep,
-            kvserve_step=step,
-        )
+        with exact.running(self.exact):  # the linear layers' mode (attention's: `step.exact`)
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
+                position_ids=pos,
+                use_cache=False,
+                logits_to_keep=0 if keep is None else keep,
+                kvserve_step=step,
+            )
         return out.logits[0].float()
 
     # -- CUDA graphs ---------------------------------------------------------------------------
@@ -269,11 +280,11 @@ class ModelRunner:
         """One decode graph over the persistent buffers of (size, blocks); the buffers hold
         padding rows while capturing (they write the trash block only)."""
         ids, pos, batch = self._fill([], [], size, blocks)  # every row a padding row
-        self._forward(ids, pos, Step([], [batch]), None)  # warm up outside the graph
+        self._forward(ids, pos, Step([], [batch], self.exact), None)  # warm up outside the graph
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._forward(ids, pos, Step([], [batch]), None)
+            logits = self._forward(ids, pos, Step([], [batch], self.exact), None)
         return graph, logits
 
 

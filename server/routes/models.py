@@ -8,7 +8,9 @@ router = APIRouter()
 
 
 def _card(model_id: str, ctx) -> dict:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "kvserve", "max_model_len": ctx.max_context}
+    # extensions: the context length, and whether outputs are exact (--deterministic:
+    # bit-identical whatever the batch, chunking, reuse or speculation)
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "kvserve", "max_model_len": ctx.max_context, "deterministic": ctx.deterministic}
 
 
 @router.get("/v1/models")

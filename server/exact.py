@@ -1,0 +1,150 @@
+"""Exact mode (`--deterministic`): the numerics that make a row's logits independent of the
+rest of its step, bit for bit.
+
+A row's logits normally depend on more than its own tokens: the linear layers see every row of
+the step (their kernels pick blockings by the row count M), and attention sees a prefill
+chunk's other queries and however many keys the call reads, so a position computed in a chunk
+of 512, in a chunk of 16, as a drafted token or as a decode step rounds differently. In exact
+mode every op that reduces is made to reduce in an order fixed by the row's own content and
+absolute positions (the "batch invariance" of Thinking Machines' "Defeating Nondeterminism in
+LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference):
+
+* attention (`attend`): float32 scores over keys read in blocks of `KV_BLOCK` positions
+  aligned to absolute position 0, a max over the whole row (max is exact in any order),
+  exp, then each block's sum and its P @ V with a block's fixed length, combined across blocks
+  in position order (`cumsum`, sequential). Keys past a query (the rest of its block, the rest
+  of a chunk, padding) weigh exactly 0, and adding exact zeros changes nothing, so a query's
+  result depends only on its own query vector and keys 0..p, never on the query count, the
+  read length or whether it came from a prefill chunk, a draft or a decode step. The row path
+  and the paged path feed it the same blocks (docs/architecture.md, "Exact mode").
+* linear layers (server/cpu_linear.py `exact`): rows in tiles of `ROW_TILE`, every kernel
+  call the same shape.
+* row-wise ops (RMSNorm, RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling)
+  are already per row; checked in tests/server/test_exact.py.
+
+The padded reads cost a little: a key block read past a row's end, which is why the engine
+reserves whole key blocks for a request (`capacity`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+KV_BLOCK = 64  # keys are reduced in blocks of this many positions, aligned to position 0
+ROW_TILE = 8  # linear layers compute whole tiles of this many rows (the last one zero-padded)
+
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def running(on: bool):
+    """The forward passes inside run in exact mode (`on`) or not, on this thread: the linear
+    layers ask `active()`. The model runner wraps each forward pass (and a CUDA graph's
+    capture) in it, so one model serves exact and default runners alike."""
+    before = getattr(_mode, "on", False)
+    _mode.on = on
+    try:
+        yield
+    finally:
+        _mode.on = before
+
+
+def active() -> bool:
+    return getattr(_mode, "on", False)
+
+
+def aligned(n: int, block: int = KV_BLOCK) -> int:
+    """n rounded up to a whole number of key blocks."""
+    return -(-n // block) * block
+
+
+def capacity(n: int) -> int:
+    """The capacity a request of n tokens reserves in exact mode: whole key blocks, so a
+    block read past its end stays within its own KV (never another sequence's slots)."""
+    return aligned(n)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention whose result for each query is independent of the other queries and of
+    how many keys past it are read.
+
+    q [B, Hkv, M, D] (a KV head's query heads folded into M); keys/values [B, Hkv, L, D], L a
+    multiple of KV_BLOCK, the first key at a position that is a multiple of KV_BLOCK; `mask`
+    additive (0 / -inf), broadcastable to [B, Hkv, M, L], every query seeing at least one key.
+    Returns [B, Hkv, M, D] in q's dtype; the arithmetic is float32 whatever the model's dtype.
+    """
+    dtype = q.dtype
+    b, h, m, d = q.shape
+    n = keys.shape[2]
+    if n % KV_BLOCK:
+        raise ValueError(f"{n} keys are not whole blocks of {KV_BLOCK}")
+    nb = n // KV_BLOCK
+    q, keys, values = q.float(), keys.float(), values.float()
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [B, Hkv, M, L]
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores.add_(mask)
+    top = scores.amax(-1, keepdim=True)
+    probs = scores.sub_(top).exp_()  # masked keys: exactly 0
+    # [B, Hkv, M, nb, KB] -> per block [B, Hkv, nb, M, KB]: each block's sums over its KB keys
+    blocks = probs.view(b, h, m, nb, KV_BLOCK).transpose(2, 3)
+    partial = torch.matmul(blocks, values.view(b, h, nb, KV_BLOCK, d))  # [B, Hkv, nb, M, D]
+    sums = blocks.sum(-1)  # [B, Hkv, nb, M]
+    if nb > 1:  # blocks combined in position order, one after the other (trailing zeros exact)
+        partial, sums = partial.cumsum(2), sums.cumsum(2)
+    return (partial[:, :, -1] / sums[:, :, -1, :, None]).to(dtype)
+
+
+def linear(layer: torch.nn.Linear, x: torch.Tensor, kernel=None) -> torch.Tensor:
+    """`layer(x)` ([..., in] -> [..., out]) with each row's result independent of the other
+    rows: the rows are padded with zero rows to whole tiles of ROW_TILE, and `kernel` ([M, in]
+    -> [M, out]; default F.linear) is called on each tile, always the same shape.
+
+    NOTE: see docs/architecture.md, "Exact mode", for what was measured: a kernel picks its
+    blocking (and on small M its algorithm) by the row count, so a row's bits change with
+    M; with one shape every call runs the same code, whatever row of its tile a row is."""
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    padded = aligned(n, ROW_TILE)
+    if padded != n:
+        rows = F.pad(rows, (0, 0, 0, padded - n))
+    if kernel is None:
+        kernel = lambda tile: F.linear(tile, layer.weight, layer.bias)  # noqa: E731
+    out = torch.cat([kernel(tile) for tile in rows.split(ROW_TILE)]) if padded > ROW_TILE else kernel(rows)
+    return out[:n].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def enable(model) -> None:
+    """Route the linear layers of `model` that run through PyTorch's own `F.linear` (every one
+    off CPU; on CPU server/cpu_linear.py's forwards ask `active()` themselves) through `linear`
+    while `active()`. Idempotent."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and "forward" not in vars(module):
+            module.forward = _switched.__get__(module)
+
+
+def _switched(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(layer, x) if active() else F.linear(x, layer.weight, layer.bias)
+
+
+def pin_backends(device: torch.device) -> None:
+    """Settings exact mode needs on `device`, set once when the server starts.
+
+    NOTE (CUDA): cuBLAS may split a bf16/fp16 GEMM's reduction and round partial sums to the
+    half type when allowed to (`allow_*_reduced_precision_reduction`), and TF32 changes fp32
+    products; a fixed workspace (CUBLAS_WORKSPACE_CONFIG) keeps cuBLAS from choosing a
+    different algorithm as its workspace varies. None of this makes cuBLAS batch-invariant by
+    itself (that is the fixed row tiles of cpu_linear.exact); it removes the other sources.
+    Not applied in the default mode, whose speed they would cost."""
+    if device.type != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
