@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 
 KV_BLOCK = 64  # keys are reduced in blocks of this many positions, aligned to position 0
+Q_TILE = 4  # attention computes whole tiles of this many query rows (zero-padded)
 ROW_TILE = 8  # linear layers compute whole tiles of this many rows (the last one zero-padded)
+CUDA_ROW_TILE = 64  # ... on CUDA, one cuBLAS call per tile
 
 _mode = threading.local()
 
@@ -75,16 +77,25 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
 
     q [B, Hkv, M, D] (a KV head's query heads folded into M); keys/values [B, Hkv, L, D], L a
     multiple of KV_BLOCK, the first key at a position that is a multiple of KV_BLOCK; `mask`
-    additive (0 / -inf), broadcastable to [B, Hkv, M, L], every query seeing at least one key.
-    Returns [B, Hkv, M, D] in q's dtype; the arithmetic is float32 whatever the model's dtype.
+    additive (0 / -inf), broadcastable to [B, Hkv, M, L] (or to [B, Hkv, aligned(M, Q_TILE),
+    L]: `query_rows`), every query seeing at least one key. Returns [B, Hkv, M, D] in q's
+    dtype; the arithmetic is float32 whatever the model's dtype.
+
+    NOTE: the queries are zero-padded to whole tiles of Q_TILE rows: float32 matmuls of 1-3
+    rows take another kernel than 4 or more (measured on the dev box: 3 query rows round
+    differently from 6; any multiple of 4 from 4 to 400 rows gives the same bits).
     """
     dtype = q.dtype
     b, h, m, d = q.shape
     n = keys.shape[2]
     if n % KV_BLOCK:
         raise ValueError(f"{n} keys are not whole blocks of {KV_BLOCK}")
-    nb = n // KV_BLOCK
+    nb, rows = n // KV_BLOCK, query_rows(m)
     q, keys, values = q.float(), keys.float(), values.float()
+    if rows != m:
+        q = F.pad(q, (0, 0, 0, rows - m))
+        if mask.shape[-2] == m:
+            mask = F.pad(mask, (0, 0, 0, rows - m))
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [B, Hkv, M, L]
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
@@ -92,30 +103,46 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     top = scores.amax(-1, keepdim=True)
     probs = scores.sub_(top).exp_()  # masked keys: exactly 0
     # [B, Hkv, M, nb, KB] -> per block [B, Hkv, nb, M, KB]: each block's sums over its KB keys
-    blocks = probs.view(b, h, m, nb, KV_BLOCK).transpose(2, 3)
+    blocks = probs.view(b, h, rows, nb, KV_BLOCK).transpose(2, 3)
     partial = torch.matmul(blocks, values.view(b, h, nb, KV_BLOCK, d))  # [B, Hkv, nb, M, D]
     sums = blocks.sum(-1)  # [B, Hkv, nb, M]
     if nb > 1:  # blocks combined in position order, one after the other (trailing zeros exact)
         partial, sums = partial.cumsum(2), sums.cumsum(2)
-    return (partial[:, :, -1] / sums[:, :, -1, :, None]).to(dtype)
+    out = partial[:, :, -1] / sums[:, :, -1, :, None]
+    return out[:, :, :m].to(dtype)
 
 
-def linear(layer: torch.nn.Linear, x: torch.Tensor, kernel=None) -> torch.Tensor:
+def query_rows(m: int) -> int:
+    """The query rows `attend` computes for m queries (whole tiles of Q_TILE)."""
+    return aligned(m, Q_TILE)
+
+
+def linear(layer: torch.nn.Linear, x: torch.Tensor, kernel=None, tile: int = ROW_TILE) -> torch.Tensor:
     """`layer(x)` ([..., in] -> [..., out]) with each row's result independent of the other
-    rows: the rows are padded with zero rows to whole tiles of ROW_TILE, and `kernel` ([M, in]
-    -> [M, out]; default F.linear) is called on each tile, always the same shape.
+    rows: the rows are zero-padded to whole tiles of `tile` rows and `kernel` ([M, in] ->
+    [M, out]; default F.linear) computes them: on CPU in one call, elsewhere one call per tile.
 
-    NOTE: see docs/architecture.md, "Exact mode", for what was measured: a kernel picks its
-    blocking (and on small M its algorithm) by the row count, so a row's bits change with
-    M; with one shape every call runs the same code, whatever row of its tile a row is."""
+    NOTE: measured on the dev box (AMD EPYC, AVX-512 + bf16; torch 2.13's MKL and oneDNN), fp32
+    and bf16, 1 and 2 threads, SmolLM2's four weight shapes: MKL's sgemm (F.linear) gives 1
+    row, 2-3 rows and 4+ rows three different roundings, while any multiple of 4 from 4 to
+    1024 rows gives each row the same bits, at any place in the call; oneDNN's packed matmul
+    differs only between 1 row and 2+ (cpu_linear passes tile=2); bf16 never varied. So on CPU
+    one call over whole tiles is enough. cuBLAS chooses its kernel (and split-K) by shape:
+    there every call is exactly one tile (CUDA_ROW_TILE rows), so all run one kernel.
+    """
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    padded = aligned(n, ROW_TILE)
+    if rows.device.type != "cpu":
+        tile = CUDA_ROW_TILE
+    padded = aligned(n, tile)
     if padded != n:
         rows = F.pad(rows, (0, 0, 0, padded - n))
     if kernel is None:
         kernel = lambda tile: F.linear(tile, layer.weight, layer.bias)  # noqa: E731
-    out = torch.cat([kernel(tile) for tile in rows.split(ROW_TILE)]) if padded > ROW_TILE else kernel(rows)
+    if rows.device.type == "cpu" or padded == tile:
+        out = kernel(rows)
+    else:
+        out = torch.cat([kernel(t) for t in rows.split(tile)])
     return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
 

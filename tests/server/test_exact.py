@@ -317,3 +317,17 @@ def test_linear_rows_ignore_the_other_rows(dtype, packed):
                     if i - at >= 0 and i - at + m <= 400:
                         out = model(x[:, i - at : i - at + m])[0, at]
                         assert torch.equal(out, single[j]), (m, at, i)
+
+
+@pytest.mark.anyio
+async def test_models_say_which_mode_runs(app_client):
+    """`/v1/models` (and one model's card) carry the mode; the fingerprint differs by mode."""
+    seen = {}
+    for deterministic in (False, True):
+        async with app_client(deterministic=deterministic) as client:
+            listed = (await client.get("/v1/models")).json()["data"][0]
+            card = (await client.get(f"/v1/models/{listed['id']}")).json()
+            assert listed["deterministic"] is card["deterministic"] is deterministic
+            body = {"model": listed["id"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+            seen[deterministic] = (await client.post("/v1/chat/completions", json=body)).json()["system_fingerprint"]
+    assert seen[False] != seen[True]
