@@ -24,7 +24,8 @@ import time
 import torch
 
 from cache_manager import kv
-from server import attention, cpu_linear, exact
+from server import attention, cpu_linear
+from server import exact as exact_mode
 from server.attention import Batch, Row, Step
 from server.sampling import process_logits, sample_rows, top_logprobs
 from server.scheduler import Plan
@@ -62,8 +63,8 @@ class ModelRunner:
         self.exact = exact  # exact mode (server/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
         self.max_rows = bucket(max_rows)
-        # exact mode reads keys in whole blocks of exact.KV_BLOCK positions: tables of whole ones
-        self.key_blocks = exact.KV_BLOCK // pool.block_size if exact else 1
+        # exact mode reads keys in whole blocks of exact_mode.KV_BLOCK positions: tables of whole ones
+        self.key_blocks = exact_mode.KV_BLOCK // pool.block_size if exact else 1
         self.max_blocks = self._whole(kv.blocks_for(max_context or model_context(model), pool.block_size))
         text_config = model.config.get_text_config(decoder=True)
         self.groups = text_config.num_attention_heads // pool.layout.kv_heads  # query heads per KV head
@@ -88,8 +89,8 @@ class ModelRunner:
         attention.enable(self.model)
         cpu_linear.pack_model(self.model, self.packed)
         if self.exact:
-            exact.pin_backends(self.device)
-            exact.enable(self.model)
+            exact_mode.pin_backends(self.device)
+            exact_mode.enable(self.model)
         if self.paged:
             self._meta = torch.zeros(self.max_rows * (3 + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
@@ -237,7 +238,7 @@ class ModelRunner:
         """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""
         for batch in step.batches:
             batch.prepare(self.pool.dtype, self.groups)
-        with exact.running(self.exact):  # the linear layers' mode (attention's: `step.exact`)
+        with exact_mode.running(self.exact):  # the linear layers' mode (attention's: `step.exact`)
             out = self.model(
                 input_ids=ids,
                 attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
