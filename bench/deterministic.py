@@ -15,7 +15,8 @@ count.
 Identity: N requests together vs each alone (N = the largest --streams), second turns of 8
 sessions reusing their first vs fresh prefills, and prompt-lookup speculation on vs off over
 copy-heavy prompts; each pair counts as identical when tokens and logprobs are equal bit for
-bit. Printed for both modes (exact mode: 100% or a bug).
+bit. Printed for both modes (exact mode: 100% or a bug): tokens identical / tokens and
+logprobs identical.
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ def identity(b: Bench, spec: Bench, n: int, tokens: int) -> dict[str, tuple[int,
         drafted = await spec.wave(copies)
         plain = [await b.run(r) for r in copies]
         pairs = {"alone vs together": (together, alone), "reuse vs fresh": (reused, fresh), "speculation on vs off": (drafted, plain)}
-        return {k: (sum(x == y for x, y in zip(got, want)), len(got)) for k, (got, want) in pairs.items()}
+        # (tokens identical, tokens and logprobs identical, pairs)
+        return {k: (sum([t for t, _ in x] == [t for t, _ in y] for x, y in zip(got, want)), sum(x == y for x, y in zip(got, want)), len(got))
+                for k, (got, want) in pairs.items()}
 
     return asyncio.run(go())
 
@@ -128,12 +131,13 @@ def main() -> None:
     for n in streams:
         per = {m: 1000 * totals[(n, m)][0] / max(totals[(n, m)][1], 1) for m in modes}
         print(f"| {n} | {per[False]:.1f} | {per[True]:.1f} | **{per[True] / per[False]:.2f}x** |")
+    print("\nidentical outputs: tokens / tokens and logprobs bit for bit, of pairs")
     print("\n| mode | alone vs together | reuse vs fresh | speculation on vs off |\n|---|---|---|---|")
     for m, b in modes.items():
         spec = Bench(loaded, m, max(streams), proposer=NgramProposer())
         shares = identity(b, spec, max(streams), args.tokens)
         spec.engine.stop()
-        print(f"| {name[m]} | " + " | ".join(f"{k}/{n}" for k, n in shares.values()) + " |")
+        print(f"| {name[m]} | " + " | ".join(f"{t} / {b} of {n}" for t, b, n in shares.values()) + " |")
     for b in modes.values():
         b.engine.stop()
 

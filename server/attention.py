@@ -223,6 +223,8 @@ def _mask(row: Row, layer: int, first: int, n_keys: int, groups: int, dtype: tor
         start = row.kv.length
         device = row.kv.pool.device
         allowed = _causal(start, row.n, torch.arange(first, first + n_keys, device=device), window)
+        if whole_blocks:  # exact.attend computes in float32
+            dtype = torch.float32
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf).repeat(groups, 1)
         if whole_blocks:  # the query rows exact.attend pads to see every key (finite, unused)
             mask = F.pad(mask, (0, 0, 0, exact.query_rows(mask.shape[0]) - mask.shape[0]))

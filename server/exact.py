@@ -35,7 +35,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-KV_BLOCK = 64  # keys are reduced in blocks of this many positions, aligned to position 0
+KV_BLOCK = 256  # keys are reduced in blocks of this many positions, aligned to position 0
 Q_TILE = 4  # attention computes whole tiles of this many query rows (zero-padded)
 ROW_TILE = 8  # linear layers compute whole tiles of this many rows (the last one zero-padded)
 CUDA_ROW_TILE = 64  # ... on CUDA, one cuBLAS call per tile
@@ -91,24 +91,32 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     if n % KV_BLOCK:
         raise ValueError(f"{n} keys are not whole blocks of {KV_BLOCK}")
     nb, rows = n // KV_BLOCK, query_rows(m)
-    q, keys, values = q.float(), keys.float(), values.float()
+    if dtype != torch.float32:
+        q, keys, values = q.float(), keys.float(), values.float()
     if rows != m:
         q = F.pad(q, (0, 0, 0, rows - m))
-        if mask.shape[-2] == m:
-            mask = F.pad(mask, (0, 0, 0, rows - m))
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [B, Hkv, M, L]
-    if softcap is not None:
-        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-    scores.add_(mask)
+    if mask.dtype != torch.float32:
+        mask = mask.float()
+    if mask.shape[-2] not in (1, rows):  # the padded queries see every key (finite, dropped)
+        mask = F.pad(mask, (0, 0, 0, rows - mask.shape[-2]))
+    if softcap is None:  # scale, product and mask in one op: [B * Hkv, M, L]
+        if mask.dim() == 4:
+            mask = mask.expand(b, h, rows, n).reshape(b * h, rows, n)
+        scores = torch.baddbmm(mask, q.view(b * h, rows, d), keys.reshape(b * h, n, d).transpose(-1, -2), alpha=scale).view(b, h, rows, n)
+    else:
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap).add_(mask)
     top = scores.amax(-1, keepdim=True)
     probs = scores.sub_(top).exp_()  # masked keys: exactly 0
-    # [B, Hkv, M, nb, KB] -> per block [B, Hkv, nb, M, KB]: each block's sums over its KB keys
-    blocks = probs.view(b, h, rows, nb, KV_BLOCK).transpose(2, 3)
-    partial = torch.matmul(blocks, values.view(b, h, nb, KV_BLOCK, d))  # [B, Hkv, nb, M, D]
-    sums = blocks.sum(-1)  # [B, Hkv, nb, M]
-    if nb > 1:  # blocks combined in position order, one after the other (trailing zeros exact)
-        partial, sums = partial.cumsum(2), sums.cumsum(2)
-    out = partial[:, :, -1] / sums[:, :, -1, :, None]
+    if nb == 1:
+        out = torch.matmul(probs, values).div_(probs.sum(-1, keepdim=True))
+    else:
+        # [B, Hkv, M, nb, KB] -> per block [B, Hkv, nb, M, KB]: each block's sums over its KB
+        # keys, then the blocks added in position order, one after the other (cumsum is
+        # sequential; trailing all-masked blocks add exact zeros)
+        blocks = probs.view(b, h, rows, nb, KV_BLOCK).transpose(2, 3)
+        partial = torch.matmul(blocks, values.view(b, h, nb, KV_BLOCK, d)).cumsum(2)[:, :, -1]
+        out = partial.div_(blocks.sum(-1).cumsum(2)[:, :, -1, :, None])
     return out[:, :, :m].to(dtype)
 
 
