@@ -46,11 +46,11 @@ COPY = [
 
 
 class Bench:
-    def __init__(self, loaded, deterministic: bool, max_running: int, proposer=None) -> None:
+    def __init__(self, loaded, deterministic: bool, max_running: int, proposer=None, paged=None) -> None:
         self.tokenizer = loaded.tokenizer
         cache = CacheManager(loaded.model.config, loaded.device, loaded.dtype, loaded.max_context, CacheConfig(budget_bytes=2**31))
         config = EngineConfig(max_context=loaded.max_context, max_running=max_running, deterministic=deterministic,
-                              speculative=SpeculativeConfig(adaptive=False))
+                              speculative=SpeculativeConfig(adaptive=False), paged=paged)
         self.engine = Engine(loaded.model, loaded.tokenizer, config, cache, proposer=proposer)
         self.engine.start()
 
@@ -111,10 +111,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--paged", action="store_true", help="exact mode on the paged attention path (CUDA's)")
+    parser.add_argument("--no-identity", action="store_true", help="time only")
     args = parser.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     loaded = load_model(None, cache_dir=default_cache_dir(), device=args.device, dtype=args.dtype)
-    modes = {m: Bench(loaded, m, max(streams)) for m in (False, True)}
+    modes = {m: Bench(loaded, m, max(streams), paged=True if m and args.paged else None) for m in (False, True)}
     name = {False: "default", True: "exact"}
     print(f"device {args.device}, {args.dtype}, torch threads {torch.get_num_threads()}, {args.tokens} tokens per stream")
     for b in modes.values():  # warm both paths up
@@ -131,6 +133,10 @@ def main() -> None:
     for n in streams:
         per = {m: 1000 * totals[(n, m)][0] / max(totals[(n, m)][1], 1) for m in modes}
         print(f"| {n} | {per[False]:.1f} | {per[True]:.1f} | **{per[True] / per[False]:.2f}x** |")
+    if args.no_identity:
+        for b in modes.values():
+            b.engine.stop()
+        return
     print("\nidentical outputs: tokens / tokens and logprobs bit for bit, of pairs")
     print("\n| mode | alone vs together | reuse vs fresh | speculation on vs off |\n|---|---|---|---|")
     for m, b in modes.items():

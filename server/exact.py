@@ -106,18 +106,35 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     else:
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap).add_(mask)
-    top = scores.amax(-1, keepdim=True)
-    probs = scores.sub_(top).exp_()  # masked keys: exactly 0
+    if scores.device.type == "cpu":
+        # NOTE: PyTorch's CPU softmax sums a row in one sequential vector accumulation, so the
+        # exact zeros of masked blocks past a query change nothing (measured: 0 of 175 rows
+        # differ with 1-3 more masked blocks or more rows, 1 and 2 threads); the row's length
+        # is a whole number of blocks, no scalar tail.
+        probs = torch.softmax(scores, -1)
+        sums = None
+    else:  # a GPU softmax reduces by the row's length: max, exp and each block's own sum
+        probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        sums = _in_order(probs.view(b, h, rows, nb, KV_BLOCK).sum(-1), 3)
     if nb == 1:
-        out = torch.matmul(probs, values).div_(probs.sum(-1, keepdim=True))
-    else:
-        # [B, Hkv, M, nb, KB] -> per block [B, Hkv, nb, M, KB]: each block's sums over its KB
-        # keys, then the blocks added in position order, one after the other (cumsum is
-        # sequential; trailing all-masked blocks add exact zeros)
+        out = torch.matmul(probs, values)
+    else:  # each block's P @ V over its KV_BLOCK keys, the blocks added in position order
         blocks = probs.view(b, h, rows, nb, KV_BLOCK).transpose(2, 3)
-        partial = torch.matmul(blocks, values.view(b, h, nb, KV_BLOCK, d)).cumsum(2)[:, :, -1]
-        out = partial.div_(blocks.sum(-1).cumsum(2)[:, :, -1, :, None])
+        out = _in_order(torch.matmul(blocks, values.view(b, h, nb, KV_BLOCK, d)), 2)
+    if sums is not None:
+        out = out / sums[..., None]
     return out[:, :, :m].to(dtype)
+
+
+def _in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum of `x` over `dim`, strictly first to last (trailing zeros then change nothing):
+    `cumsum` on CPU (a sequential loop), one add per entry elsewhere (a GPU scan is a tree)."""
+    if x.device.type == "cpu":
+        return x.cumsum(dim).select(dim, -1)
+    out = x.select(dim, 0)
+    for i in range(1, x.shape[dim]):
+        out = out + x.select(dim, i)
+    return out
 
 
 def query_rows(m: int) -> int:
