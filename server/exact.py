@@ -9,21 +9,22 @@ mode every op that reduces is made to reduce in an order fixed by the row's own 
 absolute positions (the "batch invariance" of Thinking Machines' "Defeating Nondeterminism in
 LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference):
 
-* attention (`attend`): float32 scores over keys read in blocks of `KV_BLOCK` positions
-  aligned to absolute position 0, a max over the whole row (max is exact in any order),
-  exp, then each block's sum and its P @ V with a block's fixed length, combined across blocks
-  in position order (`cumsum`, sequential). Keys past a query (the rest of its block, the rest
-  of a chunk, padding) weigh exactly 0, and adding exact zeros changes nothing, so a query's
-  result depends only on its own query vector and keys 0..p, never on the query count, the
-  read length or whether it came from a prefill chunk, a draft or a decode step. The row path
-  and the paged path feed it the same blocks (docs/architecture.md, "Exact mode").
-* linear layers (server/cpu_linear.py `exact`): rows in tiles of `ROW_TILE`, every kernel
-  call the same shape.
+* attention (`attend`): float32 scores over keys read in whole blocks of `KV_BLOCK`
+  positions aligned to absolute position 0, queries padded to whole tiles of `Q_TILE`; a
+  softmax over the row (on CPU one sequential accumulation; elsewhere max, exp and each
+  block's own sum), then each block's P @ V over its fixed KV_BLOCK keys, the blocks added in
+  position order (`_in_order`). Keys past a query (the rest of its block, the rest of a chunk,
+  padding) weigh exactly 0, and adding exact zeros changes nothing, so a query's result
+  depends only on its own query vector and keys 0..p, never on the query count, the read
+  length or whether it came from a prefill chunk, a draft or a decode step. The row path and
+  the paged path feed it the same blocks (docs/architecture.md, "Exact mode").
+* linear layers (`linear`, called by server/cpu_linear.py's forwards and `enable`'s): rows
+  zero-padded to whole tiles, so every call is a shape whose kernel rounds each row alike.
 * row-wise ops (RMSNorm, RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling)
   are already per row; checked in tests/server/test_exact.py.
 
-The padded reads cost a little: a key block read past a row's end, which is why the engine
-reserves whole key blocks for a request (`capacity`).
+A read runs to the end of a row's last key block, which is why the engine reserves whole key
+blocks for a request (`capacity`).
 """
 
 from __future__ import annotations
