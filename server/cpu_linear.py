@@ -58,27 +58,12 @@ def _pack(layer: torch.nn.Linear) -> bool:
 def _packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` through its packed weight (`_pack`); in exact mode in whole row tiles
     (`exact.linear`)."""
+    # NOTE: oneDNN rounds one row apart from 2+ (exact.linear's NOTE). A per-layer probe (one
+    # random row alone vs among 2 and 9) judged bf16 layers alike that then rounded a one-row
+    # decode step differently in the engine: every layer computes one row as two.
     if exact.active():
-        return exact.linear(layer, x, lambda rows: _packed_product(layer, rows), tile=_row_tile(layer))
+        return exact.linear(layer, x, lambda rows: _packed_product(layer, rows), tile=2)
     return _packed_product(layer, x)
-
-
-def _row_tile(layer: torch.nn.Linear) -> int:
-    """Exact mode's row tile on the packed weight: 1 where one row gets the bits it gets among
-    2 and 9 rows, else 2 (a decode row computed as two).
-
-    NOTE: oneDNN rounds one row apart from 2+ for some shapes only (on the dev box: fp32, the
-    1536-wide down projection; 2+ rows were always alike, exact.linear's NOTE), and computing a
-    decode step's single row as two costs every layer a copy. The kernel is chosen by shape,
-    not by values, so a probe on random rows tells; probed once per layer, on the thread (and
-    with the thread count) that runs it."""
-    tile = getattr(layer, "kvserve_row_tile", None)
-    if tile is None:
-        x = torch.randn(9, layer.in_features, generator=torch.Generator().manual_seed(0)).to(layer.weight.dtype)
-        one = _packed_product(layer, x[:1])[0]
-        alike = all(torch.equal(one, _packed_product(layer, x[:m])[0]) for m in (2, 9))
-        tile = layer.kvserve_row_tile = 1 if alike else 2
-    return tile
 
 
 def _packed_product(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
