@@ -21,7 +21,7 @@ LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference
 * linear layers (`linear`, called by server/cpu_linear.py's forwards and `enable`'s): rows
   zero-padded to whole tiles, so every call is a shape whose kernel rounds each row alike.
 * row-wise ops (RMSNorm, RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling)
-  are already per row; checked in tests/server/test_exact.py.
+  are already per row (measured, docs/architecture.md; the engine tests cover them end to end).
 
 A read runs to the end of a row's last key block, which is why the engine reserves whole key
 blocks for a request (`capacity`).
