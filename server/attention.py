@@ -23,7 +23,9 @@ Either way a row's result depends only on its own query, keys and values; only t
 layers see the batch's shape. Grouped-query attention folds a KV head's query heads into the
 query length ([.., Hkv, groups * T, D]): keys are never repeated per query head. Soft-capped
 models (Gemma 2) use the eager formula, softmax in float32; everything else is plain
-`scaled_dot_product_attention`, CPU or CUDA, fp32 or bf16.
+`scaled_dot_product_attention`, CPU or CUDA, fp32 or bf16. In exact mode (`Step.exact`,
+--deterministic) both paths read whole key blocks and call `exact.attend` instead, whose
+result for a query depends on nothing else in the call (server/exact.py).
 """
 
 from __future__ import annotations
