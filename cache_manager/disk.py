@@ -74,15 +74,16 @@ def file_name(principal_hash: str, session_id: str) -> str:
     return digest + SUFFIX
 
 
-def fingerprint(model, dtype: torch.dtype) -> str:
-    """Identifies the weights and the KV layout a session file was computed with.
+def fingerprint(model, dtype: torch.dtype, mode: str = "") -> str:
+    """Identifies the weights and the KV layout a session file was computed with, and the
+    numerics (`mode`: "deterministic" for exact mode, whose KV bits differ from the default's).
 
     NOTE: a strided sample of up to 256 values per weight tensor, not a hash of all weights:
     any other checkpoint differs in the samples, and a 30 GB model is fingerprinted in
     milliseconds.
     """
     h = hashlib.sha256()
-    h.update(f"{FORMAT}|layout {LAYOUT_VERSION}|{dtype}|".encode())
+    h.update(f"{FORMAT}|layout {LAYOUT_VERSION}|{dtype}|{mode}".encode())
     h.update(model.config.to_json_string(use_diff=False).encode())
     with torch.no_grad():
         for name, param in model.state_dict().items():

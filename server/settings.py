@@ -156,6 +156,13 @@ class Settings(BaseSettings):
         description="On CUDA, capture decode steps as CUDA graphs at start-up (one per batch and "
         "context bucket) and replay them; off (--no-cuda-graphs): every step runs eagerly.",
     )
+    deterministic: bool = Field(
+        False,
+        description="Exact mode: a request's tokens and logprobs are bit-identical whatever else "
+        "runs in its batch, however its prompt is chunked, reused from a session or restored "
+        "from a tier, with speculation on or off (batch-invariant linear layers and attention, "
+        "docs/architecture.md). Costs some speed; off: the fast mode (near-ties may flip).",
+    )
     json_whitespace_flexible: bool = Field(
         False, description="Structured JSON may contain free whitespace (default: compact JSON)."
     )

@@ -99,7 +99,9 @@ def kv_tiers(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> tuple
     disk = None
     if settings.kv_disk_dir is not None:
         budget = settings.kv_disk_bytes or budget_from_free_space(settings.kv_disk_dir)
-        fingerprint = disk_files.fingerprint(loaded.model, loaded.dtype)
+        # NOTE: exact mode computes other KV bits than the default mode: a session file of one
+        # mode is never restored into the other
+        fingerprint = disk_files.fingerprint(loaded.model, loaded.dtype, "deterministic" if settings.deterministic else "")
         disk = DiskTier(settings.kv_disk_dir, budget, settings.session_ttl_s, fingerprint, metrics, kv_dtype=settings.kv_cache_dtype)
     host = None
     if settings.kv_host_bytes > 0:
@@ -116,7 +118,7 @@ def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None,
         return NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max)
     if settings.speculative == "draft":
         check_compatible(loaded.model, loaded.tokenizer, draft.model, draft.tokenizer)
-        return DraftModelProposer(draft.model, max_context, draft_bytes, packed=settings.cpu_packed_weights)
+        return DraftModelProposer(draft.model, max_context, draft_bytes, packed=settings.cpu_packed_weights, exact=settings.deterministic)
     return None
 
 
@@ -163,6 +165,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
             speculative=SpeculativeConfig(max_draft=settings.speculative_max_draft),
             cpu_packed_weights=settings.cpu_packed_weights,
             cuda_graphs=settings.cuda_graphs,
+            deterministic=settings.deterministic,
         ),
         cache_manager,
         metrics=metrics,
@@ -180,7 +183,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     metrics.watch_grammar_cache(compiler)
     dtype = str(loaded.dtype).removeprefix("torch.")
     metrics.info.info({"model": loaded.model_id, "dtype": dtype, "device": loaded.device.type, "version": VERSION})
-    fingerprint = "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}".encode()).hexdigest()[:10]
+    mode = ":deterministic" if settings.deterministic else ""  # other numerics, another fingerprint
+    fingerprint = "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}{mode}".encode()).hexdigest()[:10]
     return ServingContext(
         engine=engine,
         cache_manager=cache_manager,
@@ -194,6 +198,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         max_tokens_default=settings.max_tokens_default,
         request_timeout_s=settings.request_timeout_s,
         fingerprint=fingerprint,
+        deterministic=settings.deterministic,
     )
 
 

@@ -54,6 +54,7 @@ class ServingContext:
     max_tokens_default: int
     request_timeout_s: float
     fingerprint: str
+    deterministic: bool = False  # exact mode (--deterministic), reported by /v1/models
 
     def check_model(self, model: str) -> None:
         if model != self.model_id and model not in self.model_aliases:

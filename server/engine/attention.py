@@ -23,7 +23,9 @@ Either way a row's result depends only on its own query, keys and values; only t
 layers see the batch's shape. Grouped-query attention folds a KV head's query heads into the
 query length ([.., Hkv, groups * T, D]): keys are never repeated per query head. Soft-capped
 models (Gemma 2) use the eager formula, softmax in float32; everything else is plain
-`scaled_dot_product_attention`, CPU or CUDA, fp32 or bf16.
+`scaled_dot_product_attention`, CPU or CUDA, fp32 or bf16. In exact mode (`Step.exact`,
+--deterministic) both paths read whole key blocks and call `exact.attend` instead, whose
+result for a query depends on nothing else in the call (server/engine/exact.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from cache_manager import kv
+from server.engine import exact
 
 ATTN_IMPLEMENTATION = "kvserve"
 
@@ -105,6 +108,7 @@ class Step:
 
     rows: list[Row]
     batches: list[Batch] = field(default_factory=list)
+    exact: bool = False  # exact mode: `exact.attend` over whole key blocks (server/engine/exact.py)
 
 
 def enable(model) -> None:
@@ -139,22 +143,24 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     out = query.new_empty(1, query.shape[2], heads, head_dim)
+    attend = exact.attend if kvserve_step.exact else _attend
     for batch in kvserve_step.batches:
-        _attend_batch(batch, layer, query[0], key[0], value[0], out[0], groups, scale, softcap)
+        _attend_batch(batch, layer, query[0], key[0], value[0], out[0], groups, scale, softcap, attend)
     for row in kvserve_step.rows:
         lo, hi = row.offset, row.offset + row.n
-        k_row, v_row, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi])
-        mask = _mask(row, layer, first, groups, query.dtype)
+        k_row, v_row, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi], kvserve_step.exact)
+        mask = _mask(row, layer, first, k_row.shape[2], groups, query.dtype, kvserve_step.exact)
         # [1, H, T, D] -> [1, Hkv, groups * T, D]: a KV head's query heads side by side
         q = query[:, :, lo:hi].reshape(1, kv_heads, groups * row.n, head_dim)
-        o = _attend(q, k_row, v_row, mask, scale, softcap)
+        o = attend(q, k_row, v_row, mask, scale, softcap)
         out[:, lo:hi] = o.reshape(1, heads, row.n, -1).transpose(1, 2)
     return out, None
 
 
-def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int, scale, softcap) -> None:
+def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int, scale, softcap, attend) -> None:
     """The paged path for one batch: query/out [N, H, D] and key/value [Hkv, N, D] of the
-    whole step (query [H, N, D] as transformers hands it)."""
+    whole step (query [H, N, D] as transformers hands it); `attend`: `_attend` or, in exact
+    mode, `exact.attend` (the runner then reads whole key blocks: `ModelRunner._batch`)."""
     b, t = batch.size, batch.width
     heads, kv_heads, head_dim = query.shape[0], key.shape[0], query.shape[2]
     if batch.tokens is None:  # decode rows: the step's first B tokens
@@ -165,7 +171,7 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int,
     # [Hkv, B, L, D] -> [B, Hkv, L, D]; queries [H, B * T, D] -> [B, Hkv, groups * T, D]
     k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
     q = q.reshape(kv_heads, groups, b, t, head_dim).permute(2, 0, 1, 3, 4).reshape(b, kv_heads, groups * t, head_dim)
-    o = _attend(q, k_rows, v_rows, batch.masks[batch.pool.layout.windows[layer]], scale, softcap)
+    o = attend(q, k_rows, v_rows, batch.masks[batch.pool.layout.windows[layer]], scale, softcap)
     # [B, Hkv, groups * T, D] -> [B * T, H, D]
     o = o.view(b, kv_heads, groups, t, head_dim).permute(0, 3, 1, 2, 4).reshape(b * t, heads, head_dim)
     if batch.tokens is None:
@@ -174,41 +180,57 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int,
         out.index_copy_(0, batch.targets, o if batch.real is None else o[batch.real])
 
 
-def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, whole_blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Store the row's new keys/values at `layer`; return the keys/values its queries attend
     over, in position order, and the position of the first: the whole sequence for a full
-    layer, the last `window` positions before the first query onwards for a sliding one."""
+    layer, the last `window` positions before the first query onwards for a sliding one.
+
+    `whole_blocks` (exact mode): from the start of the key block holding the first to the end
+    of the block holding the last (`exact.KV_BLOCK`); the positions past the row's end are
+    masked, and those past its capacity are zeros (a copy: the engine reserves whole blocks,
+    so only callers that do not pay it)."""
     cache = row.kv
     start = cache.length
     end = start + row.n
-    if cache.base is None and row.slots is None:
-        row.slots = cache.slots(0, end)  # once per step for every layer
-    kv.write(cache, layer, start, k_new, v_new, row.slots)
     window = cache.pool.layout.windows[layer]
     first = 0 if window is None else max(0, start - window + 1)
-    keys, values = kv.read(cache, layer, first, end, row.slots)
+    last = end
+    if whole_blocks:
+        first -= first % exact.KV_BLOCK
+        last = exact.aligned(end)
+    readable = min(last, kv.capacity(cache))
+    if cache.base is None and row.slots is None:
+        row.slots = cache.slots(0, readable)  # once per step for every layer
+    kv.write(cache, layer, start, k_new, v_new, row.slots)
+    keys, values = kv.read(cache, layer, first, readable, row.slots)
+    if readable < last:
+        keys, values = (F.pad(x, (0, 0, 0, last - readable)) for x in (keys, values))
     return keys, values, first
 
 
-def _mask(row: Row, layer: int, first: int, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """The additive mask [groups * n, L] of the row's `n` queries (a KV head's query heads
+def _mask(row: Row, layer: int, first: int, n_keys: int, groups: int, dtype: torch.dtype, whole_blocks: bool = False) -> torch.Tensor | None:
+    """The additive mask [groups * n, n_keys] of the row's `n` queries (a KV head's query heads
     stacked, as `_attention` folds them) over its keys at positions first..; None where every
-    query sees every key (one query). Built once per step for all the layers with the same
-    window.
+    query sees every key (one query, unless `whole_blocks` read keys past it). Built once per
+    step for all the layers with the same window.
 
     NOTE: additive (0 / -inf in the query's dtype) because sdpa turns a bool mask into exactly
     that at every call; a step of 4 rows x 4 positions spent ~4 of its 44 ms building and
     converting masks per layer."""
-    if row.n == 1:
+    if row.n == 1 and not whole_blocks:
         return None
     window = row.kv.pool.layout.windows[layer]
     mask = row.masks.get(window)
     if mask is None:
         start = row.kv.length
         device = row.kv.pool.device
-        allowed = _causal(start, row.n, torch.arange(first, start + row.n, device=device), window)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
-        mask = row.masks[window] = mask.repeat(groups, 1)
+        allowed = _causal(start, row.n, torch.arange(first, first + n_keys, device=device), window)
+        if whole_blocks:  # exact.attend computes in float32
+            dtype = torch.float32
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf).repeat(groups, 1)
+        if whole_blocks:  # the query rows exact.attend pads to see every key (finite, unused)
+            mask = F.pad(mask, (0, 0, 0, exact.query_rows(mask.shape[0]) - mask.shape[0]))
+        row.masks[window] = mask
     return mask
 
 

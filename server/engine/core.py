@@ -24,7 +24,7 @@ import torch
 from cache_manager import kv
 from cache_manager.manager import CacheManager, NoRoom
 from grammars.matcher import start_masks
-from server.engine import model_runner
+from server.engine import exact, model_runner
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Plan, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
@@ -57,6 +57,7 @@ class EngineConfig:
     cpu_packed_weights: bool = True  # cpu_linear.pack_model's `packed`
     cuda_graphs: bool = True  # capture decode steps (CUDA only; --no-cuda-graphs)
     paged: bool | None = None  # ModelRunner's `paged`: the paged attention path (None: on CUDA)
+    deterministic: bool = False  # exact mode (server/engine/exact.py): outputs independent of batching
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -148,6 +149,7 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
             max_rows=config.max_running,
             paged=config.paged,
+            exact=config.deterministic,
         )
         self.scheduler = Scheduler(config.max_batch_tokens, config.max_running, chunk_alone=self.runner.paged)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
@@ -262,6 +264,8 @@ class Engine:
         """Get the sequence's cache from the cache manager (may crop, grow or evict)."""
         request = seq.request
         need = len(seq.prompt_ids) + seq.params.max_tokens
+        if self.config.deterministic:
+            need = exact.capacity(need)  # whole key blocks: exact attention reads them
         lease = self.cache_manager.acquire(
             request.principal,
             request.session_id if request.use_session else None,

@@ -44,15 +44,18 @@ class DraftModelProposer:
 
     EMA = 0.2
 
-    def __init__(self, model, max_context: int, budget_bytes: int, packed: bool = True) -> None:
+    def __init__(self, model, max_context: int, budget_bytes: int, packed: bool = True, exact: bool = False) -> None:
         self.model = model
         self.packed = packed  # cpu_linear.pack_model's `packed`
+        # exact mode (server/engine/exact.py): the draft's own forward passes batch-invariant too, and
+        # every draft is its argmax (`_draw`)
+        self.exact = exact
         self.max_context = max_context
         self.budget_bytes = budget_bytes
         # the draft model's own pool and runner (no CUDA graphs: a draft step is small and
         # its rows catch up by several tokens)
         self.pool = kv.Pool(model.config, budget_bytes, model.device, model.dtype)
-        self.runner = ModelRunner(model, self.pool, max_context=max_context, packed=packed, cuda_graphs=False)
+        self.runner = ModelRunner(model, self.pool, max_context=max_context, packed=packed, cuda_graphs=False, exact=exact)
         # idle sessions' draft caches, least recently committed first out (no TTL: the
         # sessions' own expiry is the model's cache manager's business)
         self._kept = SessionStore(budget_bytes, math.inf, remember_dropped=0, on_drop=self._dropped)
@@ -139,8 +142,14 @@ class DraftModelProposer:
 
     def _draw(self, seq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """The next drafted token: the draft's argmax for greedy rows, else a draw from its
-        distribution under the request's temperature / top-k / top-p (returned as q)."""
-        if seq.params.greedy:
+        distribution under the request's temperature / top-k / top-p (returned as q).
+
+        NOTE: in exact mode every row drafts its argmax (q a point mass): a draw would take
+        from the request's generator, and the standard rule for a drawn draft draws
+        differently from decoding without one, so a seeded request's tokens would change with
+        speculation. A point mass is verified with one draw per emitted token
+        (`accept_point_mass`), the draws decoding makes without a draft."""
+        if seq.params.greedy or self.exact:
             return int(torch.argmax(logits)), None
         q = filtered_probs(logits[None], [seq.params])[0]
         return draw_rows(q[None], [seq.generator])[0], q

@@ -26,6 +26,7 @@ import torch
 
 from cache_manager import kv
 from server.engine import attention, cpu_linear
+from server.engine import exact as exact_mode
 from server.engine.attention import Batch, Row, Step
 from server.engine.sampling import apply_logit_bias, apply_penalties, logprob_infos, sample_rows
 from server.engine.scheduler import Plan
@@ -55,14 +56,17 @@ def block_bucket(n: int, largest: int) -> int:
 class ModelRunner:
     """Runs `model` over sequences whose KV lives in `pool` (engine thread only, after `prepare`)."""
 
-    def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool = True, cuda_graphs: bool = True, max_rows: int = 64, paged: bool | None = None) -> None:
+    def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool = True, cuda_graphs: bool = True, max_rows: int = 64, paged: bool | None = None, exact: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
         self.packed = packed  # cpu_linear.pack_model's `packed`
+        self.exact = exact  # exact mode (server/engine/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
         self.max_rows = bucket(max_rows)
-        self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
+        # exact mode reads keys in whole blocks of exact_mode.KV_BLOCK positions: tables of whole ones
+        self.key_blocks = exact_mode.KV_BLOCK // pool.block_size if exact else 1
+        self.max_blocks = self._whole(kv.blocks_for(max_context or model_context(model), pool.block_size))
         text_config = model.config.get_text_config(decoder=True)
         self.groups = text_config.num_attention_heads // pool.layout.kv_heads  # query heads per KV head
         self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.paged
@@ -86,6 +90,9 @@ class ModelRunner:
             return
         attention.enable(self.model)
         cpu_linear.pack_model(self.model, self.packed)
+        if self.exact:
+            exact_mode.pin_backends(self.device)
+            exact_mode.enable(self.model)
         if self.paged:
             self._meta = torch.zeros(self.max_rows * (3 + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
@@ -153,7 +160,7 @@ class ModelRunner:
         for lists, build in inputs:
             batches.append(build(tensors[at : at + len(lists)]))
             at += len(lists)
-        logits = self._forward(ids[None], pos[None], Step([rows[i] for i in others], batches), keep_t)
+        logits = self._forward(ids[None], pos[None], Step([rows[i] for i in others], batches, self.exact), keep_t)
         for row in rows:
             row.kv.length += row.n
         return logits
@@ -165,14 +172,14 @@ class ModelRunner:
         size = bucket(n)
         blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
         if size > self.max_rows:
-            size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
+            size, blocks = n, self._whole(kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size))
         ids, pos, batch = self._fill(rows, token_ids, size, blocks)
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()
             logits = graph[1][:n]
         else:
-            logits = self._forward(ids, pos, Step([], [batch]), None)[:n]
+            logits = self._forward(ids, pos, Step([], [batch], self.exact), None)[:n]
         for row in rows:
             row.kv.length += 1
         return logits
@@ -220,7 +227,7 @@ class ModelRunner:
         first in the flattened batch; multi-token rows are padded to the widest."""
         counts = [r.n for r in rows]
         size, width = len(rows), max(counts)
-        blocks = max(kv.blocks_for(r.kv.length + r.n, self.pool.block_size) for r in rows)
+        blocks = self._whole(max(kv.blocks_for(r.kv.length + r.n, self.pool.block_size) for r in rows))
         lists = list(self._paged_inputs([r.kv for r in rows], counts, size, width, blocks))
         if width == 1 and all(r.offset == i for i, r in enumerate(rows)):
             return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0])
@@ -229,18 +236,23 @@ class ModelRunner:
         lists += [tokens, real]
         return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0], width, t[3], None if len(real) == len(tokens) else t[4])
 
+    def _whole(self, blocks: int) -> int:
+        """`blocks` rounded up to whole key blocks of exact mode (itself otherwise)."""
+        return -(-blocks // self.key_blocks) * self.key_blocks
+
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None) -> torch.Tensor:
         """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""
         for batch in step.batches:
             batch.prepare(self.pool.dtype, self.groups)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
-            position_ids=pos,
-            use_cache=False,
-            logits_to_keep=0 if keep is None else keep,
-            kvserve_step=step,
-        )
+        with exact_mode.running(self.exact):  # the linear layers' mode (attention's: `step.exact`)
+            out = self.model(
+                input_ids=ids,
+                attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
+                position_ids=pos,
+                use_cache=False,
+                logits_to_keep=0 if keep is None else keep,
+                kvserve_step=step,
+            )
         return out.logits[0].float()
 
     def synchronize(self) -> None:
@@ -282,14 +294,14 @@ class ModelRunner:
         """One decode graph over the persistent buffers of (size, blocks); the buffers hold
         padding rows while capturing (they write the trash block only)."""
         ids, pos, batch = self._fill([], [], size, blocks)  # every row a padding row
-        warm = self._forward(ids, pos, Step([], [batch]), None)  # warm up outside the graph
+        warm = self._forward(ids, pos, Step([], [batch], self.exact), None)  # warm up outside the graph
         if self._logits is None:  # every graph's output, so none holds logits of its own
             self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
         del warm
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._logits[:size].copy_(self._forward(ids, pos, Step([], [batch]), None))
+            self._logits[:size].copy_(self._forward(ids, pos, Step([], [batch], self.exact), None))
         return graph, self._logits[:size]
 
 

@@ -1,0 +1,203 @@
+"""Exact mode (`--deterministic`): the numerics that make a row's logits independent of the
+rest of its step, bit for bit.
+
+A row's logits normally depend on more than its own tokens: the linear layers see every row of
+the step (their kernels pick blockings by the row count M), and attention sees a prefill
+chunk's other queries and however many keys the call reads, so a position computed in a chunk
+of 512, in a chunk of 16, as a drafted token or as a decode step rounds differently. In exact
+mode every op that reduces is made to reduce in an order fixed by the row's own content and
+absolute positions (the "batch invariance" of Thinking Machines' "Defeating Nondeterminism in
+LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference):
+
+* attention (`attend`): float32 scores over keys read in whole blocks of `KV_BLOCK`
+  positions aligned to absolute position 0, queries padded to whole tiles of `Q_TILE`; a
+  softmax over the row (on CPU one sequential accumulation; elsewhere max, exp and each
+  block's own sum), then each block's P @ V over its fixed KV_BLOCK keys, the blocks added in
+  position order (`_in_order`). Keys past a query (the rest of its block, the rest of a chunk,
+  padding) weigh exactly 0, and adding exact zeros changes nothing, so a query's result
+  depends only on its own query vector and keys 0..p, never on the query count, the read
+  length or whether it came from a prefill chunk, a draft or a decode step. The row path and
+  the paged path feed it the same blocks (docs/architecture.md, "Exact mode").
+* linear layers (`linear`, called by server/engine/cpu_linear.py's forwards and `enable`'s): rows
+  zero-padded to whole tiles, so every call is a shape whose kernel rounds each row alike.
+* row-wise ops (RMSNorm, RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling)
+  are already per row (measured, docs/architecture.md; the engine tests cover them end to end).
+
+A read runs to the end of a row's last key block, which is why the engine reserves whole key
+blocks for a request (`capacity`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+KV_BLOCK = 256  # keys are reduced in blocks of this many positions, aligned to position 0
+Q_TILE = 4  # attention computes whole tiles of this many query rows (zero-padded)
+ROW_TILE = 8  # linear layers compute whole tiles of this many rows (the last one zero-padded)
+CUDA_ROW_TILE = 64  # ... on CUDA, one cuBLAS call per tile
+
+_mode = threading.local()
+
+
+@contextlib.contextmanager
+def running(on: bool):
+    """The forward passes inside run in exact mode (`on`) or not, on this thread: the linear
+    layers ask `active()`. The model runner wraps each forward pass (and a CUDA graph's
+    capture) in it, so one model serves exact and default runners alike."""
+    before = getattr(_mode, "on", False)
+    _mode.on = on
+    try:
+        yield
+    finally:
+        _mode.on = before
+
+
+def active() -> bool:
+    return getattr(_mode, "on", False)
+
+
+def aligned(n: int, block: int = KV_BLOCK) -> int:
+    """n rounded up to a whole number of key blocks."""
+    return -(-n // block) * block
+
+
+def capacity(n: int) -> int:
+    """The capacity a request of n tokens reserves in exact mode: whole key blocks, so a
+    block read past its end stays within its own KV (never another sequence's slots)."""
+    return aligned(n)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention whose result for each query is independent of the other queries and of
+    how many keys past it are read.
+
+    q [B, Hkv, M, D] (a KV head's query heads folded into M); keys/values [B, Hkv, L, D], L a
+    multiple of KV_BLOCK, the first key at a position that is a multiple of KV_BLOCK; `mask`
+    additive (0 / -inf), broadcastable to [B, Hkv, M, L] (or to [B, Hkv, aligned(M, Q_TILE),
+    L]: `query_rows`), every query seeing at least one key. Returns [B, Hkv, M, D] in q's
+    dtype; the arithmetic is float32 whatever the model's dtype.
+
+    NOTE: the queries are zero-padded to whole tiles of Q_TILE rows: float32 matmuls of 1-3
+    rows take another kernel than 4 or more (measured on the dev box: 3 query rows round
+    differently from 6; any multiple of 4 from 4 to 400 rows gives the same bits).
+    """
+    dtype = q.dtype
+    b, h, m, d = q.shape
+    n = keys.shape[2]
+    if n % KV_BLOCK:
+        raise ValueError(f"{n} keys are not whole blocks of {KV_BLOCK}")
+    nb, rows = n // KV_BLOCK, query_rows(m)
+    if dtype != torch.float32:
+        q, keys, values = q.float(), keys.float(), values.float()
+    if rows != m:
+        q = F.pad(q, (0, 0, 0, rows - m))
+    if mask.dtype != torch.float32:
+        mask = mask.float()
+    if mask.shape[-2] not in (1, rows):  # the padded queries see every key (finite, dropped)
+        mask = F.pad(mask, (0, 0, 0, rows - mask.shape[-2]))
+    if softcap is None:  # scale, product and mask in one op: [B * Hkv, M, L]
+        if mask.dim() == 4:
+            mask = mask.expand(b, h, rows, n).reshape(b * h, rows, n)
+        scores = torch.baddbmm(mask, q.view(b * h, rows, d), keys.reshape(b * h, n, d).transpose(-1, -2), alpha=scale).view(b, h, rows, n)
+    else:
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap).add_(mask)
+    if scores.device.type == "cpu":
+        # NOTE: PyTorch's CPU softmax sums a row in one sequential vector accumulation, so the
+        # exact zeros of masked blocks past a query change nothing (measured: 0 of 175 rows
+        # differ with 1-3 more masked blocks or more rows, 1 and 2 threads); the row's length
+        # is a whole number of blocks, no scalar tail.
+        probs = torch.softmax(scores, -1)
+        sums = None
+    else:  # a GPU softmax reduces by the row's length: max, exp and each block's own sum
+        probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        sums = _in_order(probs.view(b, h, rows, nb, KV_BLOCK).sum(-1), 3)
+    if nb == 1:
+        out = torch.matmul(probs, values)
+    else:  # each block's P @ V over its KV_BLOCK keys, the blocks added in position order
+        blocks = probs.view(b, h, rows, nb, KV_BLOCK).transpose(2, 3)
+        out = _in_order(torch.matmul(blocks, values.view(b, h, nb, KV_BLOCK, d)), 2)
+    if sums is not None:
+        out = out / sums[..., None]
+    return out[:, :, :m].to(dtype)
+
+
+def _in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum of `x` over `dim`, strictly first to last (trailing zeros then change nothing):
+    `cumsum` on CPU (a sequential loop), one add per entry elsewhere (a GPU scan is a tree)."""
+    if x.device.type == "cpu":
+        return x.cumsum(dim).select(dim, -1)
+    out = x.select(dim, 0)
+    for i in range(1, x.shape[dim]):
+        out = out + x.select(dim, i)
+    return out
+
+
+def query_rows(m: int) -> int:
+    """The query rows `attend` computes for m queries (whole tiles of Q_TILE)."""
+    return aligned(m, Q_TILE)
+
+
+def linear(layer: torch.nn.Linear, x: torch.Tensor, kernel=None, tile: int = ROW_TILE) -> torch.Tensor:
+    """`layer(x)` ([..., in] -> [..., out]) with each row's result independent of the other
+    rows: the rows are zero-padded to whole tiles of `tile` rows and `kernel` ([M, in] ->
+    [M, out]; default F.linear) computes them: on CPU in one call, elsewhere one call per tile.
+
+    NOTE: measured on the dev box (AMD EPYC, AVX-512 + bf16; torch 2.13's MKL and oneDNN), fp32
+    and bf16, 1 and 2 threads, SmolLM2's four weight shapes: MKL's sgemm (F.linear) gives 1
+    row, 2-3 rows and 4+ rows three different roundings, while any multiple of 4 from 4 to
+    1024 rows gives each row the same bits, at any place in the call; oneDNN's packed matmul
+    differs only between 1 row and 2+ (cpu_linear passes tile=2); bf16 never varied. So on CPU
+    one call over whole tiles is enough. cuBLAS chooses its kernel (and split-K) by shape:
+    there every call is exactly one tile (CUDA_ROW_TILE rows), so all run one kernel.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if rows.device.type != "cpu":
+        tile = CUDA_ROW_TILE
+    padded = aligned(n, tile)
+    if padded != n:
+        rows = F.pad(rows, (0, 0, 0, padded - n))
+    if kernel is None:
+        kernel = lambda tile: F.linear(tile, layer.weight, layer.bias)  # noqa: E731
+    if rows.device.type == "cpu" or padded == tile:
+        out = kernel(rows)
+    else:
+        out = torch.cat([kernel(t) for t in rows.split(tile)])
+    return out[:n].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def enable(model) -> None:
+    """Route the linear layers of `model` that run through PyTorch's own `F.linear` (every one
+    off CPU; on CPU server/engine/cpu_linear.py's forwards ask `active()` themselves) through `linear`
+    while `active()`. Idempotent."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and "forward" not in vars(module):
+            module.forward = _switched.__get__(module)
+
+
+def _switched(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(layer, x) if active() else F.linear(x, layer.weight, layer.bias)
+
+
+def pin_backends(device: torch.device) -> None:
+    """Settings exact mode needs on `device`, set once when the server starts.
+
+    NOTE (CUDA): cuBLAS may split a bf16/fp16 GEMM's reduction and round partial sums to the
+    half type when allowed to (`allow_*_reduced_precision_reduction`), and TF32 changes fp32
+    products; a fixed workspace (CUBLAS_WORKSPACE_CONFIG) keeps cuBLAS from choosing a
+    different algorithm as its workspace varies. None of this makes cuBLAS batch-invariant by
+    itself (that is the fixed row tiles of cpu_linear.exact); it removes the other sources.
+    Not applied in the default mode, whose speed they would cost."""
+    if device.type != "cuda":
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False

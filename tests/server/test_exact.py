@@ -1,0 +1,352 @@
+"""Exact mode (`--deterministic`, server/engine/exact.py) on the real model, in float32 AND bfloat16
+on the test device: every request's tokens and logprobs are bit-identical to the same request
+run alone, whatever runs beside it, whatever the prefill chunk size (16, 128, 512), reused from
+its session or restored from the disk tier, with prompt lookup or a draft model on or off,
+greedy and seeded sampling alike. Nothing here allows a near-tie: identical or failed.
+
+Plus the building blocks on random tensors: `exact.attend` and the exact linear layers give a
+row the same bits whatever else is computed with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from cache_manager import kv
+from cache_manager.manager import CacheConfig, CacheManager
+from cache_manager.tiers import DiskTier
+from server.engine import cpu_linear, exact
+from server.engine.draft_model import DraftModelProposer
+from server.engine.core import Engine, EngineConfig
+from server.metrics import Metrics
+from server.model_loader import load_model
+from server.engine.prompt_lookup import NgramProposer
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
+from server.engine.speculative import SpeculativeConfig
+from tests.conftest import test_cache_dir as cache_dir
+from tests.device import DEVICE
+
+DTYPES = ["float32", "bfloat16"]
+MAX_CONTEXT = 2048
+TOPICS = ["the sea", "a lighthouse", "bread", "rain", "trains", "chess", "the moon", "coffee", "winter", "owls"]
+LONG_DOC = " ".join(f"Note {i}: the harbor ledger lists {i * 7 % 13} crates of copper." for i in range(40))
+CODE = "def cheapest(items):\n    best = None\n    for item in items:\n        if best is None or item.price < best.price:\n            best = item\n    return best\n"
+COPY_PROMPTS = [
+    "Rename cheapest to lowest in this code and reply with the code only:\n" + CODE,
+    "Repeat this list exactly: apples, pears, plums, cherries, apricots, peaches, figs.",
+    "Copy this sentence twice: the harbor ledger lists seven crates of copper.",
+]
+
+
+@functools.cache
+def model_in(dtype: str):
+    return load_model(None, cache_dir=cache_dir(), device=str(DEVICE), dtype=dtype)
+
+
+@pytest.fixture(params=DTYPES)
+def loaded(request):
+    return model_in(request.param)
+
+
+class Exact:
+    """One engine in exact mode over `loaded`'s model; runs requests and records what each
+    token carried (id, logprob, top logprobs)."""
+
+    def __init__(self, loaded, model=None, proposer=None, tiers=None, budget=2**31, **engine_kw):
+        self.model, self.tokenizer = model or loaded.model, loaded.tokenizer
+        self.metrics = Metrics()
+        self.cache = CacheManager(self.model.config, loaded.device, loaded.dtype, MAX_CONTEXT, CacheConfig(budget_bytes=budget), self.metrics, **(tiers or {}))
+        config = EngineConfig(max_context=MAX_CONTEXT, deterministic=True, speculative=SpeculativeConfig(max_draft=6, adaptive=False), **engine_kw)
+        self.engine = Engine(self.model, self.tokenizer, config, self.cache, metrics=self.metrics, proposer=proposer)
+        self.engine.start()
+
+    def prompt(self, text, system=None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    async def run(self, request):
+        """[(token id, logprob, top logprobs)], the final output."""
+        got, final = [], None
+        async for out in self.engine.submit(request, asyncio.get_running_loop()):
+            got += [(t.token_id, t.logprob, tuple(t.top)) for t in out.tokens]
+            final = out
+        assert final.finish_reason in ("stop", "length"), (request.request_id, final)
+        return got, final
+
+    def counter(self, name):
+        return self.metrics.registry.get_sample_value(name) or 0.0
+
+    def stop(self):
+        self.engine.stop()
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(loaded, **kw):
+        made.append(Exact(loaded, **kw))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.stop()
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, logprobs=True, top_logprobs=3)
+
+
+def seeded(n, seed):
+    return SamplingParams(max_tokens=n, temperature=0.9, top_p=0.9, top_k=40, seed=seed, logprobs=True, top_logprobs=2)
+
+
+def alone(request, suffix="alone"):
+    """The same request in a private cache, never drafting: the reference."""
+    return GenerationRequest(f"{request.request_id}-{suffix}", request.prompt_ids, request.params, principal=request.principal, use_session=False, speculative=False)
+
+
+def mixed(e: Exact) -> list[GenerationRequest]:
+    """18 requests: greedy ones of 3..24 tokens, a long prompt that prefills in chunks beside
+    decoding rows, seeded samples, session second turns (reusing a first turn) and n = 2."""
+    reqs = [GenerationRequest(f"plain-{i}", e.prompt(f"Write two sentences about {t}."), greedy(3 + 3 * i)) for i, t in enumerate(TOPICS[:8])]
+    reqs.append(GenerationRequest("long", e.prompt("What does note 17 list?", system=LONG_DOC), greedy(10)))
+    reqs += [GenerationRequest(f"seeded-{i}", e.prompt(f"Invent a word about {TOPICS[i]}."), seeded(10, 1000 + i)) for i in range(3)]
+    reqs += [GenerationRequest(f"turn2-{i}", e.prompt(f"And {TOPICS[i]} at night?", system=f"Session {i}."), greedy(8 + i), session_id=f"s{i}") for i in range(3)]
+    reqs += [GenerationRequest(f"copy-{i}", e.prompt(p), greedy(16)) for i, p in enumerate(COPY_PROMPTS[1:])]
+    reqs += [GenerationRequest(f"n2-{j}", e.prompt("Name a color."), greedy(6), use_session=j == 0) for j in range(2)]
+    return reqs
+
+
+def compare(requests, got, want) -> int:
+    """How many of `got` equal `want` bit for bit (tokens, logprobs, top logprobs); asserts all."""
+    identical = [g[0] == w[0] for g, w in zip(got, want)]
+    for r, g, w, same in zip(requests, got, want, identical):
+        assert same, f"{r.request_id}: {g[0]} != {w[0]}"
+    return sum(identical)
+
+
+def test_together_equals_alone_at_every_chunk_size(loaded, engines):
+    """18 mixed requests at once (decode rows beside prefill chunks, sessions reusing their
+    first turn) on engines whose steps carry 16, 128 and 512 tokens, against each request
+    alone (its prompt in one pass, a fresh prefill): 100% bit-identical."""
+    reference = engines(loaded)
+
+    async def go():
+        runs = {}
+        for budget in (16, 128, 512):
+            e = engines(loaded, max_batch_tokens=budget)
+            for i in range(3):
+                await e.run(GenerationRequest(f"turn1-{i}", e.prompt(f"Tell me about {TOPICS[i]}.", system=f"Session {i}."), greedy(4), session_id=f"s{i}"))
+            reqs = mixed(e)
+            runs[budget] = (reqs, await asyncio.gather(*(e.run(r) for r in reqs)))
+        reqs = runs[16][0]
+        want = [await reference.run(alone(r)) for r in reqs]
+        return reqs, runs, want
+
+    reqs, runs, want = asyncio.run(go())
+    assert len(reqs) >= 16
+    for budget, (_, got) in runs.items():
+        n = compare(reqs, got, want)
+        print(f"\n{loaded.dtype} chunk {budget}: together vs alone {n}/{len(reqs)} bit-identical")
+        finals = {r.request_id: f for r, (_, f) in zip(reqs, got)}
+        assert all(finals[f"turn2-{i}"].cached_tokens > 0 for i in range(3))  # reuse under batching
+
+
+def test_the_paged_path_computes_the_row_paths_bits(loaded, engines):
+    """The attention path CUDA takes (decode rows bucket-padded from the persistent buffers,
+    multi-token rows in padded batches, block tables padded to whole key blocks), run eagerly
+    here, against requests alone on the default path of this device: bit-identical."""
+    e = engines(loaded, paged=True, max_batch_tokens=64)
+    reference = engines(loaded)
+
+    async def go():
+        reqs = [r for r in mixed(e) if not r.request_id.startswith("turn2")][:10]
+        got = await asyncio.gather(*(e.run(r) for r in reqs))
+        return reqs, got, [await reference.run(alone(r)) for r in reqs]
+
+    reqs, got, want = asyncio.run(go())
+    n = compare(reqs, got, want)
+    print(f"\n{loaded.dtype} paged path vs alone: {n}/{len(reqs)} bit-identical")
+
+
+def test_session_turns_equal_fresh_prefills(loaded, engines):
+    """Three turns of two interleaved sessions, the third editing history (a crop): each turn
+    equals a fresh prefill of its prompt, bit for bit."""
+    e = engines(loaded)
+
+    async def go():
+        convs = {sid: [{"role": "system", "content": f"You are assistant {k}. {LONG_DOC[: 300 * k]}"}] for k, sid in ((1, "a"), (2, "b"))}
+        pairs = []
+        for turn in range(3):
+            for sid, messages in convs.items():
+                if turn == 2:
+                    messages[:] = messages[:2]  # edit: drop the first reply
+                messages.append({"role": "user", "content": f"Question {turn} about {TOPICS[turn]}?"})
+                text = e.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                r = GenerationRequest(f"{sid}-{turn}", e.tokenizer(text, add_special_tokens=False)["input_ids"], greedy(6), session_id=sid)
+                got, want = await e.run(r), await e.run(alone(r))
+                if turn == 1:
+                    assert got[1].cached_tokens > 0
+                pairs.append((r, got, want))
+                messages.append({"role": "assistant", "content": e.tokenizer.decode([t for t, _, _ in got[0]], skip_special_tokens=True)})
+        return pairs
+
+    pairs = asyncio.run(go())
+    n = compare([p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs])
+    print(f"\n{loaded.dtype} session turns vs fresh prefill: {n}/{len(pairs)} bit-identical")
+
+
+def tiny_llama(seed, dtype):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=MAX_CONTEXT, eos_token_id=2), dtype=dtype).to(DEVICE).eval()
+
+
+@pytest.mark.parametrize("source", ["ngram", "self", "tiny"])
+def test_speculation_on_equals_off(loaded, engines, source):
+    """Prompt lookup, SmolLM2 drafting for itself (every draft accepted) and a tiny random draft
+    model (nearly every draft rejected and cropped), greedy and seeded, with sessions: every
+    output equals the request run alone without speculation, bit for bit."""
+    if source == "ngram":
+        proposer = NgramProposer()
+    else:
+        draft = loaded.model if source == "self" else tiny_llama(0, loaded.dtype)
+        proposer = DraftModelProposer(draft, MAX_CONTEXT, budget_bytes=2**28, exact=True)
+    e = engines(loaded, proposer=proposer)
+    reference = engines(loaded)
+
+    async def go():
+        first = [GenerationRequest(f"c{i}", e.prompt(p), greedy(20), session_id=f"c{i}") for i, p in enumerate(COPY_PROMPTS)]
+        first += [GenerationRequest(f"s{i}", e.prompt(p), seeded(14, 7 + i)) for i, p in enumerate(COPY_PROMPTS[1:])]
+        got = await asyncio.gather(*(e.run(r) for r in first))
+        more = e.tokenizer("<|im_end|>\n<|im_start|>user\nOnce more, please.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        second = [GenerationRequest(f"c{i}-2", r.prompt_ids + [t for t, _, _ in g[0]] + more, greedy(12), session_id=f"c{i}") for i, (r, g) in enumerate(zip(first, got))]
+        got += await asyncio.gather(*(e.run(r) for r in second))
+        reqs = first + second
+        want = [await reference.run(alone(r)) for r in reqs]
+        return reqs, got, want
+
+    reqs, got, want = asyncio.run(go())
+    n = compare(reqs, got, want)
+    drafted = e.counter("kvserve_spec_decode_draft_tokens_total")
+    print(f"\n{loaded.dtype} speculation ({source}) on vs off: {n}/{len(reqs)} bit-identical, {drafted:.0f} drafted")
+    assert drafted > 10
+
+
+def test_a_restored_session_equals_a_fresh_prefill(loaded, engines, tmp_path):
+    """Two sessions in a budget that holds one running request: each turn evicts the other
+    session to the disk tier, the next restores it; and a new engine over the same directory
+    (a restart) restores both. Every turn equals a fresh prefill, bit for bit."""
+    metrics = Metrics()
+    # prompts of ~110-180 tokens: a running request reserves whole key blocks, at least 128
+    # tokens, and with the other session's idle KV (>= 7 blocks of 16) it never fits
+    budget = kv.bytes_for(loaded.model.config, exact.capacity(190), loaded.dtype)
+
+    def tier():
+        return DiskTier(tmp_path, 2**31, 1800.0, "exact-test", metrics)
+
+    e = engines(loaded, tiers={"disk": tier()}, budget=budget)
+    reference = engines(loaded)
+    convs = {sid: [{"role": "system", "content": f"Assistant {sid}. {LONG_DOC[:320]}"}] for sid in "ab"}
+
+    async def turn(engine, sid, question):
+        messages = convs[sid]
+        messages.append({"role": "user", "content": question})
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        r = GenerationRequest(f"{sid}-{len(messages)}", engine.tokenizer(text, add_special_tokens=False)["input_ids"], greedy(5), session_id=sid)
+        got, want = await engine.run(r), await reference.run(alone(r))
+        messages.append({"role": "assistant", "content": engine.tokenizer.decode([t for t, _, _ in got[0]], skip_special_tokens=True)})
+        return r, got, want
+
+    async def go(engine, turns):
+        return [await turn(engine, sid, f"Question {k} for {sid}?") for k in range(turns) for sid in "ab"]
+
+    played = asyncio.run(go(e, 2))
+    restored = [p for p in played[2:] if p[1][1].miss_reason == "restored_disk"]
+    assert len(restored) == 2, [(len(p[0].prompt_ids), p[1][1].miss_reason) for p in played]
+    e.stop()
+    e.cache.close()
+    again = engines(loaded, tiers={"disk": tier()}, budget=budget)
+    after = asyncio.run(go(again, 1))
+    assert any(p[1][1].miss_reason == "restored_disk" for p in after)
+    played += after
+    n = compare([p[0] for p in played], [p[1] for p in played], [p[2] for p in played])
+    print(f"\n{loaded.dtype} restored sessions vs fresh prefill: {n}/{len(played)} bit-identical ({len(restored)} restored, then a restart)")
+
+
+# -- the building blocks on random tensors -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype):
+    """A query at position p: alone (keys 0..p in whole blocks) and inside chunks of 16, 128
+    and 512 queries reading keys to the chunk's end (and a block further): the same bits."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    heads, groups, dim, n = 3, 3, 64, 1024
+    q = torch.randn(1, heads, groups, n, dim, device=DEVICE).to(dt)
+    k = torch.randn(1, heads, n + exact.KV_BLOCK, dim, device=DEVICE).to(dt)
+    v = torch.randn(1, heads, n + exact.KV_BLOCK, dim, device=DEVICE).to(dt)
+
+    def attend(start, count, extra=0):
+        length = exact.aligned(start + count) + extra
+        mask = torch.arange(length, device=DEVICE)[None, :] <= torch.arange(start, start + count, device=DEVICE)[:, None]
+        additive = torch.zeros(mask.shape, device=DEVICE, dtype=dt).masked_fill(~mask, float("-inf")).repeat(groups, 1)
+        folded = q[:, :, :, start : start + count].reshape(1, heads, groups * count, dim)
+        return exact.attend(folded, k[:, :, :length], v[:, :, :length], additive, dim**-0.5, None).view(1, heads, groups, count, dim)
+
+    checked = 0
+    for p in (0, 5, 63, 64, 200, 511, 700, 1000):
+        single = attend(p, 1)[..., 0, :]
+        for chunk in (16, 128, 512):
+            start = p // chunk * chunk
+            count = min(chunk, n - start)
+            for extra in (0, exact.KV_BLOCK):
+                assert torch.equal(attend(start, count, extra)[..., p - start, :], single), (p, chunk, extra)
+                checked += 1
+    assert checked == 48
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "dense"])
+def test_linear_rows_ignore_the_other_rows(dtype, packed):
+    """A linear layer in exact mode gives each row the same bits with 1..300 rows beside it, at
+    any place among them."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    model = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(1536, 576, bias=False)).to(DEVICE, dt)
+    model.device = torch.device(DEVICE)
+    cpu_linear.pack_model(model, packed)
+    exact.enable(model)
+    x = torch.randn(1, 400, 576, device=DEVICE).to(dt)
+    with exact.running(True):
+        single = [model(x[:, i : i + 1])[0, 0] for i in range(0, 400, 37)]
+        for m in (2, 3, 7, 8, 9, 16, 17, 33, 64, 100, 300):
+            for at in (0, m - 1):
+                for j, i in enumerate(range(0, 400, 37)):
+                    if i - at >= 0 and i - at + m <= 400:
+                        out = model(x[:, i - at : i - at + m])[0, at]
+                        assert torch.equal(out, single[j]), (m, at, i)
+
+
+@pytest.mark.anyio
+async def test_models_say_which_mode_runs(app_client):
+    """`/v1/models` (and one model's card) carry the mode; the fingerprint differs by mode."""
+    seen = {}
+    for deterministic in (False, True):
+        async with app_client(deterministic=deterministic) as client:
+            listed = (await client.get("/v1/models")).json()["data"][0]
+            card = (await client.get(f"/v1/models/{listed['id']}")).json()
+            assert listed["deterministic"] is card["deterministic"] is deterministic
+            body = {"model": listed["id"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+            seen[deterministic] = (await client.post("/v1/chat/completions", json=body)).json()["system_fingerprint"]
+    assert seen[False] != seen[True]
