@@ -161,12 +161,15 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 def logprob_infos(logprobs: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:
     """Per row of log-probabilities [rows, vocab]: the logprob of its chosen token and its
-    `ks[i]` most likely (token id, logprob) pairs, most likely first; one device-to-host copy
+    `ks[i]` most likely (token id, logprob) pairs, most likely first (ties: lower id first); one device-to-host copy
     for all rows."""
     rows = logprobs.shape[0]
     ids = torch.tensor(token_ids, device=logprobs.device)[:, None]
     chosen = logprobs.gather(1, ids).double()
     k = max(ks, default=0)
-    values, top = torch.topk(logprobs, k, dim=-1) if k else (logprobs[:, :0], ids[:, :0])
+    # NOTE: a stable sort, not topk: equal logprobs come in token id order whatever the row
+    # count (topk breaks ties differently for different batch shapes)
+    values, top = torch.sort(logprobs, dim=-1, descending=True, stable=True) if k else (logprobs, ids)
+    values, top = values[:, :k], top[:, :k]
     host = torch.cat([chosen, values.double(), top.double()], dim=1).tolist()
     return [(row[0], [(int(t), v) for t, v in zip(row[1 + k : 1 + k + ks[i]], row[1 : 1 + ks[i]])]) for i, row in enumerate(host[:rows])]

@@ -122,3 +122,5 @@ def test_logprob_infos_give_each_row_its_chosen_and_top_logprobs():
     assert [t for t, _ in top0] == [1, 3] and top0[0][1] > top0[1][1] and top1 == []
     assert chosen0 == float(lp[0, 2]) and chosen1 == float(lp[1, 3])
     assert top0[0][1] == float(lp[0, 1])
+    tied = torch.log_softmax(torch.tensor([[1.0, 2.0, 0.0, 2.0, 2.0]] * 3, device=DEVICE), -1)
+    assert [t for t, _ in logprob_infos(tied, [0, 0, 0], [3, 2, 1])[1][1]] == [1, 3]  # ties: lower id first
