@@ -135,7 +135,7 @@ class ModelRunner:
         # decode rows first (the paged path's decode batch), then the others in plan order;
         # logits are kept in plan order
         singles = [i for i, r in enumerate(rows) if r.n == 1] if self.paged else []
-        others = [i for i in range(len(rows)) if i not in set(singles)]
+        others = [i for i in range(len(rows)) if not (self.paged and rows[i].n == 1)]
         given = [0]
         for row in rows:
             given.append(given[-1] + row.n)
@@ -238,7 +238,7 @@ class ModelRunner:
 
     def _whole(self, blocks: int) -> int:
         """`blocks` rounded up to whole key blocks of exact mode (itself otherwise)."""
-        return -(-blocks // self.key_blocks) * self.key_blocks
+        return exact_mode.aligned(blocks, self.key_blocks)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None) -> torch.Tensor:
         """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""
