@@ -24,8 +24,9 @@ layers see the batch's shape. Grouped-query attention folds a KV head's query he
 query length ([.., Hkv, groups * T, D]): keys are never repeated per query head. Soft-capped
 models (Gemma 2) use the eager formula, softmax in float32; everything else is plain
 `scaled_dot_product_attention`, CPU or CUDA, fp32 or bf16. In exact mode (`Step.exact`,
---deterministic) both paths read whole key blocks and call `exact.attend` instead, whose
-result for a query depends on nothing else in the call (server/engine/exact.py).
+--deterministic) a query's result depends on nothing else in its step (server/engine/exact.py):
+the row path attends a row's queries in spans (`_attend_exact`), the paged path reads whole
+key blocks and calls `exact.attend`.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Batch:
             allowed = keys <= queries
             if window is not None:
                 allowed &= keys > queries - window
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, -math.inf)
+            mask = _additive(allowed, dtype)
             # a KV head's query heads side by side, as `_attend_batch` folds them (one query
             # per row: the same mask for each, broadcast)
             self.masks[window] = (mask.repeat(1, groups, 1) if self.width > 1 else mask)[:, None]
@@ -108,7 +109,8 @@ class Step:
 
     rows: list[Row]
     batches: list[Batch] = field(default_factory=list)
-    exact: bool = False  # exact mode: `exact.attend` over whole key blocks (server/engine/exact.py)
+    exact: bool = False  # exact mode (server/engine/exact.py): spans on the row path, `exact.attend` on the paged one
+    singles: "_Singles | None" = None  # exact mode's one-token rows on the row path (`_attend_exact`)
 
 
 def enable(model) -> None:
@@ -146,13 +148,16 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     attend = exact.attend if kvserve_step.exact else _attend
     for batch in kvserve_step.batches:
         _attend_batch(batch, layer, query[0], key[0], value[0], out[0], groups, scale, softcap, attend)
+    if kvserve_step.exact and kvserve_step.rows:
+        _attend_exact(kvserve_step, layer, query, key, value, out, groups, scale, softcap)
+        return out, None
     for row in kvserve_step.rows:
         lo, hi = row.offset, row.offset + row.n
-        k_row, v_row, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi], kvserve_step.exact)
-        mask = _mask(row, layer, first, k_row.shape[2], groups, query.dtype, kvserve_step.exact)
+        k_row, v_row, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi])
+        mask = _mask(row, layer, first, k_row.shape[2], groups, query.dtype)
         # [1, H, T, D] -> [1, Hkv, groups * T, D]: a KV head's query heads side by side
         q = query[:, :, lo:hi].reshape(1, kv_heads, groups * row.n, head_dim)
-        o = attend(q, k_row, v_row, mask, scale, softcap)
+        o = _attend(q, k_row, v_row, mask, scale, softcap)
         out[:, lo:hi] = o.reshape(1, heads, row.n, -1).transpose(1, 2)
     return out, None
 
@@ -180,24 +185,21 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int,
         out.index_copy_(0, batch.targets, o if batch.real is None else o[batch.real])
 
 
-def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, whole_blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, span: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Store the row's new keys/values at `layer`; return the keys/values its queries attend
     over, in position order, and the position of the first: the whole sequence for a full
     layer, the last `window` positions before the first query onwards for a sliding one.
 
-    `whole_blocks` (exact mode): from the start of the key block holding the first to the end
-    of the block holding the last (`exact.KV_BLOCK`); the positions past the row's end are
-    masked, and those past its capacity are zeros (a copy: the engine reserves whole blocks,
-    so only callers that do not pay it)."""
+    `span` (exact mode: `exact.SPAN`): from the first key of the span holding the first query
+    (`_first_key`) to the end of the span holding the last; the positions past the row's end
+    are masked, and those past its capacity are zeros (a copy: pool blocks are whole spans,
+    so only caches of other sizes pay it)."""
     cache = row.kv
     start = cache.length
     end = start + row.n
     window = cache.pool.layout.windows[layer]
-    first = 0 if window is None else max(0, start - window + 1)
-    last = end
-    if whole_blocks:
-        first -= first % exact.KV_BLOCK
-        last = exact.aligned(end)
+    first = _first_key(start - start % span, window, span)
+    last = exact.aligned(end, span)
     readable = min(last, kv.capacity(cache))
     if cache.base is None and row.slots is None:
         row.slots = cache.slots(0, readable)  # once per step for every layer
@@ -208,30 +210,124 @@ def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tens
     return keys, values, first
 
 
-def _mask(row: Row, layer: int, first: int, n_keys: int, groups: int, dtype: torch.dtype, whole_blocks: bool = False) -> torch.Tensor | None:
+def _first_key(position: int, window: int | None, span: int = 1) -> int:
+    """The first key a query at `position` reads: 0, or with a window the first inside it,
+    rounded down to a whole `span`."""
+    if window is None:
+        return 0
+    first = max(0, position - window + 1)
+    return first - first % span
+
+
+def _mask(row: Row, layer: int, first: int, n_keys: int, groups: int, dtype: torch.dtype) -> torch.Tensor | None:
     """The additive mask [groups * n, n_keys] of the row's `n` queries (a KV head's query heads
     stacked, as `_attention` folds them) over its keys at positions first..; None where every
-    query sees every key (one query, unless `whole_blocks` read keys past it). Built once per
-    step for all the layers with the same window.
+    query sees every key (one query). Built once per step for all the layers with the same
+    window.
 
     NOTE: additive (0 / -inf in the query's dtype) because sdpa turns a bool mask into exactly
     that at every call; a step of 4 rows x 4 positions spent ~4 of its 44 ms building and
     converting masks per layer."""
-    if row.n == 1 and not whole_blocks:
+    if row.n == 1:
         return None
     window = row.kv.pool.layout.windows[layer]
     mask = row.masks.get(window)
     if mask is None:
-        start = row.kv.length
         device = row.kv.pool.device
-        allowed = _causal(start, row.n, torch.arange(first, first + n_keys, device=device), window)
-        if whole_blocks:  # exact.attend computes in float32
-            dtype = torch.float32
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf).repeat(groups, 1)
-        if whole_blocks:  # the query rows exact.attend pads to see every key (finite, unused)
-            mask = F.pad(mask, (0, 0, 0, exact.query_rows(mask.shape[0]) - mask.shape[0]))
-        row.masks[window] = mask
+        allowed = _causal(row.kv.length, row.n, torch.arange(first, first + n_keys, device=device), window)
+        mask = row.masks[window] = _additive(allowed, dtype).repeat(groups, 1)
     return mask
+
+
+class _Singles:
+    """Exact mode's one-token rows (decode steps) of a step on the row path: `index` [R] their
+    tokens in the flattened batch, `queries` [R, Hkv, query_rows(groups), D] their queries,
+    zero-padded to a whole tile (`views`: one [1, ...] view per row). Each layer gathers the
+    queries with one copy and scatters the outputs with one (`_attend_exact`)."""
+
+    def __init__(self, rows: list[Row], query: torch.Tensor, kv_heads: int, groups: int) -> None:
+        self.rows = [r for r in rows if r.n == 1]
+        self.index = torch.tensor([r.offset for r in self.rows], device=query.device)
+        self.queries = query.new_zeros(len(self.rows), kv_heads, exact.query_rows(groups), query.shape[3])
+        self.views = [self.queries[i : i + 1] for i in range(len(self.rows))]
+
+
+def _attend_exact(step: Step, layer: int, query, key, value, out, groups: int, scale, softcap) -> None:
+    """Exact mode on the row path (server/engine/exact.py): every row's queries in spans of
+    `exact.SPAN` positions aligned to position 0 (`_spans`), one `_attend` call per span over
+    the keys from the span's first key (`_first_key`) to its end, the queries zero-padded to
+    whole tiles of `exact.Q_TILE` rows. A query's call is then the same computation wherever it
+    is made: the same keys, the same read length, the same mask row, a whole number of query
+    tiles, whether it is decoded, drafted, forced or prefilled in a chunk of any size. A
+    one-token row is one span: their queries are gathered and their outputs scattered with one
+    op each for all of them (`_Singles`).
+
+    NOTE: measured on the dev box (torch 2.13's CPU flash SDPA; fp32, bf16 and fp16; 1 and 2
+    threads; 1, 2, 3, 5 and 8 query heads per KV head): the read length must be the query's
+    own, since the kernel blocks keys by 512 and MKL picks its kernels by a block's length
+    (154 of 161 positions rounded differently at some read length between theirs and 2048,
+    masked past them); with the query rows in whole tiles of 4, a query rounds alike in calls
+    of 4 to 48 rows (0 of 3,498 positions differed, spans of 16 and 64); unpadded, 3 query
+    rows round by which thread computes them."""
+    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+    singles = step.singles
+    if singles is None:
+        singles = step.singles = _Singles(step.rows, query, kv_heads, groups)
+    if singles.rows:  # [H, R, D] -> [R, Hkv, groups, D]
+        count = len(singles.rows)
+        singles.queries[:, :, :groups] = query[0, :, singles.index].view(kv_heads, groups, count, head_dim).permute(2, 0, 1, 3)
+        outs = []
+    for row in step.rows:
+        lo, hi = row.offset, row.offset + row.n
+        keys, values, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi], exact.SPAN)
+        spans = _spans(row, layer, first, groups, query)
+        if row.n == 1:  # one span over every key read
+            outs.append(_attend(singles.views[len(outs)], keys, values, spans[0][4], scale, softcap))
+            continue
+        for a, b, k0, k1, mask, q, q_in in spans:
+            n = b - a
+            # [1, H, n, D] -> [1, Hkv, groups * n, D]: into the span's zero-padded query tiles
+            q_in.copy_(query[:, :, lo + a : lo + b].view(1, kv_heads, groups, n, head_dim))
+            o = _attend(q, keys[:, :, k0:k1], values[:, :, k0:k1], mask, scale, softcap)
+            # [1, Hkv, groups * n, D] -> out's [1, n, H, D]
+            out[:, lo + a : lo + b].view(1, n, kv_heads, groups, head_dim).copy_(o[:, :, : groups * n].view(1, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4))
+    if singles.rows:  # [R, Hkv, groups, D] -> out's [R, H, D]
+        out[0].index_copy_(0, singles.index, torch.cat(outs)[:, :, :groups].reshape(count, heads, head_dim))
+
+
+def _spans(row: Row, layer: int, first: int, groups: int, query: torch.Tensor) -> list[tuple]:
+    """The row's queries in spans of `exact.SPAN` positions: (a, b, k0, k1, mask, q, q_in) for
+    queries a..b-1 of the row and keys k0..k1-1 of what `_write_and_read` read (from position
+    `first`): the additive mask [query_rows(groups * n), k1 - k0] (padding rows see every key:
+    finite, dropped) and, for a row of more than one token, a zeroed query buffer q [1, Hkv,
+    query_rows(groups * n), D] and q_in, its first groups * n rows as [1, Hkv, groups, n, D],
+    which each layer overwrites. Built once per step for all the layers with the same window."""
+    window = row.kv.pool.layout.windows[layer]
+    spans = row.masks.get(window)
+    if spans is None:
+        spans, device, start = [], row.kv.pool.device, row.kv.length
+        kv_heads, head_dim = row.kv.pool.layout.kv_heads, query.shape[3]
+        position = start
+        while position < start + row.n:
+            base = position - position % exact.SPAN
+            stop = min(start + row.n, base + exact.SPAN)
+            k0, k1 = _first_key(base, window, exact.SPAN), base + exact.SPAN
+            allowed = _causal(position, stop - position, torch.arange(k0, k1, device=device), window).repeat(groups, 1)
+            rows = exact.query_rows(allowed.shape[0])
+            mask = F.pad(_additive(allowed, query.dtype), (0, 0, 0, rows - allowed.shape[0]))
+            q = q_in = None
+            if row.n > 1:
+                q = query.new_zeros(1, kv_heads, rows, head_dim)
+                q_in = q[:, :, : allowed.shape[0]].view(1, kv_heads, groups, stop - position, head_dim)
+            spans.append((position - start, stop - start, k0 - first, k1 - first, mask, q, q_in))
+            position = stop
+        row.masks[window] = spans
+    return spans
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as an additive one: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
 
 
 def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:

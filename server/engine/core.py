@@ -264,8 +264,8 @@ class Engine:
         """Get the sequence's cache from the cache manager (may crop, grow or evict)."""
         request = seq.request
         need = len(seq.prompt_ids) + seq.params.max_tokens
-        if self.config.deterministic:
-            need = exact.capacity(need)  # whole key blocks: exact attention reads them
+        if self.config.deterministic and self.runner.paged:
+            need = exact.capacity(need)  # whole key blocks: the paged path's exact attention reads them
         lease = self.cache_manager.acquire(
             request.principal,
             request.session_id if request.use_session else None,

@@ -9,22 +9,32 @@ mode every op that reduces is made to reduce in an order fixed by the row's own 
 absolute positions (the "batch invariance" of Thinking Machines' "Defeating Nondeterminism in
 LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference):
 
-* attention (`attend`): float32 scores over keys read in whole blocks of `KV_BLOCK`
-  positions aligned to absolute position 0, queries padded to whole tiles of `Q_TILE`; a
-  softmax over the row (on CPU one sequential accumulation; elsewhere max, exp and each
-  block's own sum), then each block's P @ V over its fixed KV_BLOCK keys, the blocks added in
-  position order (`_in_order`). Keys past a query (the rest of its block, the rest of a chunk,
-  padding) weigh exactly 0, and adding exact zeros changes nothing, so a query's result
-  depends only on its own query vector and keys 0..p, never on the query count, the read
-  length or whether it came from a prefill chunk, a draft or a decode step. The row path and
-  the paged path feed it the same blocks (docs/architecture.md, "Exact mode").
+* attention, two ways with one rule: a query's attention call is the same computation
+  (the same keys, the same read length, the same mask row, whole tiles of `Q_TILE` query
+  rows) wherever the query is computed.
+  - The row path (CPU; server/engine/attention.py `_attend_exact`): queries in spans of `SPAN`
+    positions aligned to position 0; each span is one plain attention call (SDPA, or the
+    eager soft-capped formula) over keys 0 (or the window's first, rounded down to a span) to
+    the end of the span, the queries zero-padded to whole tiles. A query at position p always
+    reads keys up to the end of p's span, masked past p, whether it is decoded, drafted,
+    forced or prefilled in a chunk of any size; the kernel rounds a row alike whatever the
+    call's query count once that is whole tiles of 4 (measured: the NOTE on
+    `_attend_exact`). The model's own dtype; the cost is about SDPA's.
+  - The paged path (CUDA; `attend`): one call for many rows of different lengths, so the
+    read length cannot be a query's own: float32 scores over keys read in whole blocks of
+    `KV_BLOCK` positions aligned to position 0; a softmax over the row (on CPU one
+    sequential accumulation; elsewhere max, exp and each block's own sum), then each block's
+    P @ V over its fixed KV_BLOCK keys, the blocks added in position order (`_in_order`).
+    Keys past a query (the rest of its block, the rest of a chunk, padding) weigh exactly 0,
+    and adding exact zeros changes nothing, so a query's result depends only on its own
+    query vector and keys 0..p, never on the query count or the read length.
 * linear layers (`linear`, called by server/engine/cpu_linear.py's forwards and `enable`'s): rows
   zero-padded to whole tiles, so every call is a shape whose kernel rounds each row alike.
 * row-wise ops (RMSNorm, RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling)
   are already per row (measured, docs/architecture.md; the engine tests cover them end to end).
 
-A read runs to the end of a row's last key block, which is why the engine reserves whole key
-blocks for a request (`capacity`).
+A paged read runs to the end of a row's last key block, which is why the engine reserves whole
+key blocks for a request (`capacity`).
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-KV_BLOCK = 256  # keys are reduced in blocks of this many positions, aligned to position 0
+KV_BLOCK = 256  # `attend` reduces keys in blocks of this many positions, aligned to position 0
+SPAN = 16  # the row path attends queries in spans of this many positions, aligned to position 0
 Q_TILE = 4  # attention computes whole tiles of this many query rows (zero-padded)
 ROW_TILE = 8  # linear layers compute whole tiles of this many rows (the last one zero-padded)
 CUDA_ROW_TILE = 64  # ... on CUDA, one cuBLAS call per tile
@@ -152,7 +163,7 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor, kernel=None, tile: int = ROW
     and bf16, 1 and 2 threads, SmolLM2's four weight shapes: MKL's sgemm (F.linear) gives 1
     row, 2-3 rows and 4+ rows three different roundings, while any multiple of 4 from 4 to
     1024 rows gives each row the same bits, at any place in the call; oneDNN's packed matmul
-    differs only between 1 row and 2+ (cpu_linear passes tile=2); bf16 never varied. So on CPU
+    differs only between 1 row and 2+ (cpu_linear computes 1-3 rows as 4); bf16 never varied. So on CPU
     one call over whole tiles is enough. cuBLAS chooses its kernel (and split-K) by shape:
     there every call is exactly one tile (CUDA_ROW_TILE rows), so all run one kernel.
     """

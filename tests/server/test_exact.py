@@ -4,8 +4,10 @@ run alone, whatever runs beside it, whatever the prefill chunk size (16, 128, 51
 its session or restored from the disk tier, with prompt lookup or a draft model on or off,
 greedy and seeded sampling alike. Nothing here allows a near-tie: identical or failed.
 
-Plus the building blocks on random tensors: `exact.attend` and the exact linear layers give a
-row the same bits whatever else is computed with it.
+Plus the building blocks: tiny random models (a sliding window, soft-capping, MHA) give every
+position the same logits however its prompt is split, on both attention paths; `exact.attend`
+(the paged path's) and the exact linear layers give a row the same bits whatever else is
+computed with it.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import functools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
 from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.tiers import DiskTier
 from server.engine import cpu_linear, exact
+from server.engine.attention import Row
+from server.engine.model_runner import ModelRunner
 from server.engine.draft_model import DraftModelProposer
 from server.engine.core import Engine, EngineConfig
 from server.metrics import Metrics
@@ -160,12 +164,13 @@ def test_together_equals_alone_at_every_chunk_size(loaded, engines):
         assert all(finals[f"turn2-{i}"].cached_tokens > 0 for i in range(3))  # reuse under batching
 
 
-def test_the_paged_path_computes_the_row_paths_bits(loaded, engines):
+def test_the_paged_path_is_batch_invariant_too(loaded, engines):
     """The attention path CUDA takes (decode rows bucket-padded from the persistent buffers,
-    multi-token rows in padded batches, block tables padded to whole key blocks), run eagerly
-    here, against requests alone on the default path of this device: bit-identical."""
+    multi-token rows in padded batches, block tables padded to whole key blocks: `exact.attend`),
+    run eagerly here: requests together in chunks of 64 vs each alone on the same path, chunked
+    at the default size: bit-identical."""
     e = engines(loaded, paged=True, max_batch_tokens=64)
-    reference = engines(loaded)
+    reference = engines(loaded, paged=True)
 
     async def go():
         reqs = [r for r in mixed(e) if not r.request_id.startswith("turn2")][:10]
@@ -174,7 +179,7 @@ def test_the_paged_path_computes_the_row_paths_bits(loaded, engines):
 
     reqs, got, want = asyncio.run(go())
     n = compare(reqs, got, want)
-    print(f"\n{loaded.dtype} paged path vs alone: {n}/{len(reqs)} bit-identical")
+    print(f"\n{loaded.dtype} paged path together vs alone: {n}/{len(reqs)} bit-identical")
 
 
 def test_session_turns_equal_fresh_prefills(loaded, engines):
@@ -247,9 +252,11 @@ def test_a_restored_session_equals_a_fresh_prefill(loaded, engines, tmp_path):
     session to the disk tier, the next restores it; and a new engine over the same directory
     (a restart) restores both. Every turn equals a fresh prefill, bit for bit."""
     metrics = Metrics()
-    # prompts of ~110-180 tokens: a running request reserves whole key blocks, at least 128
-    # tokens, and with the other session's idle KV (>= 7 blocks of 16) it never fits
-    budget = kv.bytes_for(loaded.model.config, exact.capacity(190), loaded.dtype)
+    # prompts of ~110-180 tokens: a running request reserves room for 190 at most (whole key
+    # blocks on the paged path, CUDA's), and with the other session's idle KV (>= 7 blocks of
+    # 16) it never fits
+    most = exact.capacity(190) if DEVICE.type == "cuda" else 190
+    budget = kv.bytes_for(loaded.model.config, most, loaded.dtype)
 
     def tier():
         return DiskTier(tmp_path, 2**31, 1800.0, "exact-test", metrics)
@@ -314,6 +321,48 @@ def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype):
                 assert torch.equal(attend(start, count, extra)[..., p - start, :], single), (p, chunk, extra)
                 checked += 1
     assert checked == 48
+
+
+TINY = {  # attention shapes SmolLM2 lacks: a window (not a whole number of spans), soft-capping, MHA
+    "gemma2-window-softcap": lambda **c: Gemma2Config(head_dim=16, num_attention_heads=6, num_key_value_heads=2, sliding_window=20, **c),
+    "llama-mha": lambda **c: LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **c),
+}
+
+
+@pytest.mark.parametrize("path", ["row", "paged"] if DEVICE.type == "cpu" else ["paged"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", list(TINY))
+def test_a_position_has_the_same_logits_however_the_prompt_is_split(kind, dtype, path):
+    """Tiny random models through the model runner in exact mode, on the row path (CPU's
+    spans) and the paged path: every position's logits decoded one token at a time, prefilled
+    in one chunk, in chunks of 7, split 33 + 1 + 1 + rest, and in chunks of 16 beside another
+    sequence's decode rows: the same bits."""
+    torch.manual_seed(0)
+    config = TINY[kind](vocab_size=4096, hidden_size=96, intermediate_size=128, num_hidden_layers=3, max_position_embeddings=MAX_CONTEXT)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).to(DEVICE).eval()
+    pool = kv.Pool(model.config, 2**24, DEVICE, model.dtype)
+    runner = ModelRunner(model, pool, paged=path == "paged", exact=True, cuda_graphs=False, max_rows=4)
+    ids = torch.randint(0, 4096, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def logits(chunks, beside=False):
+        cache, other = pool.allocate(exact.capacity(100)), pool.allocate(exact.capacity(100))
+        out, at = [], 0
+        if beside:
+            runner.forward([Row(other, 5)], ids[:5], [0])
+        for n in chunks:
+            rows, tokens = [Row(cache, n)], ids[at : at + n]
+            if beside:
+                rows.append(Row(other, 1))
+                tokens = tokens + [ids[at % 7]]
+            out.append(runner.forward(rows, tokens, [0], [n]))
+            at += n
+        kv.free(cache)
+        kv.free(other)
+        return torch.cat(out)
+
+    decoded = logits([1] * 100)
+    for chunks, beside in (([100], False), ([7] * 14 + [2], False), ([33, 1, 1, 65], False), ([16] * 6 + [4], True)):
+        assert torch.equal(logits(chunks, beside), decoded), (chunks, beside)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
