@@ -385,6 +385,7 @@ def test_notes_warn_when_replicas_would_share_a_read_write_once_kv_claim(chart) 
     {"kvserve": {"kvCacheDtype": "fp4", "shutdownGraceSeconds": 30}},
     {"kvserve": {"gpuMemoryUtilization": 1.5, "shutdownGraceSeconds": 30}},
     {"kvserve": {"kvBudgetBytes": "8Gi", "shutdownGraceSeconds": 30}},
+    {"kvserve": {"deterministic": "yes", "shutdownGraceSeconds": 30}},
     {"probes": {"liveness": {"path": "health"}}},
     {"ingress": {"sessionHeader": "X Session"}},
     {"kvTiers": {"hostBytes": "16Gi"}},
@@ -435,3 +436,11 @@ def test_kv_memory_settings_render_as_env(chart) -> None:
     Settings(**{k.removeprefix("KVSERVE_").lower(): v for k, v in values.items()
                 if k.startswith("KVSERVE_") and k not in ("KVSERVE_API_KEY_FILE",)})
     assert env(server_container(render(chart, ALL_OPTIONS)))["KVSERVE_KV_BUDGET_BYTES"] == "8589934592"
+
+
+def test_exact_mode_renders_as_env(chart) -> None:
+    """`kvserve.deterministic` turns on exact mode; off, the server's default stays unset."""
+    assert "KVSERVE_DETERMINISTIC" not in env(server_container(render(chart)))
+    values = env(server_container(render(chart, ALL_OPTIONS)))
+    assert values["KVSERVE_DETERMINISTIC"] == "true"
+    assert Settings(deterministic=values["KVSERVE_DETERMINISTIC"]).deterministic is True
