@@ -154,32 +154,29 @@ def query_rows(m: int) -> int:
     return aligned(m, Q_TILE)
 
 
-def linear(layer: torch.nn.Linear, x: torch.Tensor, kernel=None, tile: int = ROW_TILE) -> torch.Tensor:
+def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` ([..., in] -> [..., out]) with each row's result independent of the other
-    rows: the rows are zero-padded to whole tiles of `tile` rows and `kernel` ([M, in] ->
-    [M, out]; default F.linear) computes them: on CPU in one call, elsewhere one call per tile.
+    rows: the rows are zero-padded to whole tiles (ROW_TILE; CUDA_ROW_TILE on CUDA) and
+    computed by F.linear: on CPU in one call, elsewhere one call per tile.
 
     NOTE: measured on the dev box (AMD EPYC, AVX-512 + bf16; torch 2.13's MKL and oneDNN), fp32
     and bf16, 1 and 2 threads, SmolLM2's four weight shapes: MKL's sgemm (F.linear) gives 1
     row, 2-3 rows and 4+ rows three different roundings, while any multiple of 4 from 4 to
     1024 rows gives each row the same bits, at any place in the call; oneDNN's packed matmul
-    differs only between 1 row and 2+ (cpu_linear computes 1-3 rows as 4); bf16 never varied. So on CPU
-    one call over whole tiles is enough. cuBLAS chooses its kernel (and split-K) by shape:
-    there every call is exactly one tile (CUDA_ROW_TILE rows), so all run one kernel.
+    differs only between 1 row and 2+ (cpu_linear computes 1-3 rows as 4); bf16 never varied.
+    So on CPU one call over whole tiles is enough. cuBLAS chooses its kernel (and split-K) by
+    shape: there every call is exactly one tile (CUDA_ROW_TILE rows), so all run one kernel.
     """
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    if rows.device.type != "cpu":
-        tile = CUDA_ROW_TILE
+    tile = ROW_TILE if rows.device.type == "cpu" else CUDA_ROW_TILE
     padded = aligned(n, tile)
     if padded != n:
         rows = F.pad(rows, (0, 0, 0, padded - n))
-    if kernel is None:
-        kernel = lambda tile: F.linear(tile, layer.weight, layer.bias)  # noqa: E731
     if rows.device.type == "cpu" or padded == tile:
-        out = kernel(rows)
+        out = F.linear(rows, layer.weight, layer.bias)
     else:
-        out = torch.cat([kernel(t) for t in rows.split(tile)])
+        out = torch.cat([F.linear(t, layer.weight, layer.bias) for t in rows.split(tile)])
     return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
 
