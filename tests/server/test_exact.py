@@ -2,7 +2,7 @@
 on the test device: every request's tokens and logprobs are bit-identical to the same request
 run alone, whatever runs beside it, whatever the prefill chunk size (16, 128, 512), reused from
 its session or restored from the disk tier, with prompt lookup or a draft model on or off,
-greedy and seeded sampling alike. Nothing here allows a near-tie: identical or failed.
+with an fp8 KV cache, greedy and seeded sampling alike. Nothing here allows a near-tie: identical or failed.
 
 Plus the building blocks: tiny random models (a sliding window, soft-capping, MHA) give every
 position the same logits however its prompt is split, on both attention paths; `exact.attend`
@@ -62,10 +62,11 @@ class Exact:
     """One engine in exact mode over `loaded`'s model; runs requests and records what each
     token carried (id, logprob, top logprobs)."""
 
-    def __init__(self, loaded, model=None, proposer=None, tiers=None, budget=2**31, **engine_kw):
+    def __init__(self, loaded, model=None, proposer=None, tiers=None, budget=2**31, kv_dtype="auto", **engine_kw):
         self.model, self.tokenizer = model or loaded.model, loaded.tokenizer
         self.metrics = Metrics()
-        self.cache = CacheManager(self.model.config, loaded.device, loaded.dtype, MAX_CONTEXT, CacheConfig(budget_bytes=budget), self.metrics, **(tiers or {}))
+        cache_config = CacheConfig(budget_bytes=budget, kv_dtype=kv_dtype)
+        self.cache = CacheManager(self.model.config, loaded.device, loaded.dtype, MAX_CONTEXT, cache_config, self.metrics, **(tiers or {}))
         config = EngineConfig(max_context=MAX_CONTEXT, deterministic=True, speculative=SpeculativeConfig(max_draft=6, adaptive=False), **engine_kw)
         self.engine = Engine(self.model, self.tokenizer, config, self.cache, metrics=self.metrics, proposer=proposer)
         self.engine.start()
@@ -162,6 +163,26 @@ def test_together_equals_alone_at_every_chunk_size(loaded, engines):
         print(f"\n{loaded.dtype} chunk {budget}: together vs alone {n}/{len(reqs)} bit-identical")
         finals = {r.request_id: f for r, (_, f) in zip(reqs, got)}
         assert all(finals[f"turn2-{i}"].cached_tokens > 0 for i in range(3))  # reuse under batching
+
+
+def test_an_fp8_kv_cache_keeps_the_bits(loaded, engines):
+    """`--kv-cache-dtype fp8` (a big model's setting on one GPU): a token's stored bytes depend
+    on its own values only, and every read dequantizes them alike, so requests together in
+    chunks of 16 (sessions reusing their first turn among them) equal each alone, bit for bit."""
+    e = engines(loaded, kv_dtype="fp8", max_batch_tokens=16)
+    reference = engines(loaded, kv_dtype="fp8")
+
+    async def go():
+        for i in range(3):
+            await e.run(GenerationRequest(f"turn1-{i}", e.prompt(f"Tell me about {TOPICS[i]}.", system=f"Session {i}."), greedy(4), session_id=f"s{i}"))
+        reqs = mixed(e)[8:]
+        got = await asyncio.gather(*(e.run(r) for r in reqs))
+        return reqs, got, [await reference.run(alone(r)) for r in reqs]
+
+    reqs, got, want = asyncio.run(go())
+    n = compare(reqs, got, want)
+    print(f"\n{loaded.dtype} fp8 KV together vs alone: {n}/{len(reqs)} bit-identical")
+    assert any(f.cached_tokens > 0 for _, f in got)  # a session's reuse among them
 
 
 def test_the_paged_path_is_batch_invariant_too(loaded, engines):
