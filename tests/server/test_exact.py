@@ -344,6 +344,39 @@ def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype):
     assert checked == 48
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_of_a_row_ignores_the_rows_batched_with_it(dtype):
+    """`exact.attend` as the paged path calls it (CUDA's): a row's queries (1 or 8 positions,
+    3 query heads per KV head) alone, reading its own key blocks, and inside batches of 2-64
+    rows of other lengths reading the longest one's: the same bits. On CUDA this asks whether
+    cuBLAS's batched matmuls change kernels with the batch."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    heads, groups, dim = 3, 3, 64
+    lengths = [int(x) for x in torch.randint(1, 1000, (64,))]
+    keys = torch.randn(64, heads, exact.aligned(1000), dim, device=DEVICE).to(dt)
+    values = torch.randn(64, heads, exact.aligned(1000), dim, device=DEVICE).to(dt)
+
+    def attend(rows, width, length):
+        """Rows `rows`, `width` queries each (the last at position lengths[i] - 1), keys read to `length`."""
+        q = torch.stack([torch.randn(heads, groups * width, dim, generator=torch.Generator().manual_seed(i)) for i in rows]).to(DEVICE, dt)
+        positions = torch.tensor([[lengths[i] - width + t for t in range(width)] for i in rows], device=DEVICE).clamp(min=0)
+        allowed = torch.arange(length, device=DEVICE)[None, None, :] <= positions[:, :, None]  # [B, width, L]
+        mask = torch.zeros(allowed.shape, device=DEVICE).masked_fill(~allowed, float("-inf")).repeat(1, groups, 1)[:, None]
+        return exact.attend(q, keys[rows, :, :length], values[rows, :, :length], mask, dim**-0.5, None)
+
+    checked = 0
+    for width in (1, 8):
+        alone = [attend([i], width, exact.aligned(lengths[i])) for i in range(64)]
+        for size in (2, 5, 16, 64):
+            rows = list(range(64 - size, 64))
+            together = attend(rows, width, exact.aligned(max(lengths[i] for i in rows)))
+            for j, i in enumerate(rows):
+                assert torch.equal(together[j], alone[i][0]), (width, size, i)
+                checked += 1
+    assert checked == 2 * (2 + 5 + 16 + 64)
+
+
 TINY = {  # attention shapes SmolLM2 lacks: a window (not a whole number of spans), soft-capping, MHA
     "gemma2-window-softcap": lambda **c: Gemma2Config(head_dim=16, num_attention_heads=6, num_key_value_heads=2, sliding_window=20, **c),
     "llama-mha": lambda **c: LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **c),
