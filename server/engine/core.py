@@ -24,7 +24,7 @@ import torch
 from cache_manager import kv
 from cache_manager.manager import CacheManager, NoRoom
 from grammars.matcher import start_masks
-from server.engine import exact, model_runner
+from server.engine import model_runner
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Plan, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
@@ -263,9 +263,7 @@ class Engine:
     def _lease(self, seq: Sequence) -> None:
         """Get the sequence's cache from the cache manager (may crop, grow or evict)."""
         request = seq.request
-        need = len(seq.prompt_ids) + seq.params.max_tokens
-        if self.config.deterministic and self.runner.paged:
-            need = exact.capacity(need)  # whole key blocks: the paged path's exact attention reads them
+        need = self.runner.capacity(len(seq.prompt_ids) + seq.params.max_tokens)
         lease = self.cache_manager.acquire(
             request.principal,
             request.session_id if request.use_session else None,

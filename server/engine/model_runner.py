@@ -64,8 +64,9 @@ class ModelRunner:
         self.exact = exact  # exact mode (server/engine/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
         self.max_rows = bucket(max_rows)
-        # exact mode reads keys in whole blocks of exact_mode.KV_BLOCK positions: tables of whole ones
-        self.key_blocks = exact_mode.KV_BLOCK // pool.block_size if exact else 1
+        # exact mode's paged attention reads keys in whole blocks of exact_mode.KV_BLOCK
+        # positions: block tables of whole ones (`_whole`), requests reserve whole ones (`capacity`)
+        self.key_blocks = exact_mode.KV_BLOCK // pool.block_size if exact and self.paged else 1
         self.max_blocks = self._whole(kv.blocks_for(max_context or model_context(model), pool.block_size))
         text_config = model.config.get_text_config(decoder=True)
         self.groups = text_config.num_attention_heads // pool.layout.kv_heads  # query heads per KV head
@@ -235,6 +236,11 @@ class ModelRunner:
         real = [i * width + t for i, r in enumerate(rows) for t in range(r.n)]
         lists += [tokens, real]
         return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0], width, t[3], None if len(real) == len(tokens) else t[4])
+
+    def capacity(self, n: int) -> int:
+        """The tokens a sequence of up to n tokens reserves: n, or whole key blocks where exact
+        attention reads them to their end (the paged path; `exact_mode.capacity`)."""
+        return exact_mode.capacity(n) if self.key_blocks > 1 else n
 
     def _whole(self, blocks: int) -> int:
         """`blocks` rounded up to whole key blocks of exact mode (itself otherwise)."""
