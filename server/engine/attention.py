@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -282,26 +283,38 @@ def _attend_exact(step: Step, layer: int, query, key, value, out, groups: int, s
         keys, values, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi], exact.SPAN)
         spans = _spans(row, layer, first, groups, query)
         if row.n == 1:  # one span over every key read
-            outs.append(_attend(singles.views[len(outs)], keys, values, spans[0][4], scale, softcap))
+            outs.append(_attend(singles.views[len(outs)], keys, values, spans[0].mask, scale, softcap))
             continue
-        for a, b, k0, k1, mask, q, q_in in spans:
-            n = b - a
+        for span in spans:
+            a, b, n = lo + span.a, lo + span.b, span.b - span.a
             # [1, H, n, D] -> [1, Hkv, groups * n, D]: into the span's zero-padded query tiles
-            q_in.copy_(query[:, :, lo + a : lo + b].view(1, kv_heads, groups, n, head_dim))
-            o = _attend(q, keys[:, :, k0:k1], values[:, :, k0:k1], mask, scale, softcap)
+            span.q_in.copy_(query[:, :, a:b].view(1, kv_heads, groups, n, head_dim))
+            o = _attend(span.q, keys[:, :, span.k0 : span.k1], values[:, :, span.k0 : span.k1], span.mask, scale, softcap)
             # [1, Hkv, groups * n, D] -> out's [1, n, H, D]
-            out[:, lo + a : lo + b].view(1, n, kv_heads, groups, head_dim).copy_(o[:, :, : groups * n].view(1, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4))
+            out[:, a:b].view(1, n, kv_heads, groups, head_dim).copy_(o[:, :, : groups * n].view(1, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4))
     if singles.rows:  # [R, Hkv, groups, D] -> out's [R, H, D]
         out[0].index_copy_(0, singles.index, torch.cat(outs)[:, :, :groups].reshape(count, heads, head_dim))
 
 
-def _spans(row: Row, layer: int, first: int, groups: int, query: torch.Tensor) -> list[tuple]:
-    """The row's queries in spans of `exact.SPAN` positions: (a, b, k0, k1, mask, q, q_in) for
-    queries a..b-1 of the row and keys k0..k1-1 of what `_write_and_read` read (from position
-    `first`): the additive mask [query_rows(groups * n), k1 - k0] (padding rows see every key:
-    finite, dropped) and, for a row of more than one token, a zeroed query buffer q [1, Hkv,
-    query_rows(groups * n), D] and q_in, its first groups * n rows as [1, Hkv, groups, n, D],
-    which each layer overwrites. Built once per step for all the layers with the same window."""
+class _Span(NamedTuple):
+    """Queries a..b-1 of a row (exact mode, the row path) and the keys k0..k1-1 of what
+    `_write_and_read` read for it: the additive mask [query_rows(groups * n), k1 - k0] (padding
+    rows see every key: finite, dropped) and, for a row of more than one token, a zeroed query
+    buffer q [1, Hkv, query_rows(groups * n), D] and q_in, its first groups * n rows as
+    [1, Hkv, groups, n, D], which each layer overwrites (None for a one-token row: `_Singles`)."""
+
+    a: int
+    b: int
+    k0: int
+    k1: int
+    mask: torch.Tensor
+    q: torch.Tensor | None
+    q_in: torch.Tensor | None
+
+
+def _spans(row: Row, layer: int, first: int, groups: int, query: torch.Tensor) -> list[_Span]:
+    """The row's queries in spans of `exact.SPAN` positions aligned to position 0, keys counted
+    from position `first`. Built once per step for all the layers with the same window."""
     window = row.kv.pool.layout.windows[layer]
     spans = row.masks.get(window)
     if spans is None:
@@ -319,7 +332,7 @@ def _spans(row: Row, layer: int, first: int, groups: int, query: torch.Tensor) -
             if row.n > 1:
                 q = query.new_zeros(1, kv_heads, rows, head_dim)
                 q_in = q[:, :, : allowed.shape[0]].view(1, kv_heads, groups, stop - position, head_dim)
-            spans.append((position - start, stop - start, k0 - first, k1 - first, mask, q, q_in))
+            spans.append(_Span(position - start, stop - start, k0 - first, k1 - first, mask, q, q_in))
             position = stop
         row.masks[window] = spans
     return spans
