@@ -5,7 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+# Triton's interpreter runs exact mode's Triton kernel on CPU (tests/server/test_exact.py). It
+# has to be on before anything imports triton (torchao does, through transformers).
+if os.environ.get("KVSERVE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 import torch
 
 from server.model_loader import LoadedModel, load_model

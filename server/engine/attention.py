@@ -25,8 +25,8 @@ query length ([.., Hkv, groups * T, D]): keys are never repeated per query head.
 models (Gemma 2) use the eager formula, softmax in float32; everything else is plain
 `scaled_dot_product_attention`, CPU or CUDA, fp32 or bf16. In exact mode (`Step.exact`,
 --deterministic) a query's result depends on nothing else in its step (server/engine/exact.py):
-the row path attends a row's queries in spans (`_attend_exact`), the paged path reads whole
-key blocks and calls `exact.attend`.
+the row path attends a row's queries in spans (`_attend_exact`), the paged path calls
+`exact.attend` (on CUDA a Triton kernel, server/engine/exact_kernel.py).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int, scale, softcap, attend) -> None:
     """The paged path for one batch: query/out [N, H, D] and key/value [Hkv, N, D] of the
     whole step (query [H, N, D] as transformers hands it); `attend`: `_attend` or, in exact
-    mode, `exact.attend` (the runner then reads whole key blocks: `ModelRunner._batch`)."""
+    mode, `exact.attend`."""
     b, t = batch.size, batch.width
     heads, kv_heads, head_dim = query.shape[0], key.shape[0], query.shape[2]
     if batch.tokens is None:  # decode rows: the step's first B tokens

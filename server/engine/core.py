@@ -263,7 +263,7 @@ class Engine:
     def _lease(self, seq: Sequence) -> None:
         """Get the sequence's cache from the cache manager (may crop, grow or evict)."""
         request = seq.request
-        need = self.runner.capacity(len(seq.prompt_ids) + seq.params.max_tokens)
+        need = len(seq.prompt_ids) + seq.params.max_tokens
         lease = self.cache_manager.acquire(
             request.principal,
             request.session_id if request.use_session else None,

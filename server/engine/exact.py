@@ -20,28 +20,32 @@ LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference
     forced or prefilled in a chunk of any size; the kernel rounds a row alike whatever the
     call's query count once that is whole tiles of 4 (measured: the NOTE on
     `_attend_exact`). The model's own dtype; the cost is about SDPA's.
-  - The paged path (CUDA; `attend`): one call for many rows of different lengths, so the
-    read length cannot be a query's own: float32 scores over keys read in whole blocks of
-    `KV_BLOCK` positions aligned to position 0; a softmax over the row (on CPU one
-    sequential accumulation; elsewhere max, exp and each block's own sum), then each block's
-    P @ V over its fixed KV_BLOCK keys, the blocks added in position order (`_in_order`).
-    Keys past a query (the rest of its block, the rest of a chunk, padding) weigh exactly 0,
-    and adding exact zeros changes nothing, so a query's result depends only on its own
-    query vector and keys 0..p, never on the query count or the read length.
+  - The paged path (CUDA's; `attend`): one call for many rows of different lengths, so the
+    read length cannot be a query's own. On CUDA, one Triton kernel launch
+    (server/engine/exact_kernel.py): a program per KV head, row and tile of query rows walks
+    the keys from position 0 in fixed blocks with an online softmax; tile shapes are fixed by
+    the head size, so a query's arithmetic never depends on the launch's shape. Elsewhere
+    (CPU, when asked for; CUDA without Triton) the torch formulation: float32 scores over
+    keys in whole blocks of `KV_BLOCK` positions aligned to position 0 (zero-padded past the
+    last key); a softmax over the row (on CPU one sequential accumulation; elsewhere max,
+    exp and each block's own sum), then each block's P @ V over its fixed KV_BLOCK keys, the
+    blocks added in position order (`_in_order`). Either way keys past a query (the rest of
+    its block, the rest of a chunk, padding) weigh exactly 0, and adding exact zeros changes
+    nothing, so a query's result depends only on its own query vector and keys 0..p, never
+    on the query count or the read length.
 * linear layers (`linear`, called by server/engine/cpu_linear.py's forwards and `enable`'s): rows
   zero-padded to whole tiles, so every call is a shape whose kernel rounds each row alike.
 * row-wise ops (RMSNorm, RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling)
   are already per row (measured, docs/architecture.md; the engine tests cover them end to end).
-
-A paged read runs to the end of a row's last key block, which is why the engine reserves whole
-key blocks for a request (`capacity`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +57,7 @@ ROW_TILE = 8  # linear layers compute whole tiles of this many rows (the last on
 CUDA_ROW_TILE = 64  # ... on CUDA, one cuBLAS call per tile
 
 _mode = threading.local()
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -77,31 +82,30 @@ def aligned(n: int, block: int = KV_BLOCK) -> int:
     return -(-n // block) * block
 
 
-def capacity(n: int) -> int:
-    """The capacity a request of n tokens reserves in exact mode: whole key blocks, so a
-    block read past its end stays within its own KV (never another sequence's slots)."""
-    return aligned(n)
-
-
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
     """Attention whose result for each query is independent of the other queries and of
-    how many keys past it are read.
+    how many keys past it are read: the device's kernel (`KERNELS`), else the torch
+    formulation below.
 
-    q [B, Hkv, M, D] (a KV head's query heads folded into M); keys/values [B, Hkv, L, D], L a
-    multiple of KV_BLOCK, the first key at a position that is a multiple of KV_BLOCK; `mask`
-    additive (0 / -inf), broadcastable to [B, Hkv, M, L] (or to [B, Hkv, aligned(M, Q_TILE),
-    L]: `query_rows`), every query seeing at least one key. Returns [B, Hkv, M, D] in q's
-    dtype; the arithmetic is float32 whatever the model's dtype.
+    q [B, Hkv, M, D] (a KV head's query heads folded into M); keys/values [B, Hkv, L, D], key
+    i at position i; `mask` additive (0 / -inf), broadcastable to [B, Hkv, M, L] (or to [B,
+    Hkv, aligned(M, Q_TILE), L]: `query_rows`), every query seeing at least one key. Returns
+    [B, Hkv, M, D] in q's dtype; the arithmetic is float32 whatever the model's dtype.
 
     NOTE: the queries are zero-padded to whole tiles of Q_TILE rows: float32 matmuls of 1-3
     rows take another kernel than 4 or more (measured on the dev box: 3 query rows round
-    differently from 6; any multiple of 4 from 4 to 400 rows gives the same bits).
+    differently from 6; any multiple of 4 from 4 to 400 rows gives the same bits). The keys
+    are zero-padded (masked) to whole KV_BLOCKs.
     """
+    kernel = KERNELS.get(q.device.type)
+    if kernel is not None:
+        return kernel(q, keys, values, mask, scale, softcap)
     dtype = q.dtype
     b, h, m, d = q.shape
-    n = keys.shape[2]
-    if n % KV_BLOCK:
-        raise ValueError(f"{n} keys are not whole blocks of {KV_BLOCK}")
+    n = aligned(keys.shape[2])
+    if n != keys.shape[2]:  # masked keys: weight exactly 0
+        keys, values = (F.pad(x, (0, 0, 0, n - x.shape[2])) for x in (keys, values))
+        mask = F.pad(mask, (0, n - mask.shape[-1]), value=float("-inf"))
     nb, rows = n // KV_BLOCK, query_rows(m)
     if dtype != torch.float32:
         q, keys, values = q.float(), keys.float(), values.float()
@@ -193,14 +197,19 @@ def _switched(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(layer, x) if active() else F.linear(x, layer.weight, layer.bias)
 
 
-def pin_backends(device: torch.device) -> None:
-    """Settings exact mode needs on `device`, set once when the server starts.
+KERNELS: dict[str, Callable] = {}  # device type -> `attend`'s kernel there (`pin_backends` sets CUDA's)
+
+
+def pin_backends(device: torch.device, dtype: torch.dtype) -> None:
+    """Settings exact mode needs on `device`, set once when the server starts, and the
+    paged path's attention kernel there (`use_kernel`).
 
     NOTE (CUDA): cuBLAS may split a bf16/fp16 GEMM's reduction and round partial sums to the
     half type when allowed to (`allow_*_reduced_precision_reduction`), and TF32 changes fp32
     products; a fixed workspace (CUBLAS_WORKSPACE_CONFIG) keeps cuBLAS from choosing a
     different algorithm as its workspace varies. None of this makes cuBLAS batch-invariant by
-    itself (that is the fixed row tiles of cpu_linear.exact); it removes the other sources.
+    itself (that is `linear`'s fixed row tiles and the attention kernel); it removes the
+    other sources.
     Not applied in the default mode, whose speed they would cost."""
     if device.type != "cuda":
         return
@@ -209,3 +218,30 @@ def pin_backends(device: torch.device) -> None:
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    use_kernel(device, dtype)
+
+
+def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Make server/engine/exact_kernel.py `attend`'s kernel on `device` (run by Triton's
+    interpreter off a GPU, when TRITON_INTERPRET=1), once it compiles and agrees with the
+    torch formulation on a small random call in `dtype`; otherwise keep the torch one, with
+    a warning. Chosen once per process, before the first forward pass, so every query of a
+    process is computed alike. True when the kernel is in use."""
+    if device.type in KERNELS:
+        return True
+    try:
+        from server.engine import exact_kernel
+
+        gen = torch.Generator().manual_seed(0)
+        q, keys, values = (torch.randn(2, 2, n, 64, generator=gen).to(device, dtype) for n in (24, 300, 300))
+        allowed = torch.arange(300)[None, :] <= torch.arange(260, 284)[:, None]
+        mask = torch.zeros(2, 1, 24, 300).masked_fill(~allowed, float("-inf")).to(device, dtype)
+        got, want = exact_kernel.attend(q, keys, values, mask, 0.125, None), attend(q, keys, values, mask, 0.125, None)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
+            raise ValueError(f"it differs from the torch formulation by up to {(got.float() - want.float()).abs().max().item():.3g}")
+    except Exception as e:  # noqa: BLE001 - any failure (no Triton, no compiler, a wrong result) keeps the torch path
+        log.warning("exact mode: the Triton attention kernel is unusable on %s (%s); using the torch formulation", device, e)
+        return False
+    KERNELS[device.type] = exact_kernel.attend
+    return True

@@ -64,10 +64,7 @@ class ModelRunner:
         self.exact = exact  # exact mode (server/engine/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
         self.max_rows = bucket(max_rows)
-        # exact mode's paged attention reads keys in whole blocks of exact_mode.KV_BLOCK
-        # positions: block tables of whole ones (`_whole`), requests reserve whole ones (`capacity`)
-        self.key_blocks = exact_mode.KV_BLOCK // pool.block_size if exact and self.paged else 1
-        self.max_blocks = self._whole(kv.blocks_for(max_context or model_context(model), pool.block_size))
+        self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
         text_config = model.config.get_text_config(decoder=True)
         self.groups = text_config.num_attention_heads // pool.layout.kv_heads  # query heads per KV head
         self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.paged
@@ -92,7 +89,7 @@ class ModelRunner:
         attention.enable(self.model)
         cpu_linear.pack_model(self.model, self.packed)
         if self.exact:
-            exact_mode.pin_backends(self.device)
+            exact_mode.pin_backends(self.device, self.pool.dtype)
             exact_mode.enable(self.model)
         if self.paged:
             self._meta = torch.zeros(self.max_rows * (3 + self.max_blocks), dtype=torch.long, device=self.device)
@@ -173,7 +170,7 @@ class ModelRunner:
         size = bucket(n)
         blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
         if size > self.max_rows:
-            size, blocks = n, self._whole(kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size))
+            size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
         ids, pos, batch = self._fill(rows, token_ids, size, blocks)
         graph = self.graphs.get((size, blocks))
         if graph is not None:
@@ -228,7 +225,7 @@ class ModelRunner:
         first in the flattened batch; multi-token rows are padded to the widest."""
         counts = [r.n for r in rows]
         size, width = len(rows), max(counts)
-        blocks = self._whole(max(kv.blocks_for(r.kv.length + r.n, self.pool.block_size) for r in rows))
+        blocks = max(kv.blocks_for(r.kv.length + r.n, self.pool.block_size) for r in rows)
         lists = list(self._paged_inputs([r.kv for r in rows], counts, size, width, blocks))
         if width == 1 and all(r.offset == i for i, r in enumerate(rows)):
             return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0])
@@ -236,15 +233,6 @@ class ModelRunner:
         real = [i * width + t for i, r in enumerate(rows) for t in range(r.n)]
         lists += [tokens, real]
         return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0], width, t[3], None if len(real) == len(tokens) else t[4])
-
-    def capacity(self, n: int) -> int:
-        """The tokens a sequence of up to n tokens reserves: n, or whole key blocks where exact
-        attention reads them to their end (the paged path; `exact_mode.capacity`)."""
-        return exact_mode.capacity(n) if self.key_blocks > 1 else n
-
-    def _whole(self, blocks: int) -> int:
-        """`blocks` rounded up to whole key blocks of exact mode (itself otherwise)."""
-        return exact_mode.aligned(blocks, self.key_blocks)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None) -> torch.Tensor:
         """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""

@@ -187,7 +187,7 @@ def test_an_fp8_kv_cache_keeps_the_bits(loaded, engines):
 
 def test_the_paged_path_is_batch_invariant_too(loaded, engines):
     """The attention path CUDA takes (decode rows bucket-padded from the persistent buffers,
-    multi-token rows in padded batches, block tables padded to whole key blocks: `exact.attend`),
+    multi-token rows in padded batches: `exact.attend`, the torch formulation on CPU),
     run eagerly here: requests together in chunks of 64 vs each alone on the same path, chunked
     at the default size: bit-identical."""
     e = engines(loaded, paged=True, max_batch_tokens=64)
@@ -273,11 +273,9 @@ def test_a_restored_session_equals_a_fresh_prefill(loaded, engines, tmp_path):
     session to the disk tier, the next restores it; and a new engine over the same directory
     (a restart) restores both. Every turn equals a fresh prefill, bit for bit."""
     metrics = Metrics()
-    # prompts of ~110-180 tokens: a running request reserves room for 190 at most (whole key
-    # blocks on the paged path, CUDA's), and with the other session's idle KV (>= 7 blocks of
-    # 16) it never fits
-    most = exact.capacity(190) if DEVICE.type == "cuda" else 190
-    budget = kv.bytes_for(loaded.model.config, most, loaded.dtype)
+    # prompts of ~110-180 tokens: a running request reserves room for 190 at most, and with
+    # the other session's idle KV (>= 7 blocks of 16) it never fits
+    budget = kv.bytes_for(loaded.model.config, 190, loaded.dtype)
 
     def tier():
         return DiskTier(tmp_path, 2**31, 1800.0, "exact-test", metrics)
@@ -314,10 +312,34 @@ def test_a_restored_session_equals_a_fresh_prefill(loaded, engines, tmp_path):
 # -- the building blocks on random tensors -------------------------------------------------------
 
 
+@pytest.fixture
+def torch_formulation(monkeypatch):
+    """`exact.attend` as its torch formulation on every device (on CUDA, the server's fallback
+    where the Triton kernel is unusable)."""
+    monkeypatch.setattr(exact, "KERNELS", {})
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """`exact.attend` as server/engine/exact_kernel.py's Triton kernel on the test device,
+    registered as the server does it (`exact.use_kernel`, which checks it first); on CPU
+    Triton's interpreter runs it (TRITON_INTERPRET, tests/conftest.py). Returns the kernel's
+    `attend`."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(exact, "KERNELS", {})
+    assert exact.use_kernel(DEVICE, torch.float32)
+    return exact.KERNELS[DEVICE.type]
+
+
+# NOTE: Triton 3.9's interpreter multiplies bfloat16 as raw 16-bit integers in tl.dot, so on
+# CPU the kernel runs in float32 and float16 (the same code path as bfloat16); a GPU runs all.
+KERNEL_DTYPES = ["float32", "float16"] if DEVICE.type == "cpu" else ["float32", "bfloat16", "float16"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype):
-    """A query at position p: alone (keys 0..p in whole blocks) and inside chunks of 16, 128
-    and 512 queries reading keys to the chunk's end (and a block further): the same bits."""
+def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype, torch_formulation):
+    """A query at position p: alone (keys 0..p) and inside chunks of 16, 128 and 512 queries
+    reading keys to the chunk's end (and a block further): the same bits."""
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     heads, groups, dim, n = 3, 3, 64, 1024
@@ -326,7 +348,7 @@ def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype):
     v = torch.randn(1, heads, n + exact.KV_BLOCK, dim, device=DEVICE).to(dt)
 
     def attend(start, count, extra=0):
-        length = exact.aligned(start + count) + extra
+        length = start + count + extra
         mask = torch.arange(length, device=DEVICE)[None, :] <= torch.arange(start, start + count, device=DEVICE)[:, None]
         additive = torch.zeros(mask.shape, device=DEVICE, dtype=dt).masked_fill(~mask, float("-inf")).repeat(groups, 1)
         folded = q[:, :, :, start : start + count].reshape(1, heads, groups * count, dim)
@@ -345,11 +367,11 @@ def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_of_a_row_ignores_the_rows_batched_with_it(dtype):
-    """`exact.attend` as the paged path calls it (CUDA's): a row's queries (1 or 8 positions,
-    3 query heads per KV head) alone, reading its own key blocks, and inside batches of 2-64
-    rows of other lengths reading the longest one's: the same bits. On CUDA this asks whether
-    cuBLAS's batched matmuls change kernels with the batch."""
+def test_attention_of_a_row_ignores_the_rows_batched_with_it(dtype, torch_formulation):
+    """`exact.attend` as the paged path calls it: a row's queries (1 or 8 positions, 3 query
+    heads per KV head) alone, reading its own keys, and inside batches of 2-64 rows of other
+    lengths reading the longest one's: the same bits. On CUDA this asks whether cuBLAS's
+    batched matmuls change kernels with the batch (the reason for the Triton kernel)."""
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     heads, groups, dim = 3, 3, 64
@@ -367,14 +389,91 @@ def test_attention_of_a_row_ignores_the_rows_batched_with_it(dtype):
 
     checked = 0
     for width in (1, 8):
-        alone = [attend([i], width, exact.aligned(lengths[i])) for i in range(64)]
+        alone = [attend([i], width, lengths[i]) for i in range(64)]
         for size in (2, 5, 16, 64):
             rows = list(range(64 - size, 64))
-            together = attend(rows, width, exact.aligned(max(lengths[i] for i in rows)))
+            together = attend(rows, width, max(lengths[i] for i in rows))
             for j, i in enumerate(rows):
                 assert torch.equal(together[j], alone[i][0]), (width, size, i)
                 checked += 1
     assert checked == 2 * (2 + 5 + 16 + 64)
+
+
+def reference_attention(q, keys, values, mask, scale, softcap):
+    """Attention in float64, the textbook formula."""
+    scores = q.double() @ keys.double().transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.softmax(scores + mask.double(), -1) @ values.double()
+
+
+def window_mask(positions, length, window=None, dtype=torch.float32):
+    """Additive mask [B, 1, M, L]: a query at position p sees keys <= p (and > p - window)."""
+    keys = torch.arange(length, device=positions.device)[None, None, :]
+    allowed = keys <= positions[:, :, None]
+    if window is not None:
+        allowed &= keys > positions[:, :, None] - window
+    return torch.zeros(allowed.shape, device=positions.device).masked_fill(~allowed, float("-inf"))[:, None].to(dtype)
+
+
+@pytest.mark.parametrize("softcap", [None, 50.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_the_kernel_computes_attention(kernel, dtype, softcap):
+    """The Triton kernel against float64 attention: 3 rows, 2 KV heads of 3 query heads, a
+    head size that is not a power of two, key counts off its block size, a window."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    b, heads, groups, width, dim, length = 3, 2, 3, 7, 24, 150
+    q = torch.randn(b, heads, groups * width, dim, device=DEVICE).to(dt)
+    keys, values = (torch.randn(b, heads, length, dim, device=DEVICE).to(dt) for _ in range(2))
+    last = torch.tensor([40, 149, 6], device=DEVICE)
+    positions = (last[:, None] - torch.arange(width, device=DEVICE).flip(0)[None, :]).clamp(min=0).repeat(1, groups)
+    for window in (None, 30):
+        mask = window_mask(positions, length, window, dt)
+        got = kernel(q, keys, values, mask, dim**-0.5, softcap)
+        want = reference_attention(q, keys, values, mask, dim**-0.5, softcap)
+        tolerance = 1e-5 if dt == torch.float32 else 4e-3
+        assert got.dtype == dt and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (window, (got.double() - want).abs().max())
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_the_kernel_gives_a_query_the_same_bits_in_any_launch(kernel, dtype):
+    """A query at position p, decoded (alone, reading keys 0..p), inside chunks of 16 and 128
+    queries reading to the chunk's end or further, and inside a batch of rows of other
+    lengths: the same bits, for 6 of its 8 rows' positions. With a window too."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    heads, groups, dim, n = 2, 3, 64, 300
+    lengths = [300, 17, 130, 64, 1, 255, 200, 90]
+    q = torch.randn(len(lengths), heads, groups, n, dim, device=DEVICE).to(dt)
+    keys, values = (torch.randn(len(lengths), heads, n + 70, dim, device=DEVICE).to(dt) for _ in range(2))
+
+    def attend(rows, start, count, length, window):
+        """Rows `rows`' queries start..start+count-1 (clamped to a row's own length), keys to `length`."""
+        positions = torch.tensor([[min(start + t, lengths[r] - 1) for t in range(count)] for r in rows], device=DEVICE)
+        folded = torch.stack([q[r, :, :, positions[i]] for i, r in enumerate(rows)]).reshape(len(rows), heads, groups * count, dim)
+        mask = window_mask(positions.repeat(1, groups), length, window, dt)
+        out = kernel(folded, keys[rows, :, :length], values[rows, :, :length], mask, dim**-0.5, None)
+        return out.view(len(rows), heads, groups, count, dim)
+
+    checked = 0
+    for window in (None, 50):
+        for p in (0, 63, 64, 129, 299):
+            row = 0
+            single = attend([row], p, 1, p + 1, window)[0, :, :, 0]
+            for chunk in (16, 128):
+                start = p // chunk * chunk
+                count = min(chunk, n - start)
+                for extra in (0, 70):
+                    assert torch.equal(attend([row], start, count, start + count + extra, window)[0, :, :, p - start], single), (window, p, chunk, extra)
+                    checked += 1
+            together = attend(list(range(len(lengths))), p, 1, n, window)
+            assert torch.equal(together[0, :, :, 0], single), (window, p)
+            others = [attend([r], min(p, lengths[r] - 1), 1, min(p, lengths[r] - 1) + 1, window)[0, :, :, 0] for r in range(1, len(lengths))]
+            for r, alone in enumerate(others, 1):
+                assert torch.equal(together[r, :, :, 0], alone), (window, p, r)
+            checked += len(lengths)
+    assert checked == 2 * 5 * (4 + 8)
 
 
 TINY = {  # attention shapes SmolLM2 lacks: a window (not a whole number of spans), soft-capping, MHA
@@ -383,23 +482,29 @@ TINY = {  # attention shapes SmolLM2 lacks: a window (not a whole number of span
 }
 
 
-@pytest.mark.parametrize("path", ["row", "paged"] if DEVICE.type == "cpu" else ["paged"])
-@pytest.mark.parametrize("dtype", DTYPES)
+# CPU: the row path (the server's), the paged path with the torch formulation, and the paged path
+# with the Triton kernel (interpreted). CUDA: the paged path, as the server runs it (the kernel).
+PATHS = [(p, d) for p in ("row", "paged") for d in DTYPES] + [("kernel", d) for d in KERNEL_DTYPES] if DEVICE.type == "cpu" else [("paged", d) for d in DTYPES]
+
+
+@pytest.mark.parametrize("path,dtype", PATHS)
 @pytest.mark.parametrize("kind", list(TINY))
-def test_a_position_has_the_same_logits_however_the_prompt_is_split(kind, dtype, path):
+def test_a_position_has_the_same_logits_however_the_prompt_is_split(kind, dtype, path, request):
     """Tiny random models through the model runner in exact mode, on the row path (CPU's
     spans) and the paged path: every position's logits decoded one token at a time, prefilled
     in one chunk, in chunks of 7, split 33 + 1 + 1 + rest, and in chunks of 16 beside another
     sequence's decode rows: the same bits."""
+    if path == "kernel":
+        request.getfixturevalue("kernel")
     torch.manual_seed(0)
     config = TINY[kind](vocab_size=4096, hidden_size=96, intermediate_size=128, num_hidden_layers=3, max_position_embeddings=MAX_CONTEXT)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).to(DEVICE).eval()
     pool = kv.Pool(model.config, 2**24, DEVICE, model.dtype)
-    runner = ModelRunner(model, pool, paged=path == "paged", exact=True, cuda_graphs=False, max_rows=4)
+    runner = ModelRunner(model, pool, paged=path != "row", exact=True, cuda_graphs=False, max_rows=4)
     ids = torch.randint(0, 4096, (100,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def logits(chunks, beside=False):
-        cache, other = pool.allocate(exact.capacity(100)), pool.allocate(exact.capacity(100))
+        cache, other = pool.allocate(100), pool.allocate(100)
         out, at = [], 0
         if beside:
             runner.forward([Row(other, 5)], ids[:5], [0])
