@@ -35,13 +35,16 @@ LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference
     on the query count or the read length.
 * linear layers (`linear`, called by server/engine/cpu_linear.py's forwards and `enable`'s): rows
   zero-padded to whole tiles, so every call is a shape whose kernel rounds each row alike.
-* row-wise ops (RMSNorm, RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling)
-  are already per row (measured, docs/architecture.md; the engine tests cover them end to end).
+* normalization layers (`norm`): on CUDA one call per fixed tile of rows, as PyTorch's CUDA
+  reduction lays its threads out by the row count; on CPU they are already per row.
+* other row-wise ops (RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling) are
+  already per row (measured, docs/architecture.md; the engine tests cover them end to end).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -55,6 +58,7 @@ SPAN = 16  # the row path attends queries in spans of this many positions, align
 Q_TILE = 4  # attention computes whole tiles of this many query rows (zero-padded)
 ROW_TILE = 8  # linear layers compute whole tiles of this many rows (the last one zero-padded)
 CUDA_ROW_TILE = 64  # ... on CUDA, one cuBLAS call per tile
+NORM_TILE_ELEMENTS = 2**18  # off CPU a norm layer's call covers about this many values (`norm_tile`)
 
 _mode = threading.local()
 log = logging.getLogger(__name__)
@@ -171,30 +175,67 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     So on CPU one call over whole tiles is enough. cuBLAS chooses its kernel (and split-K) by
     shape: there every call is exactly one tile (CUDA_ROW_TILE rows), so all run one kernel.
     """
+    cpu = x.device.type == "cpu"
+    return by_tiles(lambda rows: F.linear(rows, layer.weight, layer.bias), x, ROW_TILE if cpu else CUDA_ROW_TILE, one_call=cpu)
+
+
+def norm(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """A normalization layer's `forward(x)` (RMSNorm, LayerNorm: over the last dimension)
+    with each row's result independent of the other rows: off CPU one call per tile of
+    `norm_tile(dim)` rows (zero-padded), on CPU as it is.
+
+    NOTE: PyTorch's CUDA reduction (the mean of squares) picks its thread layout by the
+    number of rows as well as the row's length (ATen's Reduce.cuh, `setReduceConfig`: the
+    block height follows the row count, and with it whether a row's sum is split between
+    warps, or between thread blocks when the rows are few and long), so a row's norm could
+    round by how many rows its step has. A fixed shape is one layout. Read in the source, not
+    yet measured on a GPU. The CPU's norms measured the same bits among 1-512 rows
+    (docs/architecture.md), so they run as they are."""
+    if x.device.type == "cpu":
+        return forward(x)
+    return by_tiles(forward, x, norm_tile(x.shape[-1]), one_call=False)
+
+
+def norm_tile(dim: int) -> int:
+    """Rows per call of a norm over `dim` features off CPU: CUDA_ROW_TILE, or more for short
+    rows (a per-head norm over head_dim), about NORM_TILE_ELEMENTS values a call."""
+    return max(CUDA_ROW_TILE, NORM_TILE_ELEMENTS // dim)
+
+
+def by_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int, one_call: bool) -> torch.Tensor:
+    """fn over x's rows ([..., in] -> [..., out]) zero-padded to whole tiles of `tile` rows:
+    in one call (`one_call`, or a single tile), otherwise one call per tile."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    tile = ROW_TILE if rows.device.type == "cpu" else CUDA_ROW_TILE
     padded = aligned(n, tile)
     if padded != n:
         rows = F.pad(rows, (0, 0, 0, padded - n))
-    if rows.device.type == "cpu" or padded == tile:
-        out = F.linear(rows, layer.weight, layer.bias)
-    else:
-        out = torch.cat([F.linear(t, layer.weight, layer.bias) for t in rows.split(tile)])
+    out = fn(rows) if one_call or padded == tile else torch.cat([fn(t) for t in rows.split(tile)])
     return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def enable(model) -> None:
-    """Route the linear layers of `model` that run through PyTorch's own `F.linear` (every one
-    off CPU; on CPU server/engine/cpu_linear.py's forwards ask `active()` themselves) through `linear`
-    while `active()`. Idempotent."""
+    """While `active()`: route the linear layers of `model` that run through PyTorch's own
+    `F.linear` (every one off CPU; on CPU server/engine/cpu_linear.py's forwards ask
+    `active()` themselves) through `linear`, and its normalization layers (nn.LayerNorm,
+    transformers' *RMSNorm classes) through `norm`. Idempotent."""
     for module in model.modules():
-        if type(module) is torch.nn.Linear and "forward" not in vars(module):
+        if "forward" in vars(module):
+            continue
+        if type(module) is torch.nn.Linear:
             module.forward = _switched.__get__(module)
+        elif isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
+            module.forward = functools.partial(_switched_norm, module.forward)
 
 
 def _switched(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(layer, x) if active() else F.linear(x, layer.weight, layer.bias)
+
+
+def _switched_norm(forward: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    if args or kwargs or not active():  # a norm of another signature: as it is
+        return forward(x, *args, **kwargs)
+    return norm(forward, x)
 
 
 KERNELS: dict[str, Callable] = {}  # device type -> `attend`'s kernel there (`pin_backends` sets CUDA's)

@@ -525,6 +525,47 @@ def test_a_position_has_the_same_logits_however_the_prompt_is_split(kind, dtype,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_rows_ignore_the_other_rows(dtype):
+    """Normalization layers in exact mode (a transformers RMSNorm over the hidden size and
+    over a head's size, a LayerNorm) give each row the same bits among 1..300 rows. Off CPU
+    they run in fixed tiles of rows (`exact.norm`); the CPU's norms are per row already."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norms = torch.nn.ModuleList([LlamaRMSNorm(576), LlamaRMSNorm(64), torch.nn.LayerNorm(576)]).to(DEVICE, dt)
+    for layer in norms:
+        torch.nn.init.normal_(layer.weight)
+    exact.enable(norms)
+    assert all(isinstance(layer.forward, functools.partial) for layer in norms)
+    with exact.running(True):
+        for layer in norms:
+            x = torch.randn(400, layer.weight.shape[0], device=DEVICE).to(dt)
+            single = [layer(x[i : i + 1])[0] for i in range(0, 400, 37)]
+            for m in (2, 3, 5, 64, 65, 300):
+                for j, i in enumerate(range(0, 400 - m, 37)):
+                    assert torch.equal(layer(x[i : i + m])[0], single[j]), (layer, m, i)
+
+
+def test_tiles_are_one_shape():
+    """`exact.by_tiles` hands its function whole tiles only (the last one zero-padded) and
+    returns each row's own result, whatever the leading shape."""
+    seen = []
+
+    def rowwise(rows):
+        seen.append(tuple(rows.shape))
+        return torch.cat([rows * 2, rows.sum(-1, keepdim=True)], -1)
+
+    x = torch.randn(3, 7, 5, 6)
+    out = exact.by_tiles(rowwise, x, 16, one_call=False)
+    assert set(seen) == {(16, 6)} and len(seen) == 7  # 105 rows: 7 tiles
+    assert out.shape == (3, 7, 5, 7) and torch.equal(out, rowwise(x.reshape(-1, 6)).reshape(3, 7, 5, 7))
+    seen.clear()
+    exact.by_tiles(rowwise, x, 16, one_call=True)
+    assert seen[0] == (112, 6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "dense"])
 def test_linear_rows_ignore_the_other_rows(dtype, packed):
     """A linear layer in exact mode gives each row the same bits with 1..300 rows beside it, at
