@@ -28,6 +28,7 @@ import time
 import torch
 
 from cache_manager.manager import CacheConfig, CacheManager
+from server.engine import exact
 from server.engine.core import Engine, EngineConfig
 from server.model_loader import load_model
 from server.engine.prompt_lookup import NgramProposer
@@ -121,6 +122,9 @@ def main() -> None:
     print(f"device {args.device}, {args.dtype}, torch threads {torch.get_num_threads()}, {args.tokens} tokens per stream")
     for b in modes.values():  # warm both paths up
         timed(b, 2, 4, "warm")
+    runner = modes[True].engine.runner
+    kernel = "the Triton kernel" if loaded.device.type in exact.KERNELS else "the torch formulation"
+    print(f"exact mode's attention: {f'the paged path, {kernel}' if runner.paged else 'the row path (spans)'}")
     totals = {(n, m): [0.0, 0] for n in streams for m in modes}
     for r in range(args.rounds):
         for n in streams:

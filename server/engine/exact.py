@@ -285,4 +285,5 @@ def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:
         log.warning("exact mode: the Triton attention kernel is unusable on %s (%s); using the torch formulation", device, e)
         return False
     KERNELS[device.type] = exact_kernel.attend
+    log.info("exact mode: attention by the Triton kernel on %s", device)
     return True
