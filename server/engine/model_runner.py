@@ -335,8 +335,9 @@ def model_context(model) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 8192)
 
 
-def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
-    """The next token of each sequence from its row of raw logits [R, vocab].
+def choose(seqs: list[Sequence], logits: torch.Tensor, exact: bool = False) -> list[TokenInfo]:
+    """The next token of each sequence from its row of raw logits [R, vocab] (`exact`: exact
+    mode's sampling, `sampling.filtered_probs`).
 
     Logprobs are the model's own distribution (before grammar masks, bias and penalties).
     Side effects: grammar masks are added to `logits` in place; penalty counts move forward.
@@ -351,7 +352,7 @@ def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
             logits[i] = done
     # a seeded request draws from its own generator; the others draw together, in one call
     generators = [s.generator if s.params.seed is not None else None for s in seqs]
-    token_ids = sample_rows(logits, [s.params for s in seqs], generators)
+    token_ids = sample_rows(logits, [s.params for s in seqs], generators, exact)
     infos = {}
     if asked:
         infos = dict(zip(asked, logprob_infos(logprobs, [token_ids[i] for i in asked], [seqs[i].params.top_logprobs for i in asked])))

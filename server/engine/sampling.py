@@ -96,12 +96,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], exact: bool = False
 ) -> list[int]:
     """One token per row of processed logits [rows, vocab]: argmax for greedy rows; for the
     others temperature, top-k and top-p per row, vectorised, then a draw (`draw_rows`): a row
     with a generator from it (it draws the same whatever else is in the batch), the rows
-    without one all in one call."""
+    without one all in one call. `exact`: exact mode (`filtered_probs`)."""
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -110,7 +110,7 @@ def sample_rows(
             tokens[i] = token
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
-        probs = filtered_probs(logits[drawn], [params[i] for i in drawn])
+        probs = filtered_probs(logits[drawn], [params[i] for i in drawn], exact)
         for i, token in zip(drawn, draw_rows(probs, [generators[i] for i in drawn])):
             tokens[i] = token
     return tokens
@@ -136,8 +136,9 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     return tokens
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities [rows, vocab] after temperature, top-k, then top-p (each per row)."""
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], exact: bool = False) -> torch.Tensor:
+    """Probabilities [rows, vocab] after temperature, top-k, then top-p (each per row). In
+    exact mode (`exact`) a row's top-p cut is the same bits however many rows come with it."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     logits = logits / temperature[:, None]
@@ -152,7 +153,16 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         sorted_probs = torch.softmax(sorted_logits.float(), dim=-1)
         # A token is dropped when the mass before it already reaches top_p; the most likely one
         # never is (a top_p that rounds to 0 keeps it alone).
-        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        # NOTE: PyTorch's CUDA cumsum scans a single row with cub's device-wide scan and several
+        # with its own kernel, whose thread layout follows the row count (ATen's ScanUtils.cuh,
+        # get_log_num_threads_x_inner_scan), so a row's running mass would round by how many
+        # rows are sampled together. Exact mode scans each row on its own, as one row alone is.
+        # The CPU's cumsum is a sequential loop per row whatever the row count.
+        if exact and len(params) > 1 and device.type != "cpu":
+            cumulative = torch.stack([row.cumsum(0) for row in sorted_probs])
+        else:
+            cumulative = sorted_probs.cumsum(dim=-1)
+        drop_sorted = (cumulative - sorted_probs) >= top_p[:, None]
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, -math.inf)

@@ -30,7 +30,7 @@ from server.engine.core import Engine, EngineConfig
 from server.metrics import Metrics
 from server.model_loader import load_model
 from server.engine.prompt_lookup import NgramProposer
-from server.engine.sampling import SamplingParams
+from server.engine.sampling import SamplingParams, filtered_probs
 from server.engine.sequence import GenerationRequest
 from server.engine.speculative import SpeculativeConfig
 from tests.conftest import test_cache_dir as cache_dir
@@ -545,6 +545,20 @@ def test_norm_rows_ignore_the_other_rows(dtype):
             for m in (2, 3, 5, 64, 65, 300):
                 for j, i in enumerate(range(0, 400 - m, 37)):
                     assert torch.equal(layer(x[i : i + m])[0], single[j]), (layer, m, i)
+
+
+def test_sampling_filters_a_row_alike_among_any_rows():
+    """Exact mode's temperature / top-k / top-p probabilities of a row over SmolLM2's
+    vocabulary size: alone and among 2-64 sampled rows, the same bits (on CUDA each row's
+    top-p scan runs alone: `sampling.filtered_probs`)."""
+    torch.manual_seed(0)
+    logits = torch.randn(64, 49152, device=DEVICE) * 4
+    params = [SamplingParams(max_tokens=1, temperature=0.6 + 0.01 * i, top_p=0.7 + 0.004 * i, top_k=0 if i % 3 else 40, seed=i) for i in range(64)]
+    alone = [filtered_probs(logits[i : i + 1], [params[i]], exact=True)[0] for i in range(64)]
+    for size in (2, 5, 16, 64):
+        together = filtered_probs(logits[:size], params[:size], exact=True)
+        for i in range(size):
+            assert torch.equal(together[i], alone[i]), (size, i)
 
 
 def test_tiles_are_one_shape():
