@@ -265,25 +265,33 @@ def pin_backends(device: torch.device, dtype: torch.dtype) -> None:
 def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     """Make server/engine/exact_kernel.py `attend`'s kernel on `device` (run by Triton's
     interpreter off a GPU, when TRITON_INTERPRET=1), once it compiles and agrees with the
-    torch formulation on a small random call in `dtype`; otherwise keep the torch one, with
-    a warning. Chosen once per process, before the first forward pass, so every query of a
-    process is computed alike. True when the kernel is in use."""
+    torch formulation on a small random call of two chunks in `dtype`; otherwise keep the
+    torch one, with a warning. Its two ways of walking chunks must give the same bits, or
+    only one is used (`exact_kernel.spread`). Chosen once per process, before the first
+    forward pass, so every query of a process is computed alike. True when the kernel is
+    in use."""
     if device.type in KERNELS:
         return True
     try:
         from server.engine import exact_kernel
 
         gen = torch.Generator().manual_seed(0)
-        q, keys, values = (torch.randn(2, 2, n, 64, generator=gen).to(device, dtype) for n in (24, 300, 300))
-        allowed = torch.arange(300)[None, :] <= torch.arange(260, 284)[:, None]
-        mask = torch.zeros(2, 1, 24, 300).masked_fill(~allowed, float("-inf")).to(device, dtype)
-        got, want = exact_kernel.attend(q, keys, values, mask, 0.125, None), attend(q, keys, values, mask, 0.125, None)
+        n = exact_kernel.CHUNK + 300  # two chunks
+        q, keys, values = (torch.randn(2, 2, m, 64, generator=gen).to(device, dtype) for m in (24, n, n))
+        allowed = torch.arange(n)[None, :] <= torch.arange(n - 40, n - 16)[:, None]
+        mask = torch.zeros(2, 1, 24, n).masked_fill(~allowed, float("-inf")).to(device, dtype)
+        spread = exact_kernel.attend(q, keys, values, mask, 0.125, None, parallel=True)
+        walked = exact_kernel.attend(q, keys, values, mask, 0.125, None, parallel=False)
+        want = attend(q, keys, values, mask, 0.125, None)
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
-            raise ValueError(f"it differs from the torch formulation by up to {(got.float() - want.float()).abs().max().item():.3g}")
+        if not torch.allclose(walked.float(), want.float(), atol=tolerance, rtol=tolerance):
+            raise ValueError(f"it differs from the torch formulation by up to {(walked.float() - want.float()).abs().max().item():.3g}")
     except Exception as e:  # noqa: BLE001 - any failure (no Triton, no compiler, a wrong result) keeps the torch path
         log.warning("exact mode: the Triton attention kernel is unusable on %s (%s); using the torch formulation", device, e)
         return False
+    if not torch.equal(spread, walked):  # then every launch walks its chunks in one program
+        log.warning("exact mode: the attention kernel's chunks spread over programs round differently from one walk; walking only")
+        exact_kernel.spread = False
     KERNELS[device.type] = exact_kernel.attend
     log.info("exact mode: attention by the Triton kernel on %s", device)
     return True

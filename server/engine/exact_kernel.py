@@ -1,4 +1,4 @@
-"""Exact mode's paged attention as one Triton kernel (server/engine/exact.py `attend`'s contract):
+"""Exact mode's paged attention as Triton kernels (server/engine/exact.py `attend`'s contract):
 each query's result is the same bits whatever else the launch computes.
 
 Why a kernel: cuBLAS picks a matmul kernel by shape (rows, columns, reduction length, batch
@@ -8,26 +8,34 @@ decoded would round differently from the same position prefilled. Here every lau
 compiled program, whose tile shapes are compile-time constants fixed by the head size alone.
 
 A program is one KV head of one row and BLOCK_M query rows (a KV head's query heads side by
-side, as the paged path folds them). It walks the keys from position 0 in blocks of BLOCK_N,
-always in that order, with FlashAttention's online softmax (a running max and sum per query).
+side, as the paged path folds them). A query's keys are reduced in chunks of CHUNK positions
+aligned to position 0; inside a chunk, blocks of BLOCK_N keys in order from a fresh start
+with FlashAttention's online softmax (a running max and sum per query, `_chunk`); the
+chunks' states are then merged in position order (`_merge`). That is the arithmetic of every
+query in every launch; only who does it varies: one program walks its chunks in turn, or
+(few programs: a decode step of few rows over long contexts) each chunk is its own program
+and a second launch merges them (`_combine`), as flash-decoding does, with a fixed split.
 A query's result then depends only on its own query vector, its keys and values and its mask
 row:
 
 * its scores and its share of P @ V are rows of tile matmuls, and a matmul's rows never mix;
-* a block the query cannot see (past it, before its window, past the row's end) changes
-  nothing: its weights are exactly 0 and the running state is rescaled by exp(0) = 1, and a
-  block that no query of the tile can see is skipped altogether (the same no-op);
+* a block or a chunk the query cannot see (past it, before its window, past the row's end)
+  changes nothing: its weights are exactly 0 and the running state is rescaled by exp(0) =
+  1, and a block that no query of the tile can see is skipped altogether (the same no-op);
 * the number of rows, queries, keys and programs are runtime arguments, never specialized on
-  (`do_not_specialize`): they decide how many programs run, not what one computes.
+  (`do_not_specialize`): they decide how many programs run, not what one computes;
+* no fused multiply-adds (`enable_fp_fusion=False`): `_merge` runs in two kernels, and a
+  compiler fuses by context.
 
 Keys sit at their absolute positions (the paged gather starts at position 0), so a query's
 blocks and the mask inside each are the same in every launch. Arithmetic is float32 (the
 matmuls accumulate in it; in bf16/fp16 the weights are rounded to the values' dtype before
 P @ V, as FlashAttention does); float32 models use IEEE float32 matmuls, not TF32.
 
-Triton compiles the kernel on its first launch (seconds; `exact.pin_backends` does it at start-up).
-Off a GPU, Triton's interpreter (TRITON_INTERPRET=1) runs the same kernel with NumPy:
-tests/server/test_exact_kernel.py checks it on CPU.
+Triton compiles the kernels on their first launch (seconds; `exact.use_kernel` does it at
+start-up, and checks both ways of walking the chunks give the same bits). Off a GPU, Triton's
+interpreter (TRITON_INTERPRET=1) runs the same kernels with NumPy: tests/server/test_exact.py
+checks them on CPU.
 """
 
 from __future__ import annotations
@@ -38,28 +46,24 @@ import triton.language as tl
 
 BLOCK_M = 16  # query rows per program (tl.dot's smallest tile)
 BLOCK_N = 64  # keys per step of a program's walk
+CHUNK = 512  # keys per chunk: a query's keys are reduced chunk by chunk, chunks merged in order
+PARALLEL_BELOW = 512  # launches of fewer (row, KV head, query tile) programs spread chunks over programs
+spread = True  # whether `attend` may spread chunks (exact.use_kernel turns it off if the two ways disagree)
 
 
-@triton.jit(do_not_specialize=["queries", "keys", "heads", "q_b", "q_h", "q_m", "k_b", "k_h", "k_n", "v_b", "v_h", "v_n", "m_b", "m_h", "m_m", "o_b", "o_h", "o_m"])
-def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, queries, keys, heads, scale, softcap,
-            q_b, q_h, q_m, k_b, k_h, k_n, v_b, v_h, v_n, m_b, m_h, m_m, o_b, o_h, o_m,
-            DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    b, h = row // heads, row % heads
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, DIM_P2)
-    live = rows < queries
-    q = tl.load(q_ptr + b * q_b + h * q_h + rows[:, None] * q_m + dims[None, :], mask=live[:, None] & (dims[None, :] < DIM), other=0.0)
-    k_base, v_base = k_ptr + b * k_b + h * k_h, v_ptr + b * v_b + h * v_h
-    m_base = mask_ptr + b * m_b + h * m_h + rows[:, None] * m_m
+@triton.jit
+def _chunk(q, k_base, v_base, m_base, live, dims, lo, hi, k_n, v_n, scale, softcap,
+           DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_P2: tl.constexpr,
+           SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """One chunk's keys lo..hi-1 from a fresh start: (running max, sum of weights, weighted
+    values) per query row, FlashAttention's online softmax, blocks of BLOCK_N in order."""
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_P2], tl.float32)
-    for start in range(0, keys, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        inside = cols < keys
-        # padding rows and keys past the end see nothing: -inf
+        inside = cols < hi
+        # padding rows and keys past the chunk see nothing: -inf
         bias = tl.load(m_base + cols[None, :], mask=live[:, None] & inside[None, :], other=float("-inf")).to(tl.float32)
         if tl.max(tl.max(bias, 1), 0) > float("-inf"):  # a block no query of the tile sees: a no-op, skipped
             kt = tl.load(k_base + cols[None, :] * k_n + dims[:, None], mask=inside[None, :] & (dims[:, None] < DIM), other=0.0)
@@ -84,15 +88,102 @@ def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, queries, keys, heads, scale,
             else:
                 acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
             top = new_top
+    return top, total, acc
+
+
+@triton.jit
+def _merge(top, total, acc, c_top, c_total, c_acc):
+    """The running state with one more chunk's (in position order): a chunk no query of the
+    row saw (max -inf, sums 0) leaves it as it was, bit for bit."""
+    new_top = tl.maximum(top, c_top)
+    shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+    mine = tl.exp(top - shift)
+    theirs = tl.exp(c_top - shift)
+    return new_top, total * mine + c_total * theirs, acc * mine[:, None] + c_acc * theirs[:, None]
+
+
+@triton.jit(do_not_specialize=["queries", "keys", "heads", "chunks", "q_b", "q_h", "q_m", "k_b", "k_h", "k_n", "v_b", "v_h", "v_n", "m_b", "m_h", "m_m", "o_b", "o_h", "o_m"])
+def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, queries, keys, heads, chunks, scale, softcap,
+            q_b, q_h, q_m, k_b, k_h, k_n, v_b, v_h, v_n, m_b, m_h, m_m, o_b, o_h, o_m,
+            DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+            PARALLEL: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """PARALLEL: program (row x KV head, query tile, chunk) writes its chunk's state to the
+    `part_ptr` buffer for `_combine`; otherwise program (row x KV head, query tile) walks the
+    chunks in order, merging each, and writes the output."""
+    row = tl.program_id(0).to(tl.int64)
+    b, h = row // heads, row % heads
+    tile = tl.program_id(1)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, DIM_P2)
+    live = rows < queries
+    q = tl.load(q_ptr + b * q_b + h * q_h + rows[:, None] * q_m + dims[None, :], mask=live[:, None] & (dims[None, :] < DIM), other=0.0)
+    k_base, v_base = k_ptr + b * k_b + h * k_h, v_ptr + b * v_b + h * v_h
+    m_base = mask_ptr + b * m_b + h * m_h + rows[:, None] * m_m
+    if PARALLEL:
+        c = tl.program_id(2)
+        lo = c * CHUNK
+        top, total, acc = _chunk(q, k_base, v_base, m_base, live, dims, lo, tl.minimum(lo + CHUNK, keys), k_n, v_n, scale, softcap,
+                                 DIM, BLOCK_M, BLOCK_N, DIM_P2, SOFTCAP, IEEE)
+        _store_part(part_ptr, (row * chunks + c) * tl.num_programs(1) + tile, top, total, acc, BLOCK_M, DIM_P2)
+    else:
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_P2], tl.float32)
+        for lo in range(0, keys, CHUNK):
+            c_top, c_total, c_acc = _chunk(q, k_base, v_base, m_base, live, dims, lo, tl.minimum(lo + CHUNK, keys), k_n, v_n, scale, softcap,
+                                           DIM, BLOCK_M, BLOCK_N, DIM_P2, SOFTCAP, IEEE)
+            top, total, acc = _merge(top, total, acc, c_top, c_total, c_acc)
+        _store_out(out_ptr + b * o_b + h * o_h, rows, dims, live, total, acc, o_m, DIM)
+
+
+@triton.jit(do_not_specialize=["queries", "heads", "chunks", "o_b", "o_h", "o_m"])
+def _combine(part_ptr, out_ptr, queries, heads, chunks, o_b, o_h, o_m,
+             DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (row x KV head, query tile): the chunks' states merged in position order."""
+    row = tl.program_id(0).to(tl.int64)
+    b, h = row // heads, row % heads
+    tile = tl.program_id(1)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, DIM_P2)
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_P2], tl.float32)
+    for c in range(0, chunks):
+        c_top, c_total, c_acc = _load_part(part_ptr, (row * chunks + c) * tl.num_programs(1) + tile, BLOCK_M, DIM_P2)
+        top, total, acc = _merge(top, total, acc, c_top, c_total, c_acc)
+    _store_out(out_ptr + b * o_b + h * o_h, rows, dims, rows < queries, total, acc, o_m, DIM)
+
+
+@triton.jit
+def _store_part(part_ptr, slot, top, total, acc, BLOCK_M: tl.constexpr, DIM_P2: tl.constexpr):
+    """One program's chunk state at `slot` of the buffer [slots, BLOCK_M, DIM_P2 + 2] (float32:
+    a row's weighted values, then its max and its sum)."""
+    base = part_ptr + slot * (BLOCK_M * (DIM_P2 + 2)) + tl.arange(0, BLOCK_M) * (DIM_P2 + 2)
+    tl.store(base[:, None] + tl.arange(0, DIM_P2)[None, :], acc)
+    tl.store(base + DIM_P2, top)
+    tl.store(base + DIM_P2 + 1, total)
+
+
+@triton.jit
+def _load_part(part_ptr, slot, BLOCK_M: tl.constexpr, DIM_P2: tl.constexpr):
+    base = part_ptr + slot * (BLOCK_M * (DIM_P2 + 2)) + tl.arange(0, BLOCK_M) * (DIM_P2 + 2)
+    return tl.load(base + DIM_P2), tl.load(base + DIM_P2 + 1), tl.load(base[:, None] + tl.arange(0, DIM_P2)[None, :])
+
+
+@triton.jit
+def _store_out(out_base, rows, dims, live, total, acc, o_m, DIM: tl.constexpr):
     out = acc / tl.where(live, total, 1.0)[:, None]  # padding rows saw nothing: 0, not 0 / 0
-    tl.store(out_ptr + b * o_b + h * o_h + rows[:, None] * o_m + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=live[:, None] & (dims[None, :] < DIM))
+    tl.store(out_base + rows[:, None] * o_m + dims[None, :], out.to(out_base.dtype.element_ty), mask=live[:, None] & (dims[None, :] < DIM))
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    """`exact.attend` as one kernel launch: q [B, Hkv, M, D], keys/values [B, Hkv, L, D] (any
-    L; key i at position i), `mask` additive (0 / -inf) broadcastable to [B, Hkv, M, L] (or
-    [.., query_rows(M), L]), every query seeing at least one key. Returns [B, Hkv, M, D] in
-    q's dtype."""
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None,
+           parallel: bool | None = None) -> torch.Tensor:
+    """`exact.attend` as one or two kernel launches: q [B, Hkv, M, D], keys/values [B, Hkv, L,
+    D] (any L; key i at position i), `mask` additive (0 / -inf) broadcastable to [B, Hkv, M,
+    L] (or [.., query_rows(M), L]), every query seeing at least one key. Returns [B, Hkv, M,
+    D] in q's dtype. `parallel`: spread the chunks of a row over programs (a buffer and a
+    second launch) or walk them in one (default: parallel when the launch has fewer than
+    PARALLEL_BELOW programs otherwise and more than one chunk); the bits are the same."""
     b, h, m, d = q.shape
     n = keys.shape[2]
     if mask.shape[-2] not in (1, m):  # exact.attend's padded form: the padding rows' part unused
@@ -103,9 +194,19 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         mask = mask.contiguous()
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     dim_p2 = max(16, triton.next_power_of_2(d))
-    grid = (b * h, triton.cdiv(m, BLOCK_M))
-    _attend[grid](q, keys, values, mask, out, m, n, h, float(scale), float(softcap or 1.0),
-                  *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], *mask.stride()[:3], *out.stride()[:3],
-                  DIM=d, DIM_P2=dim_p2, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SOFTCAP=softcap is not None,
-                  IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2 if dim_p2 > 128 else 3)
+    tiles, chunks = triton.cdiv(m, BLOCK_M), max(1, triton.cdiv(n, CHUNK))
+    if parallel is None:
+        parallel = spread and chunks > 1 and b * h * tiles < PARALLEL_BELOW
+    part = torch.empty(b * h * chunks * tiles, BLOCK_M, dim_p2 + 2, device=q.device, dtype=torch.float32) if parallel else out
+    shape = dict(DIM=d, DIM_P2=dim_p2, BLOCK_M=BLOCK_M)
+    # NOTE: no fused multiply-adds (enable_fp_fusion): `_merge` runs in two kernels, which must
+    # round it alike, and the compiler fuses by context.
+    options = dict(num_warps=4, enable_fp_fusion=False)
+    _attend[(b * h, tiles, chunks if parallel else 1)](
+        q, keys, values, mask, out, part, m, n, h, chunks, float(scale), float(softcap or 1.0),
+        *q.stride()[:3], *keys.stride()[:3], *values.stride()[:3], *mask.stride()[:3], *out.stride()[:3],
+        BLOCK_N=BLOCK_N, CHUNK=CHUNK, PARALLEL=parallel, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32,
+        num_stages=2 if dim_p2 > 128 else 3, **shape, **options)
+    if parallel:
+        _combine[(b * h, tiles)](part, out, m, h, chunks, *out.stride()[:3], **shape, **options)
     return out
