@@ -23,6 +23,7 @@ from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
+from server.engine import exact
 from server.engine.core import Engine, EngineConfig
 from server.api.errors import APIError, install_handlers
 from server import kv_budget
@@ -94,14 +95,25 @@ def response_store(settings: Settings) -> ResponseStore:
     return ResponseStore(settings.response_store_bytes, directory)
 
 
-def kv_tiers(settings: Settings, loaded: LoadedModel, metrics: Metrics) -> tuple[HostTier | None, DiskTier | None]:
-    """The KV tiers below the device the settings ask for (host memory only on CUDA)."""
+def numerics(settings: Settings, loaded: LoadedModel) -> str:
+    """What the KV and logits bits depend on besides the model, dtype and device: "" in the
+    default mode; in exact mode "deterministic", plus the attention it runs on CUDA (its
+    settings pinned here, before the first matmul: `exact.pin_backends`)."""
+    if not settings.deterministic:
+        return ""
+    attention = exact.pin_backends(loaded.device, loaded.dtype)
+    return f"deterministic:{attention}" if attention else "deterministic"
+
+
+def kv_tiers(settings: Settings, loaded: LoadedModel, metrics: Metrics, mode: str) -> tuple[HostTier | None, DiskTier | None]:
+    """The KV tiers below the device the settings ask for (host memory only on CUDA); `mode`:
+    `numerics`."""
     disk = None
     if settings.kv_disk_dir is not None:
         budget = settings.kv_disk_bytes or budget_from_free_space(settings.kv_disk_dir)
-        # NOTE: exact mode computes other KV bits than the default mode: a session file of one
-        # mode is never restored into the other
-        fingerprint = disk_files.fingerprint(loaded.model, loaded.dtype, "deterministic" if settings.deterministic else "")
+        # NOTE: exact mode computes other KV bits than the default mode (and its fallback
+        # attention than its kernel): a session file of one is never restored into another
+        fingerprint = disk_files.fingerprint(loaded.model, loaded.dtype, mode)
         disk = DiskTier(settings.kv_disk_dir, budget, settings.session_ttl_s, fingerprint, metrics, kv_dtype=settings.kv_cache_dtype)
     host = None
     if settings.kv_host_bytes > 0:
@@ -124,7 +136,8 @@ def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None,
 
 def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, draft: LoadedModel | None = None) -> ServingContext:
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
-    host, disk = kv_tiers(settings, loaded, metrics)
+    mode = numerics(settings, loaded)
+    host, disk = kv_tiers(settings, loaded, metrics, mode)
     budget = kv_budget.choose(settings, loaded.model, loaded.device, max_context)
     # a draft model's caches (running and kept for sessions) take their share of the budget
     draft_bytes = draft_budget_for(loaded.model, draft.model, budget.nbytes, max_context, settings.kv_cache_dtype) if settings.speculative == "draft" else 0
@@ -183,8 +196,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     metrics.watch_grammar_cache(compiler)
     dtype = str(loaded.dtype).removeprefix("torch.")
     metrics.info.info({"model": loaded.model_id, "dtype": dtype, "device": loaded.device.type, "version": VERSION})
-    mode = ":deterministic" if settings.deterministic else ""  # other numerics, another fingerprint
-    fingerprint = "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}{mode}".encode()).hexdigest()[:10]
+    numbers = f":{mode}" if mode else ""  # other numerics, another fingerprint
+    fingerprint = "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}{numbers}".encode()).hexdigest()[:10]
     return ServingContext(
         engine=engine,
         cache_manager=cache_manager,

@@ -241,9 +241,11 @@ def _switched_norm(forward: Callable[..., torch.Tensor], x: torch.Tensor, *args,
 KERNELS: dict[str, Callable] = {}  # device type -> `attend`'s kernel there (`pin_backends` sets CUDA's)
 
 
-def pin_backends(device: torch.device, dtype: torch.dtype) -> None:
-    """Settings exact mode needs on `device`, set once when the server starts, and the
-    paged path's attention kernel there (`use_kernel`).
+def pin_backends(device: torch.device, dtype: torch.dtype) -> str:
+    """Settings exact mode needs on `device`, set when the server starts (again by each model
+    runner: idempotent), and the paged path's attention kernel there (`use_kernel`). Returns
+    what else the mode's bits depend on: on CUDA the attention, "triton" or "torch" (its
+    fallback); elsewhere "".
 
     NOTE (CUDA): cuBLAS may split a bf16/fp16 GEMM's reduction and round partial sums to the
     half type when allowed to (`allow_*_reduced_precision_reduction`), and TF32 changes fp32
@@ -253,13 +255,13 @@ def pin_backends(device: torch.device, dtype: torch.dtype) -> None:
     other sources.
     Not applied in the default mode, whose speed they would cost."""
     if device.type != "cuda":
-        return
+        return ""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    use_kernel(device, dtype)
+    return "triton" if use_kernel(device, dtype) else "torch"
 
 
 def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:

@@ -27,14 +27,16 @@ from server.engine.attention import Row
 from server.engine.model_runner import ModelRunner
 from server.engine.draft_model import DraftModelProposer
 from server.engine.core import Engine, EngineConfig
+from server.api.app import numerics
 from server.metrics import Metrics
+from server.settings import Settings
 from server.model_loader import load_model
 from server.engine.prompt_lookup import NgramProposer
 from server.engine.sampling import SamplingParams, filtered_probs
 from server.engine.sequence import GenerationRequest
 from server.engine.speculative import SpeculativeConfig
 from tests.conftest import test_cache_dir as cache_dir
-from tests.device import DEVICE
+from tests.device import DEVICE, SETTINGS
 
 DTYPES = ["float32", "bfloat16"]
 MAX_CONTEXT = 2048
@@ -626,3 +628,13 @@ async def test_models_say_which_mode_runs(app_client):
             body = {"model": listed["id"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
             seen[deterministic] = (await client.post("/v1/chat/completions", json=body)).json()["system_fingerprint"]
     assert seen[False] != seen[True]
+
+
+def test_session_files_and_fingerprints_name_exact_modes_numerics():
+    """What a session file's fingerprint and `system_fingerprint` carry besides the model:
+    nothing in the default mode, the mode in exact mode, and on CUDA its attention (the
+    Triton kernel; a fallback to the torch formulation would compute other KV bits)."""
+    loaded = model_in("float32")
+    assert numerics(Settings(**SETTINGS), loaded) == ""
+    want = "deterministic:triton" if DEVICE.type == "cuda" else "deterministic"
+    assert numerics(Settings(**SETTINGS, deterministic=True), loaded) == want
