@@ -125,6 +125,8 @@ def main() -> None:
     runner = modes[True].engine.runner
     kernel = "the Triton kernel" if loaded.device.type in exact.KERNELS else "the torch formulation"
     print(f"exact mode's attention: {f'the paged path, {kernel}' if runner.paged else 'the row path (spans)'}")
+    by_kernel = [n for n, m in loaded.model.named_modules() if getattr(m, "kvserve_exact_kernel", False)]
+    print(f"exact mode's linear layers: {f'{len(by_kernel)} by the Triton kernel (their tiles failed exact.tiles_invariant)' if by_kernel else 'fixed row tiles'}")
     totals = {(n, m): [0.0, 0] for n in streams for m in modes}
     for r in range(args.rounds):
         for n in streams:

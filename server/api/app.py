@@ -97,12 +97,12 @@ def response_store(settings: Settings) -> ResponseStore:
 
 def numerics(settings: Settings, loaded: LoadedModel) -> str:
     """What the KV and logits bits depend on besides the model, dtype and device: "" in the
-    default mode; in exact mode "deterministic", plus the attention it runs on CUDA (its
-    settings pinned here, before the first matmul: `exact.pin_backends`)."""
+    default mode (its near-tie rule allows other rounding); in exact mode "deterministic",
+    the platform and on CUDA the attention it runs (`exact.pin_backends`, which pins its
+    settings here, before the first matmul)."""
     if not settings.deterministic:
         return ""
-    attention = exact.pin_backends(loaded.device, loaded.dtype)
-    return f"deterministic:{attention}" if attention else "deterministic"
+    return f"deterministic:{exact.pin_backends(loaded.device, loaded.dtype)}"
 
 
 def kv_tiers(settings: Settings, loaded: LoadedModel, metrics: Metrics, mode: str) -> tuple[HostTier | None, DiskTier | None]:

@@ -34,7 +34,10 @@ LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference
     nothing, so a query's result depends only on its own query vector and keys 0..p, never
     on the query count or the read length.
 * linear layers (`linear`, called by server/engine/cpu_linear.py's forwards and `enable`'s): rows
-  zero-padded to whole tiles, so every call is a shape whose kernel rounds each row alike.
+  zero-padded to whole tiles, so every call is a shape whose kernel rounds each row alike;
+  off CPU `enable` checks each layer shape's tile call at start-up (`tiles_invariant`: a
+  row's bits at every place in the tile) and computes a shape that fails with the Triton
+  linear kernel (server/engine/exact_kernel.py), invariant by construction.
 * normalization layers (`norm`): on CUDA one call per fixed tile of rows, as PyTorch's CUDA
   reduction lays its threads out by the row count; on CPU they are already per row.
 * other row-wise ops (RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling) are
@@ -48,6 +51,7 @@ import functools
 import logging
 import os
 import threading
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -101,9 +105,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     differently from 6; any multiple of 4 from 4 to 400 rows gives the same bits). The keys
     are zero-padded (masked) to whole KV_BLOCKs.
     """
-    kernel = KERNELS.get(q.device.type)
-    if kernel is not None:
-        return kernel(q, keys, values, mask, scale, softcap)
+    kernels = KERNELS.get(q.device.type)
+    if kernels is not None:
+        return kernels.attend(q, keys, values, mask, scale, softcap)
     dtype = q.dtype
     b, h, m, d = q.shape
     n = aligned(keys.shape[2])
@@ -165,7 +169,9 @@ def query_rows(m: int) -> int:
 def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` ([..., in] -> [..., out]) with each row's result independent of the other
     rows: the rows are zero-padded to whole tiles (ROW_TILE; CUDA_ROW_TILE on CUDA) and
-    computed by F.linear: on CPU in one call, elsewhere one call per tile.
+    computed by F.linear: on CPU in one call, elsewhere one call per tile; or, for a layer
+    whose tiles `enable` found to round a row by its place in the tile, the device's Triton
+    linear kernel (`kvserve_exact_kernel`).
 
     NOTE: measured on the dev box (AMD EPYC, AVX-512 + bf16; torch 2.13's MKL and oneDNN), fp32
     and bf16, 1 and 2 threads, SmolLM2's four weight shapes: MKL's sgemm (F.linear) gives 1
@@ -175,6 +181,8 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     So on CPU one call over whole tiles is enough. cuBLAS chooses its kernel (and split-K) by
     shape: there every call is exactly one tile (CUDA_ROW_TILE rows), so all run one kernel.
     """
+    if getattr(layer, "kvserve_exact_kernel", False):
+        return KERNELS[x.device.type].linear(x, layer.weight, layer.bias)
     cpu = x.device.type == "cpu"
     return by_tiles(lambda rows: F.linear(rows, layer.weight, layer.bias), x, ROW_TILE if cpu else CUDA_ROW_TILE, one_call=cpu)
 
@@ -218,14 +226,59 @@ def enable(model) -> None:
     """While `active()`: route the linear layers of `model` that run through PyTorch's own
     `F.linear` (every one off CPU; on CPU server/engine/cpu_linear.py's forwards ask
     `active()` themselves) through `linear`, and its normalization layers (nn.LayerNorm,
-    transformers' *RMSNorm classes) through `norm`. Idempotent."""
+    transformers' *RMSNorm classes) through `norm`. Off CPU, a layer whose shape fails
+    `tiles_invariant` is computed by the Triton linear kernel (and without it, exact mode
+    refuses to start). Idempotent."""
     for module in model.modules():
         if "forward" in vars(module):
             continue
         if type(module) is torch.nn.Linear:
+            module.kvserve_exact_kernel = _needs_kernel(module)
             module.forward = _switched.__get__(module)
         elif isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
             module.forward = functools.partial(_switched_norm, module.forward)
+
+
+_verdicts: dict[tuple, bool] = {}  # (device, dtype, out, in, bias) -> whether its tiles are invariant
+
+
+def _needs_kernel(layer: torch.nn.Linear) -> bool:
+    """Whether `linear` must compute `layer` with the Triton kernel: off CPU, when one tile's
+    call rounds a row by its place (`tiles_invariant`, once per shape and device)."""
+    w = layer.weight
+    if w.device.type == "cpu":
+        return False
+    key = (str(w.device), w.dtype, *w.shape, layer.bias is not None)
+    if key not in _verdicts:
+        _verdicts[key] = tiles_invariant(w, layer.bias)
+        if not _verdicts[key]:
+            log.warning("exact mode: %s linear layers %s on %s round a row by its place in a tile; computed by the Triton kernel", w.dtype, tuple(w.shape), w.device)
+    if _verdicts[key]:
+        return False
+    if w.device.type not in KERNELS:
+        raise RuntimeError(f"exact mode cannot run on {w.device}: its {w.dtype} linear layers {tuple(w.shape)} round a row by its place "
+                           "in a tile, and the Triton kernel that would replace them is unusable (see the warning above)")
+    return True
+
+
+def tiles_invariant(weight: torch.Tensor, bias: torch.Tensor | None, product: Callable = F.linear) -> bool:
+    """Whether `product` (F.linear) over one tile of CUDA_ROW_TILE rows, `linear`'s call off
+    CPU, gives a row the same bits at any place in the tile and beside any other rows: a row
+    among random ones against a tile of copies of it (every place at once), for four rows.
+
+    NOTE: one shape is one kernel, but a kernel that splits the tile's rows between thread
+    blocks may still split the reduction differently for each (cuBLAS's stream-K on Hopper
+    balances the work by tiles), so a decoded row (place 0) could round differently from the
+    same row in a prefill chunk (any place). A matmul's arithmetic never depends on the
+    values, so random rows settle it for the shape."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(CUDA_ROW_TILE, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+    mixed = product(x, weight, bias)
+    for i in (0, 1, CUDA_ROW_TILE // 2 + 3, CUDA_ROW_TILE - 1):
+        copies = product(x[i : i + 1].expand(CUDA_ROW_TILE, -1).contiguous(), weight, bias)
+        if not torch.equal(copies, mixed[i].expand_as(copies)):
+            return False
+    return True
 
 
 def _switched(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -238,40 +291,43 @@ def _switched_norm(forward: Callable[..., torch.Tensor], x: torch.Tensor, *args,
     return norm(forward, x)
 
 
-KERNELS: dict[str, Callable] = {}  # device type -> `attend`'s kernel there (`pin_backends` sets CUDA's)
+KERNELS: dict[str, ModuleType] = {}  # device type -> exact_kernel there (`attend`, `linear`; `pin_backends` sets CUDA's)
 
 
 def pin_backends(device: torch.device, dtype: torch.dtype) -> str:
     """Settings exact mode needs on `device`, set when the server starts (again by each model
-    runner: idempotent), and the paged path's attention kernel there (`use_kernel`). Returns
-    what else the mode's bits depend on: on CUDA the attention, "triton" or "torch" (its
-    fallback); elsewhere "".
+    runner: idempotent), and its Triton kernels there (`use_kernel`). Returns what else the
+    mode's bits depend on (a session file's and `system_fingerprint`'s numerics): the
+    platform, whose libraries round the same products differently (the GPU and the CUDA
+    version; the CPU's vector extensions), the torch version, and on CUDA the attention:
+    "triton" or "torch" (its fallback).
 
     NOTE (CUDA): cuBLAS may split a bf16/fp16 GEMM's reduction and round partial sums to the
     half type when allowed to (`allow_*_reduced_precision_reduction`), and TF32 changes fp32
     products; a fixed workspace (CUBLAS_WORKSPACE_CONFIG) keeps cuBLAS from choosing a
     different algorithm as its workspace varies. None of this makes cuBLAS batch-invariant by
-    itself (that is `linear`'s fixed row tiles and the attention kernel); it removes the
-    other sources.
+    itself (that is `linear`'s fixed row tiles, checked per shape by `enable`, and the
+    attention kernel); it removes the other sources.
     Not applied in the default mode, whose speed they would cost."""
     if device.type != "cuda":
-        return ""
+        return f"{device.type} {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    return "triton" if use_kernel(device, dtype) else "torch"
+    attention = "triton" if use_kernel(device, dtype) else "torch"
+    return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, torch {torch.__version__}, {attention}"
 
 
 def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    """Make server/engine/exact_kernel.py `attend`'s kernel on `device` (run by Triton's
-    interpreter off a GPU, when TRITON_INTERPRET=1), once it compiles and agrees with the
-    torch formulation on a small random call of two chunks in `dtype`; otherwise keep the
-    torch one, with a warning. Its two ways of walking chunks must give the same bits, or
-    only one is used (`exact_kernel.spread`). Chosen once per process, before the first
-    forward pass, so every query of a process is computed alike. True when the kernel is
-    in use."""
+    """Make server/engine/exact_kernel.py's kernels `attend`'s and (where `enable` finds cuBLAS's
+    tiles unfit) `linear`'s on `device` (run by Triton's interpreter off a GPU, when
+    TRITON_INTERPRET=1), once they compile and agree with the torch formulation and F.linear
+    on small random calls in `dtype`; otherwise keep the torch ones, with a warning. The
+    attention's two ways of walking chunks must give the same bits, or only one is used
+    (`exact_kernel.spread`). Chosen once per process, before the first forward pass, so every
+    query of a process is computed alike. True when the kernels are in use."""
     if device.type in KERNELS:
         return True
     try:
@@ -284,16 +340,23 @@ def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:
         mask = torch.zeros(2, 1, 24, n).masked_fill(~allowed, float("-inf")).to(device, dtype)
         spread = exact_kernel.attend(q, keys, values, mask, 0.125, None, parallel=True)
         walked = exact_kernel.attend(q, keys, values, mask, 0.125, None, parallel=False)
-        want = attend(q, keys, values, mask, 0.125, None)
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        if not torch.allclose(walked.float(), want.float(), atol=tolerance, rtol=tolerance):
-            raise ValueError(f"it differs from the torch formulation by up to {(walked.float() - want.float()).abs().max().item():.3g}")
+        _agrees("attention", walked, attend(q, keys, values, mask, 0.125, None))
+        for outputs in (200, 8200):  # both column tiles (`linear_block_n`), with a bias and without
+            x, w, b = (torch.randn(*shape, generator=gen).to(device, dtype) for shape in ((70, 100), (outputs, 100), (outputs,)))
+            _agrees("linear", exact_kernel.linear(x, w, b), F.linear(x, w, b))
+            _agrees("linear", exact_kernel.linear(x, w, None), F.linear(x, w))
     except Exception as e:  # noqa: BLE001 - any failure (no Triton, no compiler, a wrong result) keeps the torch path
-        log.warning("exact mode: the Triton attention kernel is unusable on %s (%s); using the torch formulation", device, e)
+        log.warning("exact mode: the Triton kernels are unusable on %s (%s); using the torch formulation and cuBLAS", device, e)
         return False
     if not torch.equal(spread, walked):  # then every launch walks its chunks in one program
         log.warning("exact mode: the attention kernel's chunks spread over programs round differently from one walk; walking only")
         exact_kernel.spread = False
-    KERNELS[device.type] = exact_kernel.attend
+    KERNELS[device.type] = exact_kernel
     log.info("exact mode: attention by the Triton kernel on %s", device)
     return True
+
+
+def _agrees(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    tolerance = 1e-5 if got.dtype == torch.float32 else 2e-2
+    if not torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance):
+        raise ValueError(f"its {what} differs from torch's by up to {(got.float() - want.float()).abs().max().item():.3g}")

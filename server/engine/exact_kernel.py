@@ -1,5 +1,6 @@
-"""Exact mode's paged attention as Triton kernels (server/engine/exact.py `attend`'s contract):
-each query's result is the same bits whatever else the launch computes.
+"""Exact mode's Triton kernels: the paged attention (server/engine/exact.py `attend`'s
+contract) and a linear layer (`linear`, where cuBLAS's fixed tiles are unfit: exact.enable):
+each query's, each row's result is the same bits whatever else the launch computes.
 
 Why a kernel: cuBLAS picks a matmul kernel by shape (rows, columns, reduction length, batch
 count). A decode step's few-row score matmul and a prefill chunk's thousands of rows can take
@@ -210,3 +211,66 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     if parallel:
         _combine[(b * h, tiles)](part, out, m, h, chunks, *out.stride()[:3], **shape, **options)
     return out
+
+
+# -- linear layers ---------------------------------------------------------------------------
+# The same rule for out = x @ w.T: every output is its row's inputs times its weight row, in
+# BLOCK_K steps from the first, accumulated in float32 by one program that owns its tile; no
+# split of the inputs between programs (split-K, stream-K), tile shapes fixed by the layer's
+# shape. A row's place among the rows decides only which program computes it.
+
+LINEAR_BLOCK_M = 64  # rows per program
+LINEAR_BLOCK_K = 64  # inputs per step of a program's walk (in order, never split)
+LINEAR_GROUP = 8  # row tiles that take column tiles in turn (the weight tile stays in L2)
+
+
+@triton.jit(do_not_specialize=["rows", "inputs", "outputs", "x_m", "o_m"])
+def _linear(x_ptr, w_ptr, b_ptr, out_ptr, rows, inputs, outputs, x_m, o_m,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+            BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """Program: one BLOCK_M x BLOCK_N tile of out = x @ w.T (+ bias), its inputs walked in
+    BLOCK_K steps from the first, accumulated in float32."""
+    pid = tl.program_id(0)
+    m_tiles, n_tiles = tl.cdiv(rows, BLOCK_M), tl.cdiv(outputs, BLOCK_N)
+    first = pid // (GROUP * n_tiles) * GROUP  # grouped order: which program runs a tile, not what it computes
+    height = tl.minimum(m_tiles - first, GROUP)
+    tile_m = first + (pid % (GROUP * n_tiles)) % height
+    tile_n = (pid % (GROUP * n_tiles)) // height
+    r = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    c = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, inputs, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        a = tl.load(x_ptr + r[:, None] * x_m + k[None, :], mask=(r[:, None] < rows) & (k[None, :] < inputs), other=0.0)
+        w = tl.load(w_ptr + c[None, :] * inputs + k[:, None], mask=(c[None, :] < outputs) & (k[:, None] < inputs), other=0.0)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    if BIAS:
+        acc = acc + tl.load(b_ptr + c, mask=c < outputs, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + r[:, None] * o_m + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=(r[:, None] < rows) & (c[None, :] < outputs))
+
+
+def linear_block_n(outputs: int) -> int:
+    """Columns per program, by the layer's shape alone (never by the row count)."""
+    return 128 if outputs >= 8192 else 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) ([..., in] -> [..., out]; weight [out, in] contiguous) as one
+    launch whose every row is the same arithmetic at any place among any number of rows: an
+    output is its row's inputs times its weight row, BLOCK_K at a time in order, accumulated in
+    float32 (no split of the inputs among programs, tile shapes fixed by the layer's shape)."""
+    inputs, outputs = weight.shape[1], weight.shape[0]
+    rows = x.reshape(-1, inputs)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], outputs, device=x.device, dtype=x.dtype)
+    block_n = linear_block_n(outputs)
+    grid = (triton.cdiv(rows.shape[0], LINEAR_BLOCK_M) * triton.cdiv(outputs, block_n),)
+    ieee = x.dtype == torch.float32
+    _linear[grid](rows, weight.contiguous(), bias if bias is not None else weight, out, rows.shape[0], inputs, outputs, rows.stride(0), out.stride(0),
+                  BLOCK_M=LINEAR_BLOCK_M, BLOCK_N=block_n, BLOCK_K=LINEAR_BLOCK_K // 2 if ieee else LINEAR_BLOCK_K, GROUP=LINEAR_GROUP,
+                  BIAS=bias is not None, IEEE=ieee, num_warps=4, num_stages=3, enable_fp_fusion=False)
+    return out.reshape(*x.shape[:-1], outputs)

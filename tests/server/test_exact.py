@@ -17,6 +17,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
 from cache_manager import kv
@@ -323,8 +324,8 @@ def torch_formulation(monkeypatch):
 
 @functools.cache
 def checked_kernel():
-    """server/engine/exact_kernel.py's `attend` once `exact.use_kernel` has compiled and
-    checked it on the test device (as the server does at start-up; on CPU Triton's
+    """server/engine/exact_kernel.py once `exact.use_kernel` has compiled and checked its
+    kernels on the test device (as the server does at start-up; on CPU Triton's
     interpreter runs it: TRITON_INTERPRET, tests/conftest.py)."""
     saved = dict(exact.KERNELS)
     exact.KERNELS.pop(DEVICE.type, None)
@@ -338,7 +339,8 @@ def checked_kernel():
 
 @pytest.fixture
 def kernel(monkeypatch):
-    """`exact.attend` as the Triton kernel on the test device, for this test. Returns it."""
+    """`exact.attend` as the Triton kernel on the test device, for this test. Returns
+    server/engine/exact_kernel.py."""
     pytest.importorskip("triton")
     monkeypatch.setattr(exact, "KERNELS", {DEVICE.type: checked_kernel()})
     return exact.KERNELS[DEVICE.type]
@@ -443,7 +445,7 @@ def test_the_kernel_computes_attention(kernel, dtype, softcap):
     positions = (last[:, None] - torch.arange(width, device=DEVICE).flip(0)[None, :]).clamp(min=0).repeat(1, groups)
     for window in (None, 30):
         mask = window_mask(positions, length, window, dt)
-        got = kernel(q, keys, values, mask, dim**-0.5, softcap)
+        got = kernel.attend(q, keys, values, mask, dim**-0.5, softcap)
         want = reference_attention(q, keys, values, mask, dim**-0.5, softcap)
         tolerance = 1e-5 if dt == torch.float32 else 4e-3
         assert got.dtype == dt and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (window, (got.double() - want).abs().max())
@@ -491,15 +493,52 @@ def test_the_kernel_gives_a_query_the_same_bits_in_any_launch(kernel, dtype):
     assert checked == 2 * 4 * (4 + 8)
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_the_linear_kernel_gives_a_row_the_same_bits_among_any_rows(kernel, dtype):
+    """The Triton linear kernel: F.linear's result (against float64), and a row's bits alone,
+    among 2..300 rows and at any place among them; inputs off its step, outputs off its column
+    tiles, with a bias and without, and the wide layers' column tiles (`linear_block_n`)."""
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    for inputs, outputs, rows, bias in ((150, 200, 300, True), (150, 200, 300, False), (96, 8200, 70, True)):
+        w, b, x = torch.randn(outputs, inputs, device=DEVICE).to(dt), torch.randn(outputs, device=DEVICE).to(dt), torch.randn(rows, inputs, device=DEVICE).to(dt)
+        b = b if bias else None
+        got = kernel.linear(x[None], w, b)[0]
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        tolerance = 1e-5 if dt == torch.float32 else 4e-3
+        assert got.dtype == dt and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (inputs, outputs, (got.double() - want).abs().max())
+        single = {i: kernel.linear(x[i : i + 1], w, b)[0] for i in range(0, rows, 37)}
+        for m in (2, 3, 65, 130, rows):
+            for at in (0, m // 2, m - 1):
+                for i in single:
+                    if 0 <= i - at and i - at + m <= rows:
+                        assert torch.equal(kernel.linear(x[i - at : i - at + m], w, b)[at], single[i]), (outputs, m, at, i)
+
+
+def test_a_tile_check_tells_place_dependent_products(kernel):
+    """`exact.tiles_invariant` passes a product that computes each row alone (the linear
+    kernel) and fails one that rounds a row by its place in the tile; `exact.enable` then
+    gives a layer the kernel only where its shape fails (never on CPU, whose tiles measured
+    invariant)."""
+    w = torch.randn(300, 96, device=DEVICE)
+    assert exact.tiles_invariant(w, None, product=lambda x, w, b: kernel.linear(x, w, b))
+    assert not exact.tiles_invariant(w, None, product=lambda x, w, b: F.linear(x, w, b) + torch.arange(len(x), device=x.device)[:, None] * 1e-3)
+    layer = torch.nn.Linear(96, 300).to(DEVICE)
+    exact.enable(torch.nn.Sequential(layer))
+    assert layer.kvserve_exact_kernel == (DEVICE.type != "cpu" and not exact.tiles_invariant(layer.weight, layer.bias))
+
+
 TINY = {  # attention shapes SmolLM2 lacks: a window (not a whole number of spans), soft-capping, MHA
     "gemma2-window-softcap": lambda **c: Gemma2Config(head_dim=16, num_attention_heads=6, num_key_value_heads=2, sliding_window=20, **c),
     "llama-mha": lambda **c: LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **c),
 }
 
 # CPU: the row path (the server's), the paged path with the torch formulation, and the paged path
-# with the Triton kernel (interpreted: float32, as the interpreter is slow; the kernel tests above
-# cover float16). CUDA: the paged path, as the server runs it (the kernel).
-PATHS = [(p, d) for p in ("row", "paged") for d in DTYPES] + [("kernel", "float32")] if DEVICE.type == "cpu" else [("paged", d) for d in DTYPES]
+# with the Triton kernels for attention and linear layers (interpreted: float32, as the
+# interpreter is slow; the kernel tests above cover float16). CUDA: the paged path as the
+# server runs it (the attention kernel; cuBLAS's tiles, or the linear kernel where `exact.enable`
+# finds them unfit), and with every linear layer by the kernel.
+PATHS = [(p, d) for p in ("row", "paged") for d in DTYPES] + [("kernel", "float32")] if DEVICE.type == "cpu" else [(p, d) for p in ("paged", "kernel") for d in DTYPES]
 
 
 @pytest.mark.parametrize("path,dtype", PATHS)
@@ -512,11 +551,16 @@ def test_a_position_has_the_same_logits_however_the_prompt_is_split(kind, dtype,
     if path == "kernel":
         request.getfixturevalue("kernel")
     torch.manual_seed(0)
-    config = TINY[kind](vocab_size=4096, hidden_size=96, intermediate_size=128, num_hidden_layers=3, max_position_embeddings=MAX_CONTEXT)
+    config = TINY[kind](vocab_size=1024, hidden_size=96, intermediate_size=128, num_hidden_layers=3, max_position_embeddings=MAX_CONTEXT)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).to(DEVICE).eval()
     pool = kv.Pool(model.config, 2**24, DEVICE, model.dtype)
-    runner = ModelRunner(model, pool, paged=path != "row", exact=True, cuda_graphs=False, max_rows=4)
-    ids = torch.randint(0, 4096, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    runner = ModelRunner(model, pool, paged=path != "row", exact=True, cuda_graphs=False, max_rows=4, packed=path != "kernel")
+    runner.prepare()
+    if path == "kernel":  # the linear layers by the Triton kernel too (where cuBLAS's tiles fail `tiles_invariant`)
+        for layer in model.modules():
+            if type(layer) is torch.nn.Linear:
+                layer.kvserve_exact_kernel = True
+    ids = torch.randint(0, 1024, (100,), generator=torch.Generator().manual_seed(1)).tolist()
 
     def logits(chunks, beside=False):
         cache, other = pool.allocate(100), pool.allocate(100)
@@ -632,9 +676,13 @@ async def test_models_say_which_mode_runs(app_client):
 
 def test_session_files_and_fingerprints_name_exact_modes_numerics():
     """What a session file's fingerprint and `system_fingerprint` carry besides the model:
-    nothing in the default mode, the mode in exact mode, and on CUDA its attention (the
-    Triton kernel; a fallback to the torch formulation would compute other KV bits)."""
+    nothing in the default mode; in exact mode the mode, the platform whose libraries round
+    (the CPU's vector extensions, or the GPU and CUDA version) and torch's version, and on
+    CUDA its attention (the Triton kernel; a fallback to the torch formulation would compute
+    other KV bits)."""
     loaded = model_in("float32")
     assert numerics(Settings(**SETTINGS), loaded) == ""
-    want = "deterministic:triton" if DEVICE.type == "cuda" else "deterministic"
-    assert numerics(Settings(**SETTINGS, deterministic=True), loaded) == want
+    mode = numerics(Settings(**SETTINGS, deterministic=True), loaded)
+    platform = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else torch.backends.cpu.get_cpu_capability()
+    assert mode.startswith("deterministic:") and platform in mode and torch.__version__ in mode, mode
+    assert mode.endswith(", triton") if DEVICE.type == "cuda" else "triton" not in mode
