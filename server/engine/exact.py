@@ -255,9 +255,9 @@ def _needs_kernel(layer: torch.nn.Linear) -> bool:
             log.warning("exact mode: %s linear layers %s on %s round a row by its place in a tile; computed by the Triton kernel", w.dtype, tuple(w.shape), w.device)
     if _verdicts[key]:
         return False
-    if w.device.type not in KERNELS:
+    if w.device.type not in KERNELS or type(w) not in (torch.Tensor, torch.nn.Parameter):  # no kernel, or a quantized weight
         raise RuntimeError(f"exact mode cannot run on {w.device}: its {w.dtype} linear layers {tuple(w.shape)} round a row by its place "
-                           "in a tile, and the Triton kernel that would replace them is unusable (see the warning above)")
+                           "in a tile, and the Triton linear kernel cannot replace them (unusable: see the warning above; or a quantized weight)")
     return True
 
 

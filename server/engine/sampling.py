@@ -138,7 +138,8 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], exact: bool = False) -> torch.Tensor:
     """Probabilities [rows, vocab] after temperature, top-k, then top-p (each per row). In
-    exact mode (`exact`) a row's top-p cut is the same bits however many rows come with it."""
+    exact mode (`exact`) a row's top-p cut is the same in every run, however many rows come
+    with it (`_mass_before_fixed`)."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     logits = logits / temperature[:, None]
@@ -153,20 +154,31 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], exact: bo
         sorted_probs = torch.softmax(sorted_logits.float(), dim=-1)
         # A token is dropped when the mass before it already reaches top_p; the most likely one
         # never is (a top_p that rounds to 0 keeps it alone).
-        # NOTE: PyTorch's CUDA cumsum scans a single row with cub's device-wide scan and several
-        # with its own kernel, whose thread layout follows the row count (ATen's ScanUtils.cuh,
-        # get_log_num_threads_x_inner_scan), so a row's running mass would round by how many
-        # rows are sampled together. Exact mode scans each row on its own, as one row alone is.
-        # The CPU's cumsum is a sequential loop per row whatever the row count.
-        if exact and len(params) > 1 and device.type != "cpu":
-            cumulative = torch.stack([row.cumsum(0) for row in sorted_probs])
+        if exact:
+            drop_sorted = _mass_before_fixed(sorted_probs) >= (top_p.double() * FIXED_ONE).round().long()[:, None]
         else:
-            cumulative = sorted_probs.cumsum(dim=-1)
-        drop_sorted = (cumulative - sorted_probs) >= top_p[:, None]
+            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, -math.inf)
     return torch.softmax(logits.float(), dim=-1)
+
+
+FIXED_ONE = 2.0**50  # exact mode's top-p sums probabilities as integer multiples of 2**-50
+
+
+def _mass_before_fixed(sorted_probs: torch.Tensor) -> torch.Tensor:
+    """Each token's running mass before it (probabilities in descending order per row), in
+    fixed point: int64 multiples of 1 / FIXED_ONE.
+
+    NOTE: integer sums are exact in any order. A float scan is not: PyTorch's CUDA cumsum
+    scans one row with cub's device-wide scan, whose combining order follows the run's timing
+    (PyTorch marks it nondeterministic), and several rows with a kernel whose thread layout
+    follows the row count (ATen's ScanUtils.cuh), so a token at the top-p boundary could be
+    kept in one step and cut in another. A float32 probability times 2**50 is exact in
+    float64; rounding drops under 2**-51 of mass per token."""
+    fixed = (sorted_probs.double() * FIXED_ONE).round().long()
+    return fixed.cumsum(dim=-1) - fixed
 
 
 def logprob_infos(logprobs: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[tuple[float, list[tuple[int, float]]]]:

