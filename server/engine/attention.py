@@ -177,7 +177,11 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int,
     # [Hkv, B, L, D] -> [B, Hkv, L, D]; queries [H, B * T, D] -> [B, Hkv, groups * T, D]
     k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
     q = q.reshape(kv_heads, groups, b, t, head_dim).permute(2, 0, 1, 3, 4).reshape(b, kv_heads, groups * t, head_dim)
-    o = attend(q, k_rows, v_rows, batch.masks[batch.pool.layout.windows[layer]], scale, softcap)
+    window = batch.pool.layout.windows[layer]
+    if attend is exact.attend:  # where the mask comes from: the kernel skips what a whole tile cannot see
+        o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, positions=batch.positions.view(b, t), window=window)
+    else:
+        o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap)
     # [B, Hkv, groups * T, D] -> [B * T, H, D]
     o = o.view(b, kv_heads, groups, t, head_dim).permute(0, 3, 1, 2, 4).reshape(b * t, heads, head_dim)
     if batch.tokens is None:

@@ -90,7 +90,8 @@ def aligned(n: int, block: int = KV_BLOCK) -> int:
     return -(-n // block) * block
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None,
+           positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Attention whose result for each query is independent of the other queries and of
     how many keys past it are read: the device's kernel (`KERNELS`), else the torch
     formulation below.
@@ -99,6 +100,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     i at position i; `mask` additive (0 / -inf), broadcastable to [B, Hkv, M, L] (or to [B,
     Hkv, aligned(M, Q_TILE), L]: `query_rows`), every query seeing at least one key. Returns
     [B, Hkv, M, D] in q's dtype; the arithmetic is float32 whatever the model's dtype.
+    `positions` [B, T] and `window`: where the mask comes from (query row r of row b at
+    positions[b, r % T], causal, within `window`), which lets the kernel skip the blocks a
+    whole tile of queries cannot see; the torch formulation reads the mask alone.
 
     NOTE: the queries are zero-padded to whole tiles of Q_TILE rows: float32 matmuls of 1-3
     rows take another kernel than 4 or more (measured on the dev box: 3 query rows round
@@ -107,7 +111,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     """
     kernels = KERNELS.get(q.device.type)
     if kernels is not None:
-        return kernels.attend(q, keys, values, mask, scale, softcap)
+        return kernels.attend(q, keys, values, mask, scale, softcap, positions=positions, window=window)
     dtype = q.dtype
     b, h, m, d = q.shape
     n = aligned(keys.shape[2])

@@ -22,7 +22,9 @@ row:
 * its scores and its share of P @ V are rows of tile matmuls, and a matmul's rows never mix;
 * a block or a chunk the query cannot see (past it, before its window, past the row's end)
   changes nothing: its weights are exactly 0 and the running state is rescaled by exp(0) =
-  1, and a block that no query of the tile can see is skipped altogether (the same no-op);
+  1; given the queries' positions, the blocks that no query of the tile can see are not
+  computed at all (the same no-op), by the loop's bounds rather than a branch, so the
+  compiler pipelines the loop's loads;
 * the number of rows, queries, keys and programs are runtime arguments, never specialized on
   (`do_not_specialize`): they decide how many programs run, not what one computes;
 * no fused multiply-adds (`enable_fp_fusion=False`): `_merge` runs in two kernels, and a
@@ -54,42 +56,43 @@ spread = True  # whether `attend` may spread chunks (exact.use_kernel turns it o
 
 
 @triton.jit
-def _chunk(q, k_base, v_base, m_base, live, dims, lo, hi, k_n, v_n, scale, softcap,
+def _chunk(q, k_base, v_base, m_base, live, dims, begin, end, hi, k_n, v_n, scale, softcap,
            DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIM_P2: tl.constexpr,
            SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
-    """One chunk's keys lo..hi-1 from a fresh start: (running max, sum of weights, weighted
-    values) per query row, FlashAttention's online softmax, blocks of BLOCK_N in order."""
+    """One chunk's keys (those before `hi`, its end) from a fresh start: (running max, sum of
+    weights, weighted values) per query row, FlashAttention's online softmax, blocks of
+    BLOCK_N in order; the blocks from `begin` (a block's start) to `end` (the tile's bounds
+    within the chunk: the blocks outside would be exact no-ops)."""
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_P2], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         inside = cols < hi
         # padding rows and keys past the chunk see nothing: -inf
         bias = tl.load(m_base + cols[None, :], mask=live[:, None] & inside[None, :], other=float("-inf")).to(tl.float32)
-        if tl.max(tl.max(bias, 1), 0) > float("-inf"):  # a block no query of the tile sees: a no-op, skipped
-            kt = tl.load(k_base + cols[None, :] * k_n + dims[:, None], mask=inside[None, :] & (dims[:, None] < DIM), other=0.0)
-            if IEEE:
-                scores = tl.dot(q, kt, input_precision="ieee")
-            else:
-                scores = tl.dot(q, kt)
-            scores = scores * scale
-            if SOFTCAP:  # softcap * tanh(scores / softcap), tanh through exp(-2|x|)
-                e = tl.exp(-2.0 * tl.abs(scores / softcap))
-                t = (1.0 - e) / (1.0 + e)
-                scores = softcap * tl.where(scores < 0, -t, t)
-            scores = scores + bias
-            new_top = tl.maximum(top, tl.max(scores, 1))
-            shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # nothing seen yet: weights 0, not NaN
-            rescale = tl.exp(top - shift)
-            weights = tl.exp(scores - shift[:, None])
-            total = total * rescale + tl.sum(weights, 1)
-            v = tl.load(v_base + cols[:, None] * v_n + dims[None, :], mask=inside[:, None] & (dims[None, :] < DIM), other=0.0)
-            if IEEE:
-                acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
-            top = new_top
+        kt = tl.load(k_base + cols[None, :] * k_n + dims[:, None], mask=inside[None, :] & (dims[:, None] < DIM), other=0.0)
+        if IEEE:
+            scores = tl.dot(q, kt, input_precision="ieee")
+        else:
+            scores = tl.dot(q, kt)
+        scores = scores * scale
+        if SOFTCAP:  # softcap * tanh(scores / softcap), tanh through exp(-2|x|)
+            e = tl.exp(-2.0 * tl.abs(scores / softcap))
+            t = (1.0 - e) / (1.0 + e)
+            scores = softcap * tl.where(scores < 0, -t, t)
+        scores = scores + bias
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # nothing seen yet: weights 0, not NaN
+        rescale = tl.exp(top - shift)
+        weights = tl.exp(scores - shift[:, None])
+        total = total * rescale + tl.sum(weights, 1)
+        v = tl.load(v_base + cols[:, None] * v_n + dims[None, :], mask=inside[:, None] & (dims[None, :] < DIM), other=0.0)
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+        top = new_top
     return top, total, acc
 
 
@@ -104,16 +107,22 @@ def _merge(top, total, acc, c_top, c_total, c_acc):
     return new_top, total * mine + c_total * theirs, acc * mine[:, None] + c_acc * theirs[:, None]
 
 
-@triton.jit(do_not_specialize=["queries", "keys", "heads", "chunks", "q_b", "q_h", "q_m", "k_b", "k_h", "k_n", "v_b", "v_h", "v_n", "m_b", "m_h", "m_m", "o_b", "o_h", "o_m"])
-def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, queries, keys, heads, chunks, scale, softcap,
+@triton.jit(do_not_specialize=["queries", "keys", "heads", "chunks", "width", "window", "p_b",
+                               "q_b", "q_h", "q_m", "k_b", "k_h", "k_n", "v_b", "v_h", "v_n", "m_b", "m_h", "m_m", "o_b", "o_h", "o_m"])
+def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, pos_ptr, queries, keys, heads, chunks, width, window, p_b, scale, softcap,
             q_b, q_h, q_m, k_b, k_h, k_n, v_b, v_h, v_n, m_b, m_h, m_m, o_b, o_h, o_m,
             DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-            PARALLEL: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr):
+            PARALLEL: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, BOUNDED: tl.constexpr):
     """PARALLEL: program (row x KV head, query tile, chunk) writes its chunk's state to the
     `part_ptr` buffer for `_combine`; otherwise program (row x KV head, query tile) walks the
     chunks in order, merging each, and writes the output. ALIGNED: the strides come in units
     of 16 elements (`attend`), so the compiler knows them multiples of 16 and vectorizes the
-    loads (tl.multiple_of on a scalar argument does not reach its analysis)."""
+    loads (tl.multiple_of on a scalar argument does not reach its analysis). BOUNDED: query
+    row r of row b is at position pos[b, r % width] (0 <= window: the keys it sees are those
+    after position - window, none = 0), so a tile's queries see keys first..last-1 at most
+    and the blocks outside, which the mask hides from all of them, are not computed (exact
+    no-ops either way, whose skipping keeps the loop free of branches for the compiler's
+    software pipelining)."""
     if ALIGNED:
         q_b, q_h, q_m, k_b, k_h, k_n, v_b, v_h, v_n = q_b * 16, q_h * 16, q_m * 16, k_b * 16, k_h * 16, k_n * 16, v_b * 16, v_h * 16, v_n * 16
         m_b, m_h, m_m, o_b, o_h, o_m = m_b * 16, m_h * 16, m_m * 16, o_b * 16, o_h * 16, o_m * 16
@@ -126,19 +135,26 @@ def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, queries, keys, hea
     q = tl.load(q_ptr + b * q_b + h * q_h + rows[:, None] * q_m + dims[None, :], mask=live[:, None] & (dims[None, :] < DIM), other=0.0)
     k_base, v_base = k_ptr + b * k_b + h * k_h, v_ptr + b * v_b + h * v_h
     m_base = mask_ptr + b * m_b + h * m_h + rows[:, None] * m_m
+    first = 0
+    last = keys
+    if BOUNDED:
+        pos = tl.load(pos_ptr + b * p_b + rows % width, mask=live, other=0).to(tl.int32)
+        last = tl.minimum(tl.max(tl.where(live, pos, -1), 0) + 1, keys)
+        first = tl.where(window > 0, tl.maximum(tl.min(tl.where(live, pos, keys), 0) - window + 1, 0), 0)
+    first = first // BLOCK_N * BLOCK_N  # blocks start where they always do
     if PARALLEL:
         c = tl.program_id(2)
         lo = c * CHUNK
-        top, total, acc = _chunk(q, k_base, v_base, m_base, live, dims, lo, tl.minimum(lo + CHUNK, keys), k_n, v_n, scale, softcap,
-                                 DIM, BLOCK_M, BLOCK_N, DIM_P2, SOFTCAP, IEEE)
+        top, total, acc = _chunk(q, k_base, v_base, m_base, live, dims, tl.maximum(lo, first), tl.minimum(lo + CHUNK, last),
+                                 tl.minimum(lo + CHUNK, keys), k_n, v_n, scale, softcap, DIM, BLOCK_M, BLOCK_N, DIM_P2, SOFTCAP, IEEE)
         _store_part(part_ptr, (row * chunks + c) * tl.num_programs(1) + tile, top, total, acc, BLOCK_M, DIM_P2)
     else:
         top = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_P2], tl.float32)
-        for lo in range(0, keys, CHUNK):
-            c_top, c_total, c_acc = _chunk(q, k_base, v_base, m_base, live, dims, lo, tl.minimum(lo + CHUNK, keys), k_n, v_n, scale, softcap,
-                                           DIM, BLOCK_M, BLOCK_N, DIM_P2, SOFTCAP, IEEE)
+        for lo in range(first // CHUNK * CHUNK, last, CHUNK):
+            c_top, c_total, c_acc = _chunk(q, k_base, v_base, m_base, live, dims, tl.maximum(lo, first), tl.minimum(lo + CHUNK, last),
+                                           tl.minimum(lo + CHUNK, keys), k_n, v_n, scale, softcap, DIM, BLOCK_M, BLOCK_N, DIM_P2, SOFTCAP, IEEE)
             top, total, acc = _merge(top, total, acc, c_top, c_total, c_acc)
         _store_out(out_ptr + b * o_b + h * o_h, rows, dims, live, total, acc, o_m, DIM)
 
@@ -203,13 +219,16 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None,
-           parallel: bool | None = None) -> torch.Tensor:
+           parallel: bool | None = None, positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """`exact.attend` as one or two kernel launches: q [B, Hkv, M, D], keys/values [B, Hkv, L,
     D] (any L; key i at position i), `mask` additive (0 / -inf) broadcastable to [B, Hkv, M,
     L] (or [.., query_rows(M), L]), every query seeing at least one key. Returns [B, Hkv, M,
     D] in q's dtype. `parallel`: spread the chunks of a row over programs (a buffer and a
     second launch) or walk them in one (default: parallel when the launch has fewer than
-    PARALLEL_BELOW programs otherwise and more than one chunk); the bits are the same."""
+    PARALLEL_BELOW programs otherwise and more than one chunk); the bits are the same.
+    `positions` [B, T] (optional): query row r of row b is at positions[b, r % T], and the mask
+    is causal from there (and hides keys at or before position - `window`): the launch then
+    skips the blocks a tile's queries cannot see; the bits are the same."""
     b, h, m, d = q.shape
     n = keys.shape[2]
     if mask.shape[-2] not in (1, m):  # exact.attend's padded form: the padding rows' part unused
@@ -238,10 +257,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     # NOTE: no fused multiply-adds (enable_fp_fusion): `_merge` runs in two kernels, which must
     # round it alike, and the compiler fuses by context.
     options = dict(num_warps=4, enable_fp_fusion=False)
+    width = positions.shape[-1] if positions is not None else 1
     _attend[(b * h, tiles, chunks if parallel else 1)](
-        q, keys, values, mask, out, part, m, n, h, chunks, float(scale), float(softcap or 1.0),
+        q, keys, values, mask, out, part, positions if positions is not None else q, m, n, h, chunks, width, window or 0,
+        positions.stride(0) if positions is not None and b > 1 else 0, float(scale), float(softcap or 1.0),
         *(st // unit for x in (q, keys, values, mask, out) for st in _strides(x)),
-        BLOCK_N=BLOCK_N, CHUNK=CHUNK, PARALLEL=parallel, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, ALIGNED=aligned,
+        BLOCK_N=BLOCK_N, CHUNK=CHUNK, PARALLEL=parallel, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, ALIGNED=aligned, BOUNDED=positions is not None,
         num_stages=2 if dim_p2 > 128 else 3, **shape, **options)
     if parallel:
         _combine[(b * h, tiles)](part, out, m, h, chunks, *_strides(out), **shape, **options)

@@ -453,10 +453,11 @@ def test_the_kernel_computes_attention(kernel, dtype, softcap):
     positions = (last[:, None] - torch.arange(width, device=DEVICE).flip(0)[None, :]).clamp(min=0).repeat(1, groups)
     for window in (None, 30):
         mask = window_mask(positions, length, window, dt)
-        got = kernel.attend(q, keys, values, mask, dim**-0.5, softcap)
         want = reference_attention(q, keys, values, mask, dim**-0.5, softcap)
-        tolerance = 1e-5 if dt == torch.float32 else 4e-3
-        assert got.dtype == dt and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (window, (got.double() - want).abs().max())
+        for bounds in ({}, dict(positions=positions[:, :width], window=window)):
+            got = kernel.attend(q, keys, values, mask, dim**-0.5, softcap, **bounds)
+            tolerance = 1e-5 if dt == torch.float32 else 4e-3
+            assert got.dtype == dt and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (window, bounds, (got.double() - want).abs().max())
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -464,7 +465,9 @@ def test_the_kernel_gives_a_query_the_same_bits_in_any_launch(kernel, dtype):
     """A query at position p, decoded (alone, reading keys 0..p, its chunks spread over
     programs), inside chunks of 16 and 128 queries reading to the chunk's end or further (its
     chunks walked by one program), and inside a batch of rows of other lengths: the same bits,
-    for p on both sides of a chunk boundary and for the batch's other rows. With a window too."""
+    for p on both sides of a chunk boundary and for the batch's other rows; launches that know
+    the positions (skipping the blocks a tile cannot see) and launches that do not. With a
+    window too."""
     from server.engine import exact_kernel
 
     torch.manual_seed(0)
@@ -474,31 +477,35 @@ def test_the_kernel_gives_a_query_the_same_bits_in_any_launch(kernel, dtype):
     q = torch.randn(len(lengths), heads, groups, n, dim, device=DEVICE).to(dt)
     keys, values = (torch.randn(len(lengths), heads, n + 70, dim, device=DEVICE).to(dt) for _ in range(2))
 
-    def attend(rows, start, count, length, window, parallel):
-        """Rows `rows`' queries start..start+count-1 (clamped to a row's own length), keys to `length`."""
+    def attend(rows, start, count, length, window, parallel, bounded):
+        """Rows `rows`' queries start..start+count-1 (clamped to a row's own length), keys to
+        `length`; `bounded`: the launch knows the positions (and skips what a tile cannot see)."""
         positions = torch.tensor([[min(start + t, lengths[r] - 1) for t in range(count)] for r in rows], device=DEVICE)
         folded = torch.stack([q[r, :, :, positions[i]] for i, r in enumerate(rows)]).reshape(len(rows), heads, groups * count, dim)
         mask = window_mask(positions.repeat(1, groups), length, window, dt)
-        out = exact_kernel.attend(folded, keys[rows, :, :length], values[rows, :, :length], mask, dim**-0.5, None, parallel)
+        bounds = dict(positions=positions, window=window) if bounded else {}
+        out = exact_kernel.attend(folded, keys[rows, :, :length], values[rows, :, :length], mask, dim**-0.5, None, parallel, **bounds)
         return out.view(len(rows), heads, groups, count, dim)
 
     checked = 0
     for window in (None, 50):
         for p in (0, exact_kernel.CHUNK - 1, exact_kernel.CHUNK, n - 1):
-            single = attend([0], p, 1, p + 1, window, True)[0, :, :, 0]
+            single = attend([0], p, 1, p + 1, window, True, False)[0, :, :, 0]
             for chunk in (16, 128):
                 start = p // chunk * chunk
                 count = min(chunk, n - start)
-                for extra in (0, 70):
-                    assert torch.equal(attend([0], start, count, start + count + extra, window, False)[0, :, :, p - start], single), (window, p, chunk, extra)
+                for extra, bounded in ((0, False), (70, False), (70, True)):
+                    got = attend([0], start, count, start + count + extra, window, False, bounded)[0, :, :, p - start]
+                    assert torch.equal(got, single), (window, p, chunk, extra, bounded)
                     checked += 1
-            together = attend(list(range(len(lengths))), p, 1, n, window, None)
+            together = attend(list(range(len(lengths))), p, 1, n, window, None, p % 2 == 0)
             assert torch.equal(together[0, :, :, 0], single), (window, p)
             for r in range(1, len(lengths)):
                 at = min(p, lengths[r] - 1)
-                assert torch.equal(together[r, :, :, 0], attend([r], at, 1, at + 1, window, r % 2 == 0)[0, :, :, 0]), (window, p, r)
+                alone = attend([r], at, 1, at + 1 + 70 * (r % 3 == 0), window, r % 2 == 0, r % 3 == 0)
+                assert torch.equal(together[r, :, :, 0], alone[0, :, :, 0]), (window, p, r)
             checked += len(lengths)
-    assert checked == 2 * 4 * (4 + 8)
+    assert checked == 2 * 4 * (6 + 8)
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
