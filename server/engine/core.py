@@ -404,7 +404,7 @@ class Engine:
         if drafted:
             logits = logits[plain]
         try:
-            tokens = model_runner.choose(completed, logits, exact=self.runner.exact)
+            tokens = model_runner.choose(completed, logits)
         except Exception:
             log.exception("sampling failed in a step of %d rows", len(completed))
             for seq in completed:

@@ -258,6 +258,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     # round it alike, and the compiler fuses by context.
     options = dict(num_warps=4, enable_fp_fusion=False)
     width = positions.shape[-1] if positions is not None else 1
+    if positions is not None and positions.stride(-1) != 1:
+        positions = positions.contiguous()
     _attend[(b * h, tiles, chunks if parallel else 1)](
         q, keys, values, mask, out, part, positions if positions is not None else q, m, n, h, chunks, width, window or 0,
         positions.stride(0) if positions is not None and b > 1 else 0, float(scale), float(softcap or 1.0),

@@ -28,7 +28,7 @@ from cache_manager import kv
 from server.engine import attention, cpu_linear
 from server.engine import exact as exact_mode
 from server.engine.attention import Batch, Row, Step
-from server.engine.sampling import apply_logit_bias, apply_penalties, logprob_infos, sample_rows
+from server.engine.sampling import apply_logit_bias, apply_penalties, logprob_infos, sample_rows, softmax_rows
 from server.engine.scheduler import Plan
 from server.engine.sequence import Sequence, TokenInfo
 
@@ -335,15 +335,14 @@ def model_context(model) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 8192)
 
 
-def choose(seqs: list[Sequence], logits: torch.Tensor, exact: bool = False) -> list[TokenInfo]:
-    """The next token of each sequence from its row of raw logits [R, vocab] (`exact`: exact
-    mode's sampling, `sampling.filtered_probs`).
+def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
+    """The next token of each sequence from its row of raw logits [R, vocab].
 
     Logprobs are the model's own distribution (before grammar masks, bias and penalties).
     Side effects: grammar masks are added to `logits` in place; penalty counts move forward.
     """
     asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
-    logprobs = torch.log_softmax(logits[asked], dim=-1) if asked else None
+    logprobs = softmax_rows(logits[asked], log=True) if asked else None
     apply_masks([s.matcher for s in seqs], logits)
     logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
     for i, seq in enumerate(seqs):
@@ -352,7 +351,7 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, exact: bool = False) -> l
             logits[i] = done
     # a seeded request draws from its own generator; the others draw together, in one call
     generators = [s.generator if s.params.seed is not None else None for s in seqs]
-    token_ids = sample_rows(logits, [s.params for s in seqs], generators, exact)
+    token_ids = sample_rows(logits, [s.params for s in seqs], generators)
     infos = {}
     if asked:
         infos = dict(zip(asked, logprob_infos(logprobs, [token_ids[i] for i in asked], [seqs[i].params.top_logprobs for i in asked])))

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
 
@@ -95,13 +96,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return sample_rows(logits[None], [params], [generator])[0]
 
 
-def sample_rows(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], exact: bool = False
-) -> list[int]:
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of processed logits [rows, vocab]: argmax for greedy rows; for the
     others temperature, top-k and top-p per row, vectorised, then a draw (`draw_rows`): a row
     with a generator from it (it draws the same whatever else is in the batch), the rows
-    without one all in one call. `exact`: exact mode (`filtered_probs`)."""
+    without one all in one call."""
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -110,7 +109,7 @@ def sample_rows(
             tokens[i] = token
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
-        probs = filtered_probs(logits[drawn], [params[i] for i in drawn], exact)
+        probs = filtered_probs(logits[drawn], [params[i] for i in drawn])
         for i, token in zip(drawn, draw_rows(probs, [generators[i] for i in drawn])):
             tokens[i] = token
     return tokens
@@ -136,10 +135,10 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     return tokens
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], exact: bool = False) -> torch.Tensor:
-    """Probabilities [rows, vocab] after temperature, top-k, then top-p (each per row). In
-    exact mode (`exact`) a row's top-p cut is the same in every run, however many rows come
-    with it (`_mass_before_fixed`)."""
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Probabilities [rows, vocab] after temperature, top-k, then top-p (each per row); a row's
+    are the same bits in every run, however many rows come with it (`_mass_before_fixed`,
+    `softmax_rows`)."""
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
     logits = logits / temperature[:, None]
@@ -151,20 +150,33 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams], exact: bo
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits.float(), dim=-1)
+        sorted_probs = softmax_rows(sorted_logits.float())
         # A token is dropped when the mass before it already reaches top_p; the most likely one
         # never is (a top_p that rounds to 0 keeps it alone).
-        if exact:
-            drop_sorted = _mass_before_fixed(sorted_probs) >= (top_p.double() * FIXED_ONE).round().long()[:, None]
-        else:
-            drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+        drop_sorted = _mass_before_fixed(sorted_probs) >= (top_p.double() * FIXED_ONE).round().long()[:, None]
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, -math.inf)
-    return torch.softmax(logits.float(), dim=-1)
+    return softmax_rows(logits.float())
 
 
-FIXED_ONE = 2.0**50  # exact mode's top-p sums probabilities as integer multiples of 2**-50
+def softmax_rows(x: torch.Tensor, log: bool = False) -> torch.Tensor:
+    """Softmax (`log`: log-softmax) over the last dimension, each row's bits independent of its
+    place among the rows.
+
+    NOTE: PyTorch's CUDA softmax over long rows starts its vector loads at each row's first
+    16-byte boundary (SoftMax.cu: a `shift` taken from the row's address), so with rows whose
+    byte length is not a multiple of 16 (a vocabulary of 50,257 float32s) which thread sums
+    which element follows the row's index. Padded with -inf (weight 0) to whole 16 bytes,
+    every row starts aligned. Read in the source, not measured; the CPU's softmax is per row."""
+    fn = torch.log_softmax if log else torch.softmax
+    pad = -x.shape[-1] % max(1, 16 // x.element_size())
+    if pad == 0 or x.device.type == "cpu":
+        return fn(x, dim=-1)
+    return fn(F.pad(x, (0, pad), value=-math.inf), dim=-1)[..., : x.shape[-1]]
+
+
+FIXED_ONE = 2.0**50  # top-p sums probabilities as integer multiples of 2**-50
 
 
 def _mass_before_fixed(sorted_probs: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ import torch
 from cache_manager import kv
 from grammars.matcher import start_draft_masks
 from server.engine.model_runner import processed, taken
-from server.engine.sampling import draw_rows, filtered_probs, logprob_infos, sample_rows
+from server.engine.sampling import draw_rows, filtered_probs, logprob_infos, sample_rows, softmax_rows
 from server.engine.sequence import Status, TokenInfo
 
 log = logging.getLogger(__name__)
@@ -487,7 +487,7 @@ class Speculator:
         draws; plus the sequence's acceptance statistics and the proposer's rewind.
         """
         params, k = seq.params, len(draft.tokens)
-        logprobs = torch.log_softmax(logits, dim=-1) if params.logprobs else None
+        logprobs = softmax_rows(logits, log=True) if params.logprobs else None
         if seq.matcher is not None:
             logits.add_(seq.matcher.draft_masks().to(logits.device))
         tokens: list[TokenInfo] = []

@@ -33,7 +33,7 @@ from server.metrics import Metrics
 from server.settings import Settings
 from server.model_loader import load_model
 from server.engine.prompt_lookup import NgramProposer
-from server.engine.sampling import SamplingParams, filtered_probs
+from server.engine.sampling import SamplingParams, filtered_probs, softmax_rows
 from server.engine.sequence import GenerationRequest
 from server.engine.speculative import SpeculativeConfig
 from tests.conftest import test_cache_dir as cache_dir
@@ -622,20 +622,22 @@ def test_norm_rows_ignore_the_other_rows(dtype):
 
 
 def test_sampling_filters_a_row_alike_among_any_rows():
-    """Exact mode's temperature / top-k / top-p probabilities of a row over SmolLM2's
-    vocabulary size: alone and among 2-64 sampled rows, the same bits (the top-p running mass
-    is an integer scan: `sampling._mass_before_fixed`); and the cut is top-p's: a token goes
-    once the mass before it reaches top_p, the first never."""
+    """Temperature / top-k / top-p probabilities and log-probabilities of a row over SmolLM2's
+    vocabulary size and an odd one (GPT-2's): alone and among 2-64 rows, the same bits (the
+    top-p running mass is an integer scan, `sampling._mass_before_fixed`; off CPU a softmax's
+    rows are padded to whole 16 bytes, `sampling.softmax_rows`); and the cut is top-p's: a
+    token goes once the mass before it reaches top_p, the first never."""
     torch.manual_seed(0)
-    logits = torch.randn(64, 49152, device=DEVICE) * 4
     params = [SamplingParams(max_tokens=1, temperature=0.6 + 0.01 * i, top_p=0.7 + 0.004 * i, top_k=0 if i % 3 else 40, seed=i) for i in range(64)]
-    alone = [filtered_probs(logits[i : i + 1], [params[i]], exact=True)[0] for i in range(64)]
-    for size in (2, 5, 16, 64):
-        together = filtered_probs(logits[:size], params[:size], exact=True)
-        for i in range(size):
-            assert torch.equal(together[i], alone[i]), (size, i)
+    for vocab in (49152, 50257):
+        logits = torch.randn(64, vocab, device=DEVICE) * 4
+        alone = [(filtered_probs(logits[i : i + 1], [params[i]])[0], softmax_rows(logits[i : i + 1], log=True)[0]) for i in range(64)]
+        for size in (2, 5, 16, 64):
+            together = filtered_probs(logits[:size], params[:size]), softmax_rows(logits[:size], log=True)
+            for i in range(size):
+                assert torch.equal(together[0][i], alone[i][0]) and torch.equal(together[1][i], alone[i][1]), (vocab, size, i)
     logits = torch.tensor([[0.5, 0.2, 0.3, 1e-9], [0.9, 0.05, 0.03, 0.02]], device=DEVICE).log()
-    cut = filtered_probs(logits, [SamplingParams(max_tokens=1, top_p=0.75), SamplingParams(max_tokens=1, top_p=0.01)], exact=True)
+    cut = filtered_probs(logits, [SamplingParams(max_tokens=1, top_p=0.75), SamplingParams(max_tokens=1, top_p=0.01)])
     assert torch.allclose(cut, torch.tensor([[0.625, 0, 0.375, 0], [1, 0, 0, 0]], device=DEVICE)), cut
 
 
