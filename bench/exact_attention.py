@@ -51,12 +51,18 @@ def case(rows: int, width: int, context: int, kv_heads: int, groups: int, device
     return q, keys, values, mask
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def kernel_options(doc: str) -> argparse.ArgumentParser:
+    """The options of both kernel benchmarks (this and bench/exact_linear.py)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--interpret", action="store_true", help="run the kernel in Triton's interpreter (CPU; slow, small shapes only)")
+    return parser
+
+
+def main() -> None:
+    parser = kernel_options(__doc__)
     parser.add_argument("--contexts", default="1024,8192,32768", help="decode steps' context lengths")
     parser.add_argument("--prefill-context", type=int, default=4096, help="where the 512-token prefill chunk ends")
     args = parser.parse_args()
@@ -79,6 +85,7 @@ def main() -> None:
         for rows, width in steps:
             for context in contexts if width == 1 else [args.prefill_context]:
                 q, keys, values, mask = case(rows, width, context, kv_heads, groups, device, dtype)
+                positions = torch.arange(context - width, context, device=device).expand(rows, width)  # as the paged path hands them
                 scale = DIM**-0.5
                 base = timed(lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale), args.repeats, device)
                 cells = [f"{1000 * base:.3f}"]
@@ -86,7 +93,7 @@ def main() -> None:
                     if fn is None:
                         cells += ["-", "-"]
                         continue
-                    seconds = timed(lambda: fn(q, keys, values, mask, scale, None), args.repeats, device)
+                    seconds = timed(lambda: fn(q, keys, values, mask, scale, None, positions=positions), args.repeats, device)
                     cells += [f"{1000 * seconds:.3f}", f"**{seconds / base:.2f}x**"]
                 step = f"decode x{rows}" if width == 1 else f"prefill {width}"
                 print(f"| {name} | {step} | {context} | " + " | ".join(cells) + " |")

@@ -12,13 +12,12 @@ decode steps of 1, 8 and 64 rows and prefill chunks of 512 and 2048 rows.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 import torch.nn.functional as F
 
-from bench.exact_attention import timed
+from bench.exact_attention import kernel_options, timed
 
 SHAPES = {  # layer -> (out, in)
     "qwen1.5b": {"q/o": (1536, 1536), "k/v": (256, 1536), "gate/up": (8960, 1536), "down": (1536, 8960), "lm_head": (151936, 1536)},
@@ -28,11 +27,7 @@ ROWS = (1, 8, 64, 512, 2048)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--interpret", action="store_true", help="run the kernel in Triton's interpreter (CPU; slow, small shapes only)")
+    parser = kernel_options(__doc__)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--models", default=",".join(SHAPES))
     args = parser.parse_args()
