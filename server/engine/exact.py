@@ -41,7 +41,9 @@ LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference
 * normalization layers (`norm`): on CUDA one call per fixed tile of rows, as PyTorch's CUDA
   reduction lays its threads out by the row count; on CPU they are already per row.
 * other row-wise ops (RoPE, SiLU, softmax/log-softmax over the vocabulary, sampling) are
-  already per row (measured, docs/architecture.md; the engine tests cover them end to end).
+  already per row (measured, docs/architecture.md; the engine tests cover them end to end);
+  on CUDA a vocabulary softmax's rows are padded to whole 16 bytes and top-p sums in
+  integers, in both modes (server/engine/sampling.py `softmax_rows`, `_mass_before_fixed`).
 """
 
 from __future__ import annotations
