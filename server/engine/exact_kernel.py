@@ -199,12 +199,15 @@ def _store_out(out_base, rows, dims, live, total, acc, o_m, DIM: tl.constexpr):
     tl.store(out_base + rows[:, None] * o_m + dims[None, :], out.to(out_base.dtype.element_ty), mask=live[:, None] & (dims[None, :] < DIM))
 
 
+def _fits(x: torch.Tensor, strides: bool) -> bool:
+    """Whether x's data is 16-byte aligned, its last dimension dense and (`strides`) every
+    other stride a multiple of 16 (`_strides`')."""
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and not (strides and any(st % 16 for st in _strides(x)))
+
+
 def _aligned(x: torch.Tensor, strides: bool) -> torch.Tensor:
-    """x, or a contiguous copy where x's data is not 16-byte aligned, its last dimension is not
-    dense, or (`strides`) another stride is not a multiple of 16 (`_strides`')."""
-    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and not (strides and any(st % 16 for st in _strides(x))):
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
+    """x, or a contiguous copy where it does not `_fits`."""
+    return x if _fits(x, strides) else x.clone(memory_format=torch.contiguous_format)
 
 
 def _strides(x: torch.Tensor) -> list[int]:
@@ -244,7 +247,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     aligned = d % 16 == 0
     unit = 16 if aligned else 1
     q, keys, values = (_aligned(x, aligned) for x in (q, keys.to(q.dtype), values.to(q.dtype)))
-    if aligned and _aligned(mask, True) is not mask:  # a copy whose rows are whole 16 keys (masked)
+    if aligned and not _fits(mask, True):  # a copy whose rows are whole 16 keys (masked)
         mask = F.pad(mask, (0, -n % 16), value=float("-inf")).contiguous()
     mask = _aligned(mask, aligned).expand(b, h, m, mask.shape[-1])
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -262,7 +265,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
         positions = positions.contiguous()
     _attend[(b * h, tiles, chunks if parallel else 1)](
         q, keys, values, mask, out, part, positions if positions is not None else q, m, n, h, chunks, width, window or 0,
-        positions.stride(0) if positions is not None and b > 1 else 0, float(scale), float(softcap or 1.0),
+        _strides(positions)[0] if positions is not None else 0, float(scale), float(softcap or 1.0),
         *(st // unit for x in (q, keys, values, mask, out) for st in _strides(x)),
         BLOCK_N=BLOCK_N, CHUNK=CHUNK, PARALLEL=parallel, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, ALIGNED=aligned, BOUNDED=positions is not None,
         num_stages=2 if dim_p2 > 128 else 3, **shape, **options)
