@@ -6,7 +6,8 @@ caches (`get_layer_types_and_kwargs`); a transformers upgrade breaks them and th
 
 Layout (docs/architecture.md, "KV pool"):
 
-* A `Pool` holds, per layer, keys and values [kv_heads, slots, head_dim]: `num_blocks` blocks
+* A `Pool` holds, per layer, keys [kv_heads, slots, key_dim] and values [kv_heads, slots,
+  value_dim] (MLA models, DeepSeek-V3's, have values narrower than keys): `num_blocks` blocks
   of `block_size` token slots, plus one trash block that belongs to no sequence (padded rows of
   a batch bucket write and read there, so padding never touches a live slot).
 * A sequence's `SequenceKV` is its block table into the pool and its `length`: position p lives
@@ -41,7 +42,7 @@ from cache_manager.blocks import BlockAllocator, NoBlocks
 BLOCK_SIZE = 16
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
-__all__ = ["BLOCK_SIZE", "KV_DTYPES", "Layout", "NoBlocks", "Pool", "SequenceKV", "kv_format", "layout"]
+__all__ = ["BLOCK_SIZE", "KV_DTYPES", "Layout", "NoBlocks", "Pool", "SequenceKV", "UnsupportedLayers", "kv_format", "layout"]
 
 
 # -- storage formats ---------------------------------------------------------------------------
@@ -157,29 +158,72 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """What a model's KV looks like: per layer its window (None: full attention)."""
+    """What a model's KV looks like: per layer its window (None: full attention), the KV heads,
+    and the widths of a head's key and of its value (equal but for MLA models)."""
 
     windows: tuple[int | None, ...]
     kv_heads: int
-    head_dim: int
+    key_dim: int
+    value_dim: int
+    # LongRoPE (Phi-3, Phi-4-mini): keys of a sequence longer than this were computed with the
+    # long rope factors, of a shorter one with the short factors (server/engine/rope.py); None:
+    # a key depends on its position alone
+    rope_switch: int | None = None
+
+    def rope_long(self, length: int) -> bool:
+        """Whether a cache of `length` computed tokens holds long-factor keys: a sequence is
+        recomputed when it crosses the switch, and a cache is never kept cropped below it."""
+        return self.rope_switch is not None and length > self.rope_switch
 
     def bytes_per_token(self, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
         """Keys and values of one token in every layer, stored as `kv_dtype` (`KV_DTYPES`) by
         a model computing in `dtype` (scales included)."""
-        return 2 * len(self.windows) * self.kv_heads * kv_format(kv_dtype).bytes_per_vector(self.head_dim, dtype)
+        fmt = kv_format(kv_dtype)
+        per_head = fmt.bytes_per_vector(self.key_dim, dtype) + fmt.bytes_per_vector(self.value_dim, dtype)
+        return len(self.windows) * self.kv_heads * per_head
+
+    def widths(self) -> dict[str, int]:
+        """"k" and "v": the width of a head's key and value (what `export` names them)."""
+        return {"k": self.key_dim, "v": self.value_dim}
+
+
+class UnsupportedLayers(ValueError):
+    """Layer kinds the pool has no layout for (recurrent, linear attention, chunked...)."""
+
+    def __init__(self, kinds: list[str]) -> None:
+        super().__init__(f"kvserve has no KV layout for layers of type {kinds}")
+        self.kinds = kinds
 
 
 def layout(config: PretrainedConfig) -> Layout:
-    """The KV layout of `config`; ValueError for layer kinds this engine cannot batch."""
+    """The KV layout of `config`; UnsupportedLayers for layer kinds this engine cannot batch.
+
+    Key and value widths: `qk_head_dim` and `v_head_dim` where the config has them (MLA:
+    DeepSeek-V2/V3, Kimi K2), else `head_dim` (or hidden_size / heads) for both.
+    server/engine/families.py checks them against what the model's layers really produce."""
     text_config = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
     unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYERS))
     if unsupported:
-        raise ValueError(f"kvserve cannot batch attention layers of type {unsupported}")
+        raise UnsupportedLayers(unsupported)
     windows = tuple(kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(layer_types, layer_kwargs))
     heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    return Layout(windows, heads, head_dim)
+    key_dim = getattr(text_config, "qk_head_dim", None) or head_dim
+    value_dim = getattr(text_config, "v_head_dim", None) or head_dim
+    return Layout(windows, heads, key_dim, value_dim, rope_switch(text_config))
+
+
+def rope_switch(text_config: PretrainedConfig) -> int | None:
+    """The length past which a LongRoPE model switches from its short to its long factors
+    (`original_max_position_embeddings`), None for rope that depends on the position alone.
+    transformers decides it from the largest position of a forward pass; kvserve per sequence."""
+    params = getattr(text_config, "rope_parameters", None) or {}
+    per_type = params.values() if params and all(isinstance(p, dict) for p in params.values()) else [params]
+    for p in per_type:
+        if p.get("rope_type") == "longrope":
+            return int(p.get("original_max_position_embeddings") or text_config.original_max_position_embeddings)
+    return None
 
 
 
@@ -198,7 +242,7 @@ def bytes_for(config: PretrainedConfig, capacity: int, dtype: torch.dtype, kv_dt
 class Pool:
     """Preallocated KV storage for the sequences of one model (see the module docstring).
 
-    `keys[layer]`, `values[layer]`: [kv_heads, (num_blocks + 1) * block_size, head_dim] in the
+    `keys[layer]`, `values[layer]`: [kv_heads, (num_blocks + 1) * block_size, key_dim or value_dim] in the
     format's storage dtype; for a quantized format also `key_scales[layer]`,
     `value_scales[layer]`: [kv_heads, slots] (else None). Block `trash_block` (the last) belongs
     to no sequence. `dtype` is the compute dtype: what `gather` and `read` return. Engine thread
@@ -213,7 +257,8 @@ class Pool:
         num_blocks = budget_bytes // self.block_bytes
         self.allocator = BlockAllocator(num_blocks)
         self.trash_block = num_blocks
-        shape = (self.layout.kv_heads, (num_blocks + 1) * block_size, self.layout.head_dim)
+        slots = (num_blocks + 1) * block_size
+        key_shape, value_shape = ((self.layout.kv_heads, slots, width) for width in (self.layout.key_dim, self.layout.value_dim))
         # NOTE: on CPU the storage is left untouched (pages are committed as blocks are used)
         # and a block is zeroed the first time it is handed out: a batched read of a padded row
         # (server/engine/attention.py) multiplies unwritten slots by a zero weight, and garbage NaNs
@@ -222,11 +267,11 @@ class Pool:
         storage = self.format.storage_dtype(dtype)
         layers = range(len(self.layout.windows))
         try:
-            self.keys = [new(shape, device=self.device, dtype=storage) for _ in layers]
-            self.values = [new(shape, device=self.device, dtype=storage) for _ in layers]
+            self.keys = [new(key_shape, device=self.device, dtype=storage) for _ in layers]
+            self.values = [new(value_shape, device=self.device, dtype=storage) for _ in layers]
             if self.format.quantized:
-                self.key_scales = [new(shape[:2], device=self.device, dtype=SCALE_DTYPE) for _ in layers]
-                self.value_scales = [new(shape[:2], device=self.device, dtype=SCALE_DTYPE) for _ in layers]
+                self.key_scales = [new(key_shape[:2], device=self.device, dtype=SCALE_DTYPE) for _ in layers]
+                self.value_scales = [new(key_shape[:2], device=self.device, dtype=SCALE_DTYPE) for _ in layers]
             else:
                 self.key_scales = self.value_scales = [None] * len(layers)
         except torch.OutOfMemoryError as exc:
@@ -273,7 +318,7 @@ class Pool:
         return slots.to(self.device, non_blocking=True)
 
     def store(self, layer: int, slots: torch.Tensor | slice, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keys and values [kv_heads, n, head_dim] (compute dtype) into `slots` [n] of `layer`
+        """Keys [kv_heads, n, key_dim] and values [kv_heads, n, value_dim] (compute dtype) into `slots` [n] of `layer`
         (a slice: consecutive slots), quantized to the pool's format."""
         for data, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
             q, scale = self.format.encode(x)
@@ -283,7 +328,7 @@ class Pool:
 
     def gather(self, layer: int, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at the slots of `index` (any shape S) of `layer`: [kv_heads, *S,
-        head_dim] in the compute dtype; copies (a slice of an `auto` pool: views)."""
+        key_dim / value_dim] in the compute dtype; copies (a slice of an `auto` pool: views)."""
         fmt, dtype = self.format, self.dtype
         ks, vs = self.key_scales[layer], self.value_scales[layer]
         keys = fmt.decode(self.keys[layer][:, index], None if ks is None else ks[:, index], dtype)
@@ -292,7 +337,7 @@ class Pool:
 
     def stored(self, layer: int, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
         """What the pool holds at `index` [n] of `layer`, as stored (keys, values and their
-        scales when quantized): {"k", "v", "k_scale", "v_scale"} -> [kv_heads, n(, head_dim)],
+        scales when quantized): {"k", "v", "k_scale", "v_scale"} -> [kv_heads, n(, width)],
         copies; keys and values in the format's wire dtype."""
         out = {}
         for kind, data, scales in (("k", self.keys, self.key_scales), ("v", self.values, self.value_scales)):
@@ -387,7 +432,12 @@ def can_crop(cache: SequenceKV) -> bool:
 
 def can_crop_after(cache: SequenceKV, n: int) -> bool:
     """Whether `n` more tokens can be written and then cropped away again (speculative
-    decoding's rejected drafts): they must fit the capacity."""
+    decoding's rejected drafts): they must fit the capacity, and on a LongRoPE model they
+    must not cross its switch (keys past it take other factors: the sequence is recomputed
+    when it crosses, one token at a time as transformers does)."""
+    switch = cache.pool.layout.rope_switch
+    if switch is not None and cache.length <= switch < cache.length + n:
+        return False
     return cache.length + n <= capacity(cache)
 
 
@@ -428,7 +478,7 @@ def free(cache: SequenceKV) -> None:
 
 def read(cache: SequenceKV, layer: int, start: int, end: int, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions start..end-1 at `layer` in the compute dtype: [1, kv_heads,
-    end - start, head_dim]; views of an `auto` pool when the blocks are consecutive, else
+    end - start, key_dim / value_dim]; views of an `auto` pool when the blocks are consecutive, else
     gathered (or dequantized) copies (`slots`: the slot indices of positions 0..end-1 or more,
     when the caller has them)."""
     k, v = cache.pool.gather(layer, _index(cache, start, end, slots))
@@ -436,7 +486,7 @@ def read(cache: SequenceKV, layer: int, start: int, end: int, slots: torch.Tenso
 
 
 def write(cache: SequenceKV, layer: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor | None = None) -> None:
-    """Store keys/values [1, kv_heads, n, head_dim] of positions start.. at `layer`
+    """Store keys/values [1, kv_heads, n, key_dim / value_dim] of positions start.. at `layer`
     (`slots`: the slot indices of positions 0..start+n-1 or more, when the caller has them)."""
     n = k_new.shape[2]
     if start + n > capacity(cache):
@@ -461,7 +511,7 @@ LAYOUT_VERSION = 2
 
 def export(cache: SequenceKV) -> dict[str, torch.Tensor]:
     """A copy of the cache's KV as stored, as named tensors on its device, for a tier below:
-    "k.<layer>", "v.<layer>": [1, kv_heads, length, head_dim] (the format's wire dtype), and for
+    "k.<layer>", "v.<layer>": [1, kv_heads, length, key_dim / value_dim] (the format's wire dtype), and for
     a quantized pool "k_scale.<layer>", "v_scale.<layer>": [1, kv_heads, length].
 
     NOTE: always a copy, never a view of the pool: the cache's blocks go back to the pool
@@ -494,9 +544,10 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
     expected = {f"{kind}.{i}" for i in range(len(pool.keys)) for kind in kinds}
     if set(tensors) != expected:
         raise ValueError(f"the tensors do not match this model's layers in the {pool.format.name} KV format")
+    widths = lay.widths()
     for name, src in tensors.items():
-        scale = "_scale." in name
-        dtype, shape = (SCALE_DTYPE, (1, lay.kv_heads, length)) if scale else (wire, (1, lay.kv_heads, length, lay.head_dim))
+        kind = name.split(".")[0]
+        dtype, shape = (SCALE_DTYPE, (1, lay.kv_heads, length)) if kind not in widths else (wire, (1, lay.kv_heads, length, widths[kind]))
         if src.dtype != dtype or tuple(src.shape) != shape:
             raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {length} positions of {dtype}")
     cache = pool.allocate(capacity)

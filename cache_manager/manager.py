@@ -387,7 +387,8 @@ class CacheManager:
 
     def _reuse(self, entry: Entry, prompt: list[int], bucket: int) -> Lease:
         cache = entry.kv
-        decision: ReuseDecision = decide_reuse(entry.tokens, prompt, can_crop=kv.can_crop(cache), block=self._block(entry.key))
+        decision: ReuseDecision = decide_reuse(entry.tokens, prompt, can_crop=kv.can_crop(cache), block=self._block(entry.key),
+                                               rope_switch=self.pool.layout.rope_switch, computed=kv.length(cache))
         n = decision.n_reused
         kv.crop(cache, n)
         # NOTE: recorded at once, so a failure below (NoRoom while growing) leaves the entry's

@@ -21,13 +21,14 @@ __all__ = [
     "MissReason",
     "NEW_SESSION",
     "NOT_CROPPABLE",
+    "ROPE_SWITCH",
     "TOO_SHORT",
     "ReuseDecision",
     "common_prefix_len",
     "decide_reuse",
 ]
 
-MissReason = Literal["new_session", "evicted", "expired", "diverged", "not_croppable", "too_short"]
+MissReason = Literal["new_session", "evicted", "expired", "diverged", "not_croppable", "too_short", "rope_switch"]
 """Why a request reused no cached token (the `X-Cache-Miss-Reason` header and a metric label).
 
 * ``new_session``: no entry for the key and none was dropped recently (first turn).
@@ -40,6 +41,10 @@ MissReason = Literal["new_session", "evicted", "expired", "diverged", "not_cropp
 * ``too_short``: the prompt is empty, or one token long and matching the entry; that last
   token must be recomputed anyway to get logits, so nothing is left to reuse. Also: the
   common prefix is shorter than one reuse block (`decide_reuse`'s `block`).
+* ``rope_switch``: a LongRoPE model (Phi-3, Phi-4-mini) computes a sequence's keys with short
+  rope factors up to its switch length and with long ones past it; the cached keys were
+  computed with the other factors than the prompt needs (or would be cut back below the
+  switch), so the prompt is recomputed, as transformers' `generate` does.
 
 `decide_reuse` only sees token lists, so it returns ``new_session`` for an empty cache;
 the caller replaces it with `SessionStore.lookup_miss_reason` (``evicted``/``expired``).
@@ -51,6 +56,7 @@ EXPIRED: Final = "expired"
 DIVERGED: Final = "diverged"
 NOT_CROPPABLE: Final = "not_croppable"
 TOO_SHORT: Final = "too_short"
+ROPE_SWITCH: Final = "rope_switch"
 MISS_REASONS: Final[tuple[str, ...]] = (
     NEW_SESSION,
     EVICTED,
@@ -58,6 +64,7 @@ MISS_REASONS: Final[tuple[str, ...]] = (
     DIVERGED,
     NOT_CROPPABLE,
     TOO_SHORT,
+    ROPE_SWITCH,
 )
 
 # NOTE: comparing slices runs in C; only the first differing chunk is scanned in Python.
@@ -122,12 +129,16 @@ class ReuseDecision:
         return self.n_reused > 0
 
 
-def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool, block: int = 1) -> ReuseDecision:
+def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool, block: int = 1,
+                 rope_switch: int | None = None, computed: int = 0) -> ReuseDecision:
     """Decide how many of the `cached` tokens' KV a request for `prompt` reuses.
 
     `cached` are the session's committed token ids (empty when it has no entry); `can_crop`
     says whether every layer of its cache can be cut back to an earlier length (False once
-    a sliding-window layer has wrapped, or for recurrent layers).
+    a sliding-window layer has wrapped, or for recurrent layers). `rope_switch` (LongRoPE
+    models: `kv.Layout.rope_switch`) and `computed` (the tokens the cache holds KV for): keys
+    of a cache longer than the switch were computed with the long factors, of a shorter one
+    with the short factors, and a prompt longer than the switch needs long ones.
 
     Rules, in order:
       1. ``n = common_prefix_len(cached, prompt)``, capped at ``len(prompt) - 1``: a fully
@@ -141,7 +152,10 @@ def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool
          or ``diverged`` (the first id differs).
       3. ``n < len(cached)`` and not `can_crop`: miss ``not_croppable``; such a cache is
          reusable only when the prompt strictly extends every cached token.
-      4. Otherwise a hit of ``n`` tokens, with ``crop = n < len(cached)``.
+      4. With a `rope_switch`: miss ``rope_switch`` when the cached keys' factors are not
+         the prompt's, or when long-factor keys would be cut back to the switch or below
+         (a cache never holds long keys at a length that says short).
+      5. Otherwise a hit of ``n`` tokens, with ``crop = n < len(cached)``.
     """
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
@@ -156,4 +170,8 @@ def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool
     crop = n < len(cached)
     if crop and not can_crop:
         return ReuseDecision(0, NOT_CROPPABLE)
+    if rope_switch is not None:
+        long_keys = computed > rope_switch
+        if long_keys != (len(prompt) > rope_switch) or (long_keys and n <= rope_switch):
+            return ReuseDecision(0, ROPE_SWITCH)
     return ReuseDecision(n, None, crop=crop)

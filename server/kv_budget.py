@@ -105,9 +105,9 @@ def attention_workspace(layout: kv.Layout, heads: int, dtype: torch.dtype, kv_dt
     of a decode batch of `rows` rows and a prefill chunk of `chunk` tokens, each row reading
     `context` positions."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_position = 2 * layout.kv_heads * layout.head_dim * itemsize  # keys and values, dequantized
+    per_position = layout.kv_heads * (layout.key_dim + layout.value_dim) * itemsize  # keys and values, dequantized
     if kv.kv_format(kv_dtype).quantized:
-        per_position += 2 * layout.kv_heads * kv.kv_format(kv_dtype).bytes_per_vector(layout.head_dim, dtype)
+        per_position += layout.bytes_per_token(dtype, kv_dtype) // len(layout.windows)
     groups = heads // layout.kv_heads
     decode = rows * context * (per_position + itemsize)  # + the mask
     prefill = context * per_position + groups * chunk * context * itemsize

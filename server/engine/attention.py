@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -112,6 +113,7 @@ class Step:
     batches: list[Batch] = field(default_factory=list)
     exact: bool = False  # exact mode (server/engine/exact.py): spans on the row path, `exact.attend` on the paged one
     singles: "_Singles | None" = None  # exact mode's one-token rows on the row path (`_attend_exact`)
+    observe: "Callable | None" = None  # observe(layer, key, value) before each layer attends (families.check's probe)
 
 
 def enable(model) -> None:
@@ -136,21 +138,35 @@ def _fallback(module):
     return function or sys.modules[type(module).__module__].eager_attention_forward
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, kvserve_step=None, **kwargs):
-    """transformers attention function: query [1, H, N, D], key/value [1, Hkv, N, D] (the
-    step's new tokens) -> ([1, N, H, D], None)."""
+# Keywords transformers passes the attention function that need nothing from it here (the step
+# carries positions and masks); any other keyword with a value is a feature kvserve does not model
+# and refuses (`_refuse_unknown`), never drops.
+_IGNORED = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "is_causal", "return_dict"})
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None, kvserve_step=None, **kwargs):
+    """transformers attention function: query [1, H, N, Dk], key [1, Hkv, N, Dk], value [1,
+    Hkv, N, Dv] (the step's new tokens) -> ([1, N, H, Dv], None). `s_aux` [H]: attention sinks
+    (gpt-oss), one logit per query head that joins every softmax's denominator."""
     if kvserve_step is None:
+        if s_aux is not None:
+            kwargs["s_aux"] = s_aux
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)
     layer = module.layer_idx
-    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+    heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
+    if kvserve_step.observe is not None:
+        kvserve_step.observe(layer, key, value)
+    if kwargs:
+        _refuse_unknown(kvserve_step, layer, kwargs)
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
-    out = query.new_empty(1, query.shape[2], heads, head_dim)
+    sinks = None if s_aux is None else s_aux.float().view(kv_heads, groups, 1)  # [Hkv, groups, 1]
+    out = query.new_empty(1, query.shape[2], heads, value_dim)
     attend = exact.attend if kvserve_step.exact else _attend
     for batch in kvserve_step.batches:
-        _attend_batch(batch, layer, query[0], key[0], value[0], out[0], groups, scale, softcap, attend)
+        _attend_batch(batch, layer, query[0], key[0], value[0], out[0], groups, scale, softcap, sinks, attend)
     if kvserve_step.exact and kvserve_step.rows:
-        _attend_exact(kvserve_step, layer, query, key, value, out, groups, scale, softcap)
+        _attend_exact(kvserve_step, layer, query, key, value, out, groups, scale, softcap, sinks)
         return out, None
     for row in kvserve_step.rows:
         lo, hi = row.offset, row.offset + row.n
@@ -158,17 +174,47 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         mask = _mask(row, layer, first, k_row.shape[2], groups, query.dtype)
         # [1, H, T, D] -> [1, Hkv, groups * T, D]: a KV head's query heads side by side
         q = query[:, :, lo:hi].reshape(1, kv_heads, groups * row.n, head_dim)
-        o = _attend(q, k_row, v_row, mask, scale, softcap)
+        o = _attend(q, k_row, v_row, mask, scale, softcap, _sink_rows(sinks, row.n))
         out[:, lo:hi] = o.reshape(1, heads, row.n, -1).transpose(1, 2)
     return out, None
 
 
-def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int, scale, softcap, attend) -> None:
-    """The paged path for one batch: query/out [N, H, D] and key/value [Hkv, N, D] of the
-    whole step (query [H, N, D] as transformers hands it); `attend`: `_attend` or, in exact
+def _refuse_unknown(step: Step, layer: int, kwargs: dict) -> None:
+    """Raise UnsupportedModel for an attention keyword kvserve does not model: one it does not
+    know, or a sliding window other than the one the pool's layout has for this layer."""
+    from server.engine.families import UnsupportedModel
+
+    for name, value in kwargs.items():
+        if value is None or name in _IGNORED or name.startswith("output_"):  # what a forward returns, not how it attends
+            continue
+        if name == "sliding_window":
+            window = _pool_of(step).layout.windows[layer]
+            if value == window:
+                continue
+            raise UnsupportedModel("sliding-window", f"layer {layer} attends in a window of {value} where its layer type says {window}")
+        raise UnsupportedModel(f"attention-{name}", f"its attention passes `{name}`, which kvserve's attention does not model")
+
+
+def _pool_of(step: Step) -> kv.Pool:
+    return step.batches[0].pool if step.batches else step.rows[0].kv.pool
+
+
+def _sink_rows(sinks: torch.Tensor | None, t: int, rows: int | None = None) -> torch.Tensor | None:
+    """Sinks [Hkv, groups, 1] as one logit per folded query row: [1, Hkv, groups * t, 1] (row
+    g * t + i is query head g of the KV head), zero-padded to `rows` rows (exact mode's tiles)."""
+    if sinks is None:
+        return None
+    kv_heads, groups = sinks.shape[:2]
+    out = sinks.expand(kv_heads, groups, t).reshape(1, kv_heads, groups * t, 1)
+    return out if rows is None else F.pad(out, (0, 0, 0, rows - groups * t))
+
+
+def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int, scale, softcap, sinks, attend) -> None:
+    """The paged path for one batch: query [H, N, Dk] (as transformers hands it), key/value
+    [Hkv, N, Dk/Dv] and out [N, H, Dv] of the whole step; `attend`: `_attend` or, in exact
     mode, `exact.attend`."""
     b, t = batch.size, batch.width
-    heads, kv_heads, head_dim = query.shape[0], key.shape[0], query.shape[2]
+    heads, kv_heads, head_dim, value_dim = query.shape[0], key.shape[0], query.shape[2], value.shape[2]
     if batch.tokens is None:  # decode rows: the step's first B tokens
         q, k_new, v_new = query[:, :b], key[:, :b], value[:, :b]
     else:
@@ -178,12 +224,13 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int,
     k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
     q = q.reshape(kv_heads, groups, b, t, head_dim).permute(2, 0, 1, 3, 4).reshape(b, kv_heads, groups * t, head_dim)
     window = batch.pool.layout.windows[layer]
+    extra = {} if sinks is None else {"sinks": _sink_rows(sinks, t)}
     if attend is exact.attend:  # where the mask comes from: the kernel skips what a whole tile cannot see
-        o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, positions=batch.positions.view(b, t), window=window)
+        o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, positions=batch.positions.view(b, t), window=window, **extra)
     else:
-        o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap)
-    # [B, Hkv, groups * T, D] -> [B * T, H, D]
-    o = o.view(b, kv_heads, groups, t, head_dim).permute(0, 3, 1, 2, 4).reshape(b * t, heads, head_dim)
+        o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, **extra)
+    # [B, Hkv, groups * T, Dv] -> [B * T, H, Dv]
+    o = o.view(b, kv_heads, groups, t, value_dim).permute(0, 3, 1, 2, 4).reshape(b * t, heads, value_dim)
     if batch.tokens is None:
         out[:b] = o
     else:
@@ -257,7 +304,7 @@ class _Singles:
         self.views = [self.queries[i : i + 1] for i in range(len(self.rows))]
 
 
-def _attend_exact(step: Step, layer: int, query, key, value, out, groups: int, scale, softcap) -> None:
+def _attend_exact(step: Step, layer: int, query, key, value, out, groups: int, scale, softcap, sinks) -> None:
     """Exact mode on the row path (server/engine/exact.py): every row's queries in spans of
     `exact.SPAN` positions aligned to position 0 (`_spans`), one `_attend` call per span over
     the keys from the span's first key (`_first_key`) to its end, the queries zero-padded to
@@ -274,7 +321,7 @@ def _attend_exact(step: Step, layer: int, query, key, value, out, groups: int, s
     masked past them); with the query rows in whole tiles of 4, a query rounds alike in calls
     of 4 to 48 rows (0 of 3,498 positions differed, spans of 16 and 64); unpadded, 3 query
     rows round by which thread computes them."""
-    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+    heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
     singles = step.singles
     if singles is None:
         singles = step.singles = _Singles(step.rows, query, kv_heads, groups)
@@ -287,17 +334,19 @@ def _attend_exact(step: Step, layer: int, query, key, value, out, groups: int, s
         keys, values, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi], exact.SPAN)
         spans = _spans(row, layer, first, groups, query)
         if row.n == 1:  # one span over every key read
-            outs.append(_attend(singles.views[len(outs)], keys, values, spans[0].mask, scale, softcap))
+            sink = _sink_rows(sinks, 1, singles.queries.shape[2])
+            outs.append(_attend(singles.views[len(outs)], keys, values, spans[0].mask, scale, softcap, sink))
             continue
         for span in spans:
             a, b, n = lo + span.a, lo + span.b, span.b - span.a
             # [1, H, n, D] -> [1, Hkv, groups * n, D]: into the span's zero-padded query tiles
             span.q_in.copy_(query[:, :, a:b].view(1, kv_heads, groups, n, head_dim))
-            o = _attend(span.q, keys[:, :, span.k0 : span.k1], values[:, :, span.k0 : span.k1], span.mask, scale, softcap)
-            # [1, Hkv, groups * n, D] -> out's [1, n, H, D]
-            out[:, a:b].view(1, n, kv_heads, groups, head_dim).copy_(o[:, :, : groups * n].view(1, kv_heads, groups, n, head_dim).permute(0, 3, 1, 2, 4))
-    if singles.rows:  # [R, Hkv, groups, D] -> out's [R, H, D]
-        out[0].index_copy_(0, singles.index, torch.cat(outs)[:, :, :groups].reshape(count, heads, head_dim))
+            sink = _sink_rows(sinks, n, span.q.shape[2])
+            o = _attend(span.q, keys[:, :, span.k0 : span.k1], values[:, :, span.k0 : span.k1], span.mask, scale, softcap, sink)
+            # [1, Hkv, groups * n, Dv] -> out's [1, n, H, Dv]
+            out[:, a:b].view(1, n, kv_heads, groups, value_dim).copy_(o[:, :, : groups * n].view(1, kv_heads, groups, n, value_dim).permute(0, 3, 1, 2, 4))
+    if singles.rows:  # [R, Hkv, groups, Dv] -> out's [R, H, Dv]
+        out[0].index_copy_(0, singles.index, torch.cat(outs)[:, :, :groups].reshape(count, heads, value_dim))
 
 
 class _Span(NamedTuple):
@@ -357,16 +406,25 @@ def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None)
     return mask
 
 
-def _attend(q, keys, values, mask, scale, softcap):
-    if softcap is None:
+def _attend(q, keys, values, mask, scale, softcap, sinks=None):
+    """q [B, Hkv, M, Dk] over keys/values [B, Hkv, L, Dk/Dv] with an additive `mask` (or None)
+    -> [B, Hkv, M, Dv]; `sinks` [1, Hkv, M, 1] (float32): a logit per query row that joins the
+    softmax's denominator and adds no value."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    # NOTE: sdpa has no soft-capping (Gemma 2): the eager formula, softmax in float32.
+    # NOTE: sdpa has neither soft-capping (Gemma 2) nor sinks (gpt-oss): the eager formula,
+    # softmax in float32.
     scores = torch.matmul(q, keys.transpose(-2, -1)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, values)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.cat([scores.float(), sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), values)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)

@@ -23,8 +23,9 @@ import torch
 
 from cache_manager import kv
 from cache_manager.manager import CacheManager, NoRoom
+from cache_manager.prefix import ROPE_SWITCH
 from grammars.matcher import start_masks
-from server.engine import model_runner
+from server.engine import families, model_runner
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Plan, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
@@ -140,7 +141,8 @@ class Engine:
         self.speculator = (
             NoSpeculation() if proposer is None else Speculator(proposer, self.eos_ids, config.speculative, metrics)
         )
-        kv.layout(model.config)  # refuse layer kinds the engine cannot batch now, not on its thread
+        families.check(model)  # refuse what the engine cannot model now, not on its thread
+        self._rope_switch = cache_manager.pool.layout.rope_switch  # LongRoPE: `_cross_rope_switch`
         self.runner = ModelRunner(
             model,
             cache_manager.pool,
@@ -273,6 +275,7 @@ class Engine:
         )
         seq.lease, seq.cache = lease, lease.cache
         seq.n_computed = seq.cached_tokens = lease.n_reused
+        seq.rope_long = self.cache_manager.pool.layout.rope_long(lease.n_reused)
         # NOTE: a restore is reported where misses are (X-Cache-Miss-Reason: restored_disk).
         seq.miss_reason = lease.miss_reason or (f"restored_{lease.restored}" if lease.restored else None)
         seq.status = Status.PREFILL
@@ -356,6 +359,9 @@ class Engine:
                 self._finish(seq, handle, "abort")
             elif seq.expired(now):
                 self._finish(seq, handle, "error", error="timeout")
+        if self._rope_switch is not None:
+            for seq, _ in self._running:
+                self._cross_rope_switch(seq)
         plan = self.scheduler.schedule([seq for seq, _ in self._running])
         if not plan.rows:
             return
@@ -381,6 +387,22 @@ class Engine:
             self.metrics.batch_rows.observe(len(plan.rows))
             self.metrics.batch_tokens.observe(plan.num_tokens)
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    def _cross_rope_switch(self, seq: Sequence) -> None:
+        """LongRoPE (server/engine/rope.py): a sequence whose keys were computed with the short
+        factors and that has grown past the switch is recomputed from its first token with the
+        long ones, as transformers' `generate` does. Side effects: crops its cache to nothing
+        (the session keeps none of it: `release` drops the entry), reports no cached tokens and
+        `rope_switch` as the miss reason, and schedules it as a prefill again."""
+        if seq.rope_long or len(seq.all_ids) <= self._rope_switch:
+            return
+        seq.rope_long = True
+        if seq.n_computed == 0:
+            return
+        kv.crop(seq.cache, 0)
+        seq.n_computed = seq.cached_tokens = seq.lease.n_reused = 0
+        seq.miss_reason = ROPE_SWITCH
+        seq.status = Status.PREFILL
 
     def _postprocess(self, plan: Plan, logits: torch.Tensor) -> None:
         """Advance the rows' computed counts; sample (or verify a draft), emit and finish the

@@ -19,13 +19,14 @@ Each step's inputs reach the device in one host-to-device copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 import torch
 
 from cache_manager import kv
-from server.engine import attention, cpu_linear
+from server.engine import attention, cpu_linear, rope
 from server.engine import exact as exact_mode
 from server.engine.attention import Batch, Row, Step
 from server.engine.sampling import apply_logit_bias, apply_penalties, logprob_infos, sample_rows, softmax_rows
@@ -74,6 +75,8 @@ class ModelRunner:
         self._meta: torch.Tensor | None = None  # the decode inputs, one device buffer
         self._graph_pool = None
         self._logits: torch.Tensor | None = None  # the decode graphs' shared output [max_rows, vocab]
+        self.rope: rope.LongRope | None = None  # LongRoPE's per-sequence factors (server/engine/rope.py)
+        self.observe = None  # attention.Step.observe for the eager steps (families.check's probe)
         self._enabled = False
 
     def prepare(self) -> None:
@@ -87,6 +90,7 @@ class ModelRunner:
         if self._enabled:
             return
         attention.enable(self.model)
+        self.rope = rope.install(self.model, self.pool.layout.rope_switch)
         cpu_linear.pack_model(self.model, self.packed)
         if self.exact:
             exact_mode.pin_backends(self.device, self.pool.dtype)
@@ -111,24 +115,29 @@ class ModelRunner:
             if row.completes:
                 logits_rows.append(i)
                 counts.append(1 + len(drafted))
-        return self.forward(rows, token_ids, logits_rows, counts)
+        long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
+        return self.forward(rows, token_ids, logits_rows, counts, long_rows)
 
     @torch.inference_mode()
-    def forward(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None) -> torch.Tensor:
+    def forward(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None,
+                long_rows: list[bool] | None = None) -> torch.Tensor:
         """Run the step's tokens through the model; each row's KV is written into its own cache
         and its `length` moves forward. `token_ids`: the rows' new tokens, concatenated in row
         order. Returns float32 logits at the last token of each listed row (by index into
         `rows`): [len(logits_rows), vocab]; with `logits_counts`, at the last `logits_counts[j]`
         tokens of listed row j, in order: [sum(logits_counts), vocab] (speculative decoding
-        verifies every drafted position). Switches the model to kvserve's attention on first
-        use (no graphs: `prepare` captures them)."""
+        verifies every drafted position). `long_rows` (LongRoPE models, server/engine/rope.py):
+        which rows take the long rope factors (default: a row longer than the switch after
+        this step). Switches the model to kvserve's attention on first use (no graphs:
+        `prepare` captures them)."""
         self._enable()
         if sum(r.n for r in rows) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for rows of {sum(r.n for r in rows)}")
         counts = logits_counts or [1] * len(logits_rows)
         if len(counts) != len(logits_rows) or any(not 1 <= c <= rows[i].n for i, c in zip(logits_rows, counts)):
             raise ValueError(f"logits counts {counts} do not fit rows {logits_rows}")
-        if self.paged and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
+        long_tokens = self._long_tokens(rows, long_rows)
+        if long_tokens is None and self.paged and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
             return self._decode(rows, token_ids)
         # decode rows first (the paged path's decode batch), then the others in plan order;
         # logits are kept in plan order
@@ -137,12 +146,14 @@ class ModelRunner:
         given = [0]
         for row in rows:
             given.append(given[-1] + row.n)
-        flat_ids, positions, starts = [], [], [0] * len(rows)
+        flat_ids, positions, starts, flat_long = [], [], [0] * len(rows), []
         for i in singles + others:
             row = rows[i]
             row.offset = starts[i] = len(flat_ids)
             flat_ids += token_ids[given[i] : given[i + 1]]
             positions += range(row.kv.length, row.kv.length + row.n)
+            if long_tokens is not None:
+                flat_long += [long_tokens[i]] * row.n
         keep = [starts[i] + rows[i].n - c + j for i, c in zip(logits_rows, counts) for j in range(c)]
         groups = [[rows[i] for i in singles]] if singles else []
         if self.paged and others:  # multi-token rows: one padded batch per width bucket
@@ -152,16 +163,30 @@ class ModelRunner:
             groups += widths.values()
             others = []
         inputs = [self._batch_inputs(group) for group in groups]
-        tensors = _to_device([flat_ids, positions, keep] + [x for lists, _ in inputs for x in lists], self.device)
+        tensors = _to_device([flat_ids, positions, keep, flat_long] + [x for lists, _ in inputs for x in lists], self.device)
         ids, pos, keep_t = tensors[:3]
-        batches, at = [], 3
+        long_t = tensors[3].bool() if long_tokens is not None else None
+        batches, at = [], 4
         for lists, build in inputs:
             batches.append(build(tensors[at : at + len(lists)]))
             at += len(lists)
-        logits = self._forward(ids[None], pos[None], Step([rows[i] for i in others], batches, self.exact), keep_t)
+        step = Step([rows[i] for i in others], batches, self.exact, observe=self.observe)
+        logits = self._forward(ids[None], pos[None], step, keep_t, long_t)
         for row in rows:
             row.kv.length += row.n
         return logits
+
+    def _long_tokens(self, rows: list[Row], long_rows: list[bool] | None) -> list[bool] | None:
+        """Per row, whether its tokens take LongRoPE's long factors where their positions
+        alone would not (tokens before the switch of a row longer than it); None when no
+        token needs it (and for models without LongRoPE)."""
+        if self.rope is None:
+            return None
+        switch = self.rope.switch
+        if long_rows is None:
+            long_rows = [r.kv.length + r.n > switch for r in rows]
+        flags = [bool(long and r.kv.length < switch) for long, r in zip(long_rows, rows)]
+        return flags if any(flags) else None
 
     def _decode(self, rows: list[Row], token_ids: list[int]) -> torch.Tensor:
         """Decode rows only (one token each, logits at each): padded to a bucket, from the
@@ -234,11 +259,13 @@ class ModelRunner:
         lists += [tokens, real]
         return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0], width, t[3], None if len(real) == len(tokens) else t[4])
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None) -> torch.Tensor:
-        """One model forward over the flattened tokens; float32 logits at `keep` (all: None)."""
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None, long_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One model forward over the flattened tokens; float32 logits at `keep` (all: None).
+        `long_tokens` [N] bool: the tokens that take LongRoPE's long factors before the switch."""
         for batch in step.batches:
             batch.prepare(self.pool.dtype, self.groups)
-        with exact_mode.running(self.exact):  # the linear layers' mode (attention's: `step.exact`)
+        rope_step = self.rope.step(long_tokens) if self.rope is not None else contextlib.nullcontext()
+        with exact_mode.running(self.exact), rope_step:  # the linear layers' mode (attention's: `step.exact`)
             out = self.model(
                 input_ids=ids,
                 attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside

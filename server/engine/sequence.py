@@ -88,6 +88,7 @@ class Sequence:
         self.lease = None  # the cache manager's Lease once admitted
         self.cache = None  # lease.cache, the kv.SequenceKV this sequence writes
         self.n_computed = 0  # prompt+generated tokens whose KV is in the cache
+        self.rope_long = False  # LongRoPE: its keys take the long factors (Engine._cross_rope_switch)
         self.cached_tokens = 0  # tokens reused from an earlier request
         self.miss_reason: str | None = None
         self.matcher = request.grammar.new_matcher() if request.grammar is not None else None

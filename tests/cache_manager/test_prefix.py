@@ -85,6 +85,7 @@ def test_miss_reasons_are_the_documented_set():
         "diverged",
         "not_croppable",
         "too_short",
+        "rope_switch",
     )
 
 
@@ -198,3 +199,21 @@ def test_block_keeps_an_extension_of_the_whole_cache_exact():
 def test_block_must_be_positive():
     with pytest.raises(ValueError):
         decide_reuse([1], [1, 2], can_crop=True, block=0)
+
+
+def test_a_rope_switch_reuses_only_keys_of_the_factors_the_prompt_needs():
+    """LongRoPE (switch at 8): keys of a cache of <= 8 tokens took the short factors, of a
+    longer one the long factors; a prompt longer than 8 needs long ones."""
+    short, long = list(range(100, 107)), list(range(100, 112))
+    # short keys, short prompt: reused as usual
+    assert decide_reuse(short, short + [1], can_crop=True, rope_switch=8, computed=7) == ReuseDecision(7, None)
+    # short keys, a prompt past the switch: recomputed with the long factors
+    assert decide_reuse(short, short + [1, 2, 3], can_crop=True, rope_switch=8, computed=7) == ReuseDecision(0, "rope_switch")
+    # long keys, a prompt extending them: reused
+    assert decide_reuse(long, long + [1], can_crop=True, rope_switch=8, computed=12) == ReuseDecision(12, None)
+    # long keys cut back inside the long part: reused; cut to the switch or below: recomputed
+    assert decide_reuse(long, long[:10] + [1, 2], can_crop=True, rope_switch=8, computed=12) == ReuseDecision(10, None, crop=True)
+    assert decide_reuse(long, long[:8] + [1, 2, 3, 4], can_crop=True, rope_switch=8, computed=12) == ReuseDecision(0, "rope_switch")
+    assert decide_reuse(long, long[:5] + [1], can_crop=True, rope_switch=8, computed=12) == ReuseDecision(0, "rope_switch")
+    # without a switch nothing changes
+    assert decide_reuse(short, short + [1, 2, 3], can_crop=True, computed=7) == ReuseDecision(7, None)

@@ -39,7 +39,7 @@ def test_attention_workspace_of_a_32b_shape():
     """Qwen2.5-32B: 64 layers, 40 heads, 8 KV heads of 128; 16 decode rows over 32k positions
     gather 16 x 32768 x 8 x 128 keys and values in bf16 (2 GiB), plus their masks; fp8 adds the
     raw bytes gathered before dequantizing."""
-    lay = kv.Layout((None,) * 64, 8, 128)
+    lay = kv.Layout((None,) * 64, 8, 128, 128)
     auto = kv_budget.attention_workspace(lay, 40, torch.bfloat16, "auto", rows=16, chunk=512, context=32768)
     assert auto == 16 * 32768 * (2 * 8 * 128 * 2 + 2)
     fp8 = kv_budget.attention_workspace(lay, 40, torch.bfloat16, "fp8", rows=16, chunk=512, context=32768)

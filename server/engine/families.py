@@ -1,0 +1,135 @@
+"""What a model family needs from the engine, checked before it serves.
+
+kvserve runs transformers' own modeling code with its attention function and KV pool swapped in
+(server/engine/attention.py, cache_manager/kv.py), so a feature of a family that reaches the
+attention call or the cache must be modelled, or the family refused at load with the feature
+named: a model that runs and gives other tokens than transformers is the failure to prevent.
+
+`check(model)` refuses, with `UnsupportedModel` naming the feature:
+
+* by what the config and modules say (`_static`): layer kinds without a KV layout (recurrent,
+  linear-attention, chunked layers: `kv.UnsupportedLayers`), recurrent modules in layers the
+  config calls attention, rope whose frequencies follow the sequence length other than LongRoPE
+  (dynamic NTK), Llama 4's query temperature, which reads positions from transformers' cache;
+* by running it (`_probe`): one sequence prefilled, then continued beside another sequence in
+  one packed forward, through kvserve's attention, against transformers' own forward of the
+  whole sequence. Every layer must attend exactly once per pass with the layout's key and value
+  widths, every keyword the attention function receives must be one kvserve models (else the
+  attention refuses it: `attention._refuse_unknown`), and the logits must agree. A feature a
+  new transformers release adds fails here rather than producing text.
+
+Modelled, so served: sliding windows, soft-capping, attention sinks (gpt-oss), unequal key and
+value widths (MLA: DeepSeek-V3, Kimi K2), LongRoPE per sequence (server/engine/rope.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from cache_manager import kv
+
+
+class UnsupportedModel(ValueError):
+    """The model has a feature the engine cannot model: `feature` names it (a short slug,
+    e.g. "dynamic-rope"), the message says what it is."""
+
+    def __init__(self, feature: str, message: str) -> None:
+        super().__init__(f"kvserve cannot serve this model: {message} [{feature}]")
+        self.feature = feature
+
+
+# Words in the class names of modules that keep per-sequence state across tokens (no KV layout);
+# their families are refused until a state store serves them. A module with Mamba's `A_log` is one
+# whatever its name.
+_RECURRENT = re.compile(r"Mamba|GatedDeltaNet|DeltaNet|LinearAttention|LightningAttention|ShortConv|Rwkv|RWKV|Ssm|SSM|Xlstm|xLSTM|Retention")
+_PROBE_PREFIX, _PROBE_CONTINUATION, _PROBE_OTHER = 11, 9, 6  # tokens of the probe's sequences
+
+
+def check(model) -> None:
+    """Raise UnsupportedModel when `model` has a feature the engine does not model (see the
+    module docstring). Switches the model to kvserve's attention (calls without kvserve's step
+    still run the model's own). Runs once per model: a passing model is marked."""
+    if getattr(model, "_kvserve_checked", False):
+        return
+    config = model.config.get_text_config(decoder=True)
+    layout = _static(model, config)
+    _probe(model, layout)
+    model._kvserve_checked = True
+
+
+def _static(model, config) -> kv.Layout:
+    try:
+        layout = kv.layout(model.config)
+    except kv.UnsupportedLayers as exc:
+        kinds = ", ".join(exc.kinds)
+        if exc.kinds == ["dummy"]:  # transformers' type for a layer that keeps no cache of its own
+            raise UnsupportedModel("kv-shared-layers", "some of its layers attend over the keys and values of "
+                                   "other layers (KV shared across layers), which kvserve's pool does not share") from None
+        raise UnsupportedModel(f"layers-{exc.kinds[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
+                               "(recurrent, linear-attention or chunked layers are not served yet)") from None
+    recurrent = sorted({type(m).__name__ for m in model.modules() if _RECURRENT.search(type(m).__name__) or hasattr(m, "A_log")})
+    if recurrent:
+        raise UnsupportedModel("recurrent-layers", f"its layers {', '.join(recurrent)} keep a recurrent state per sequence, "
+                               "which kvserve does not store yet")
+    for module in model.modules():
+        rope_type = getattr(module, "rope_type", None)
+        kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+        if any(isinstance(k, str) and "dynamic" in k for k in kinds):
+            raise UnsupportedModel("dynamic-rope", "its rope frequencies follow the longest sequence a forward pass has seen "
+                                   "(dynamic NTK scaling), which depends on what else runs")
+        if isinstance(rope_type, dict) and "longrope" in rope_type.values():
+            raise UnsupportedModel("longrope-per-layer-type", "its LongRoPE differs per layer type, which kvserve does not switch per sequence")
+    if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
+        raise UnsupportedModel("attn-temperature-tuning", "its no-rope layers scale queries by a position read from "
+                               "transformers' cache, which kvserve's packed steps do not have")
+    return layout
+
+
+def _probe(model, layout: kv.Layout) -> None:
+    """One packed step against transformers' own forward (see the module docstring)."""
+    from server.engine.attention import Row
+    from server.engine.model_runner import ModelRunner
+
+    config = model.config.get_text_config(decoder=True)
+    vocab = min(int(config.vocab_size), 4096)
+    ids = torch.randint(3, vocab, (_PROBE_PREFIX + _PROBE_CONTINUATION + _PROBE_OTHER,), generator=torch.Generator().manual_seed(0)).tolist()
+    whole, other = ids[: _PROBE_PREFIX + _PROBE_CONTINUATION], ids[-_PROBE_OTHER:]
+    with torch.inference_mode():
+        reference = model(input_ids=torch.tensor([whole], device=model.device), use_cache=False).logits[0, _PROBE_PREFIX:].float()
+        capacity = 2 * kv.BLOCK_SIZE * kv.blocks_for(len(whole))
+        pool = kv.Pool(model.config, kv.bytes_for(model.config, capacity, model.dtype), model.device, model.dtype)
+        runner = ModelRunner(model, pool, paged=False, cuda_graphs=False, packed=False)
+        first, second = pool.allocate(len(whole)), pool.allocate(len(other))
+        seen: list[int] = []
+        runner.observe = lambda layer, key, value: seen.append(_observed(layer, key, value, layout))
+        runner.forward([Row(first, _PROBE_PREFIX)], whole[:_PROBE_PREFIX], [0])
+        _check_layers(seen, layout)
+        seen.clear()
+        got = runner.forward([Row(second, len(other)), Row(first, _PROBE_CONTINUATION)], other + whole[_PROBE_PREFIX:],
+                             [1], [_PROBE_CONTINUATION])
+        _check_layers(seen, layout)
+    difference = float((got - reference).abs().max())
+    scale = float(reference.abs().max()) or 1.0
+    tolerance = 1e-3 if model.dtype == torch.float32 else 0.1
+    if not difference <= tolerance * scale:
+        raise UnsupportedModel("forward-mismatch", f"its logits under kvserve's attention differ from transformers' own forward "
+                               f"(by {difference:.3g} of {scale:.3g}): a feature kvserve does not model")
+
+
+def _observed(layer: int, key: torch.Tensor, value: torch.Tensor, layout: kv.Layout) -> int:
+    """A layer about to attend, with the layout's KV heads and key and value widths (before
+    the pool stores them); returns the layer."""
+    heads, key_dim, value_dim = key.shape[1], key.shape[3], value.shape[3]
+    if (heads, key_dim, value_dim) != (layout.kv_heads, layout.key_dim, layout.value_dim) or value.shape[1] != heads:
+        raise UnsupportedModel("kv-width", f"layer {layer} has {heads} KV heads of keys {key_dim} and values {value_dim} "
+                               f"wide, where its config says {layout.kv_heads} of {layout.key_dim} and {layout.value_dim}")
+    return layer
+
+
+def _check_layers(seen: list[int], layout: kv.Layout) -> None:
+    """Every layer of the layout attended exactly once in a pass."""
+    if sorted(seen) != list(range(len(layout.windows))):
+        raise UnsupportedModel("kv-layers", f"its attention ran in layers {sorted(seen)} of a pass, where its config "
+                               f"gives {len(layout.windows)} attention layers (KV shared or skipped)")

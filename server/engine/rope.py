@@ -1,0 +1,92 @@
+"""Per-sequence rope factors for length-dependent rope (LongRoPE: Phi-3, Phi-3.5, Phi-4-mini).
+
+transformers' LongRoPE rotary embedding uses its short factors while the largest position of a
+forward pass is below `original_max_position_embeddings` (the switch, `kv.Layout.rope_switch`)
+and its long factors past it, for every token of the pass; `generate` recomputes a sequence
+from its first token when it crosses the switch (Phi3ForCausalLM.prepare_inputs_for_generation).
+kvserve packs many sequences into one pass, so the choice is made per sequence instead: a
+sequence's tokens take the long factors when the sequence (its tokens so far, drafts aside) is
+longer than the switch, and the engine recomputes a sequence whose cache holds short-factor
+keys when it crosses (`Engine._step`). A cache longer than the switch holds long-factor keys,
+a shorter one short-factor keys (`kv.Layout.rope_long`; the reuse decision keeps it so).
+
+`install` swaps each LongRoPE rotary module's forward for one that computes both sets of
+cos/sin with the module's own forward and picks per token: long where the token's position is
+at or past the switch (a decode row there is always long) or where the step says its row is
+long (`LongRope.step`). Calls outside a step (transformers' own `generate`) run the original
+forward alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+
+class LongRope:
+    """The model's LongRoPE rotary modules, switched per sequence during kvserve's steps."""
+
+    def __init__(self, switch: int, modules: list[torch.nn.Module]) -> None:
+        self.switch = switch
+        self.modules = modules
+        self.active = False
+        self.rows: torch.Tensor | None = None  # [N] bool: tokens whose row is long (None: by position)
+
+    @contextlib.contextmanager
+    def step(self, rows: torch.Tensor | None):
+        """Run a kvserve step: `rows` [N] bool marks the tokens of long rows (None: every
+        token by its own position, as in a decode step)."""
+        self.active, self.rows = True, rows
+        try:
+            yield
+        finally:
+            self.active, self.rows = False, None
+
+
+def install(model, switch: int | None) -> LongRope | None:
+    """Make `model`'s LongRoPE rotary modules choose their factors per token in kvserve's
+    steps; None when the model has none (`switch` None)."""
+    if switch is None:
+        return None
+    installed = getattr(model, "_kvserve_rope", None)
+    if installed is not None and installed.switch == switch:
+        return installed
+    modules = [m for m in model.modules() if _is_longrope(m)]
+    if not modules:
+        raise ValueError(f"a rope switch at {switch} but no LongRoPE rotary module in {type(model).__name__}")
+    rope = LongRope(switch, modules)
+    for module in modules:
+        _patch(module, rope)
+    model._kvserve_rope = rope
+    return rope
+
+
+def _is_longrope(module) -> bool:
+    rope_type = getattr(module, "rope_type", None)
+    return rope_type == "longrope" and callable(getattr(module, "forward", None))
+
+
+def _patch(module: torch.nn.Module, rope: LongRope) -> None:
+    """In a step, run the module's own forward twice, so that whatever it derives from the
+    largest position of the pass (factors, attention scaling) is what transformers computes
+    for a sequence of that kind: once with every position below the switch (the short
+    factors; positions at or past it, which are always long, are replaced), once with the
+    switch position appended (the long factors; its row dropped). Then pick per token."""
+    original = module.forward  # bound: transformers' decorated forward
+
+    def forward(self, x, position_ids, *args, **kwargs):
+        if not rope.active:
+            return original(x, position_ids, *args, **kwargs)
+        take_long = position_ids >= rope.switch  # [1, N]
+        if rope.rows is not None:
+            take_long = take_long | rope.rows
+        n = position_ids.shape[-1]
+        cos_short, sin_short = original(x, position_ids.masked_fill(take_long, 0), *args, **kwargs)
+        beyond = torch.full_like(position_ids[..., :1], rope.switch)
+        cos_long, sin_long = original(x, torch.cat([position_ids, beyond], dim=-1), *args, **kwargs)
+        take_long = take_long[..., None]
+        return torch.where(take_long, cos_long[..., :n, :], cos_short), torch.where(take_long, sin_long[..., :n, :], sin_short)
+
+    module.forward = types.MethodType(forward, module)
