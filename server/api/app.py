@@ -23,7 +23,7 @@ from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
-from server.engine import exact
+from server.engine import exact, families
 from server.engine.core import Engine, EngineConfig
 from server.api.errors import APIError, install_handlers
 from server import kv_budget
@@ -135,6 +135,11 @@ def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None,
 
 
 def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, draft: LoadedModel | None = None) -> ServingContext:
+    # a family whose features the engine does not model is refused here, by name, before any
+    # cache is sized for it (server/engine/families.py)
+    families.check(loaded.model)
+    if draft is not None:
+        families.check(draft.model)
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
     mode = numerics(settings, loaded)
     host, disk = kv_tiers(settings, loaded, metrics, mode)
