@@ -169,6 +169,16 @@ class Layout:
     # long rope factors, of a shorter one with the short factors (server/engine/rope.py); None:
     # a key depends on its position alone
     rope_switch: int | None = None
+    # KV shared across layers (Gemma 3n): layer i attends over the keys and values of layer
+    # sources[i], which computed the same ones; None: every layer its own
+    sources: tuple[int, ...] | None = None
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """The layers whose keys and values the pool stores (the others read an owner's)."""
+        if self.sources is None:
+            return tuple(range(len(self.windows)))
+        return tuple(i for i, source in enumerate(self.sources) if source == i)
 
     def rope_long(self, length: int) -> bool:
         """Whether a cache of `length` computed tokens holds long-factor keys: a sequence is
@@ -180,7 +190,7 @@ class Layout:
         a model computing in `dtype` (scales included)."""
         fmt = kv_format(kv_dtype)
         per_head = fmt.bytes_per_vector(self.key_dim, dtype) + fmt.bytes_per_vector(self.value_dim, dtype)
-        return len(self.windows) * self.kv_heads * per_head
+        return len(self.owners) * self.kv_heads * per_head
 
     def widths(self) -> dict[str, int]:
         """"k" and "v": the width of a head's key and value (what `export` names them)."""
@@ -203,15 +213,39 @@ def layout(config: PretrainedConfig) -> Layout:
     server/engine/families.py checks them against what the model's layers really produce."""
     text_config = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    layer_types, sources = _shared_layers(text_config, layer_types)
     unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYERS))
     if unsupported:
         raise UnsupportedLayers(unsupported)
-    windows = tuple(kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(layer_types, layer_kwargs))
+    windows = [kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(layer_types, layer_kwargs)]
+    if sources is not None:  # a sharing layer attends in its source's window
+        windows = [windows[source] for source in sources]
+    windows = tuple(windows)
     heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     key_dim = getattr(text_config, "qk_head_dim", None) or head_dim
     value_dim = getattr(text_config, "v_head_dim", None) or head_dim
-    return Layout(windows, heads, key_dim, value_dim, rope_switch(text_config))
+    return Layout(windows, heads, key_dim, value_dim, rope_switch(text_config), sources)
+
+
+def _shared_layers(text_config: PretrainedConfig, layer_types: list[str]) -> tuple[list[str], tuple[int, ...] | None]:
+    """KV shared across layers (`kv_sharing_modes`, Gemma 3n): transformers types a layer that
+    reuses another's keys and values "dummy"; its source is the layer of its own type marked
+    "store". Returns the layer types with the sharing layers' own restored, and the sources
+    (None without sharing)."""
+    modes = getattr(text_config, "kv_sharing_modes", None)
+    if not modes or "reuse" not in modes:
+        return layer_types, None
+    own = list(text_config.layer_types)
+    stores = {own[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    sources, types = [], list(layer_types)
+    for i, mode in enumerate(modes):
+        if mode == "reuse" and own[i] in stores:
+            sources.append(stores[own[i]])
+            types[i] = own[i]
+        else:
+            sources.append(i)
+    return types, tuple(sources)
 
 
 def rope_switch(text_config: PretrainedConfig) -> int | None:
@@ -265,20 +299,25 @@ class Pool:
         # would poison it. On CUDA the pool is memory taken at start-up anyway.
         new = torch.zeros if self.device.type == "cuda" else torch.empty
         storage = self.format.storage_dtype(dtype)
-        layers = range(len(self.layout.windows))
+        owners = self.layout.owners
         try:
-            self.keys = [new(key_shape, device=self.device, dtype=storage) for _ in layers]
-            self.values = [new(value_shape, device=self.device, dtype=storage) for _ in layers]
+            keys = {i: new(key_shape, device=self.device, dtype=storage) for i in owners}
+            values = {i: new(value_shape, device=self.device, dtype=storage) for i in owners}
             if self.format.quantized:
-                self.key_scales = [new(key_shape[:2], device=self.device, dtype=SCALE_DTYPE) for _ in layers]
-                self.value_scales = [new(key_shape[:2], device=self.device, dtype=SCALE_DTYPE) for _ in layers]
+                key_scales = {i: new(key_shape[:2], device=self.device, dtype=SCALE_DTYPE) for i in owners}
+                value_scales = {i: new(key_shape[:2], device=self.device, dtype=SCALE_DTYPE) for i in owners}
             else:
-                self.key_scales = self.value_scales = [None] * len(layers)
+                key_scales = value_scales = dict.fromkeys(owners)
         except torch.OutOfMemoryError as exc:
             raise MemoryError(
                 f"a KV pool of {budget_bytes} bytes does not fit on {self.device} beside the model: "
                 "lower --kv-budget-bytes or --gpu-memory-utilization, or use --kv-cache-dtype fp8"
             ) from exc
+        # per layer, the owner's storage (a layer sharing another's KV writes the same values
+        # there again and reads them)
+        sources = self.layout.sources or range(len(self.layout.windows))
+        self.keys, self.values = [keys[s] for s in sources], [values[s] for s in sources]
+        self.key_scales, self.value_scales = [key_scales[s] for s in sources], [value_scales[s] for s in sources]
         self._zeroed = bytearray([self.device.type == "cuda"]) * (num_blocks + 1)
         self._zero([self.trash_block])
 
@@ -511,14 +550,15 @@ LAYOUT_VERSION = 2
 
 def export(cache: SequenceKV) -> dict[str, torch.Tensor]:
     """A copy of the cache's KV as stored, as named tensors on its device, for a tier below:
-    "k.<layer>", "v.<layer>": [1, kv_heads, length, key_dim / value_dim] (the format's wire dtype), and for
+    "k.<layer>", "v.<layer>" for each layer that owns its KV (`Layout.owners`): [1, kv_heads,
+    length, key_dim / value_dim] (the format's wire dtype), and for
     a quantized pool "k_scale.<layer>", "v_scale.<layer>": [1, kv_heads, length].
 
     NOTE: always a copy, never a view of the pool: the cache's blocks go back to the pool
     (and to the next sequence) while a tier is still copying or writing them."""
     index = _index(cache, 0, cache.length, None)
     tensors = {}
-    for i in range(len(cache.pool.keys)):
+    for i in cache.pool.layout.owners:
         for name, t in cache.pool.stored(i, index).items():
             tensors[f"{name}.{i}"] = t[None]
     return tensors
@@ -541,7 +581,7 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
         raise ValueError(f"{length} tokens do not fit a cache of {capacity}")
     lay, wire = pool.layout, pool.format.wire_dtype(pool.dtype)
     kinds = ("k", "v", "k_scale", "v_scale") if pool.format.quantized else ("k", "v")
-    expected = {f"{kind}.{i}" for i in range(len(pool.keys)) for kind in kinds}
+    expected = {f"{kind}.{i}" for i in lay.owners for kind in kinds}
     if set(tensors) != expected:
         raise ValueError(f"the tensors do not match this model's layers in the {pool.format.name} KV format")
     widths = lay.widths()
@@ -552,7 +592,7 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
             raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {length} positions of {dtype}")
     cache = pool.allocate(capacity)
     index = _index(cache, 0, length, None)  # once for all layers
-    for i in range(len(pool.keys)):
+    for i in lay.owners:
         layer = {kind: tensors[f"{kind}.{i}"][0] for kind in kinds}
         pool.put_stored(i, index, {k: t.to(pool.device, non_blocking=t.is_pinned()) for k, t in layer.items()})
     cache.length = length

@@ -65,8 +65,8 @@ def _static(model, config) -> kv.Layout:
     except kv.UnsupportedLayers as exc:
         kinds = ", ".join(exc.kinds)
         if exc.kinds == ["dummy"]:  # transformers' type for a layer that keeps no cache of its own
-            raise UnsupportedModel("kv-shared-layers", "some of its layers attend over the keys and values of "
-                                   "other layers (KV shared across layers), which kvserve's pool does not share") from None
+            raise UnsupportedModel("layers-without-kv", "some of its layers keep no keys and values of their own "
+                                   "and share none kvserve knows the source of") from None
         raise UnsupportedModel(f"layers-{exc.kinds[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
                                "(recurrent, linear-attention or chunked layers are not served yet)") from None
     recurrent = sorted({type(m).__name__ for m in model.modules() if _RECURRENT.search(type(m).__name__) or hasattr(m, "A_log")})

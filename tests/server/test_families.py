@@ -190,6 +190,32 @@ def test_mla_keys_and_values_keep_their_own_widths_in_the_pool_the_budget_and_th
         kv.load(other, tensors, 20, 64)
 
 
+# -- KV shared across layers (Gemma 3n) ------------------------------------------------------------
+
+
+def test_layers_sharing_kv_read_their_source_and_the_pool_stores_it_once(tokenizer):
+    model = tiny("gemma3n_text", num_hidden_layers=4, num_kv_shared_layers=2, head_dim=16, sliding_window=20,
+                 layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=16,
+                 vocab_size_per_layer_input=1000, intermediate_size=[128] * 4, activation_sparsity_pattern=[0.0] * 4,
+                 laurel_rank=8, altup_num_inputs=4)
+    layout = kv.layout(model.config)
+    assert layout.sources == (0, 1, 0, 1) and layout.owners == (0, 1) and layout.windows == (20, None, 20, None)
+    plain = kv.Layout(layout.windows, layout.kv_heads, layout.key_dim, layout.value_dim)
+    assert 2 * layout.bytes_per_token(DTYPE) == plain.bytes_per_token(DTYPE)
+    cache = kv.allocate(model.config, 64, DEVICE, DTYPE)
+    assert cache.pool.keys[2] is cache.pool.keys[0] and cache.pool.values[3] is cache.pool.values[1]
+    cache.length = 5
+    assert set(kv.export(cache)) == {"k.0", "k.1", "v.0", "v.1"}
+    prompt = prompt_of(30)
+    want = generate(model, prompt, 12)
+    served = Served(model, tokenizer)
+    try:
+        got, _ = asyncio.run(served.run(prompt, 12))
+    finally:
+        served.stop()
+    assert_equivalent(model, prompt, got, want)
+
+
 # -- LongRoPE: factors per sequence, a recompute where generate recomputes ------------------------
 
 
