@@ -93,7 +93,7 @@ def aligned(n: int, block: int = KV_BLOCK) -> int:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None,
-           positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+           positions: torch.Tensor | None = None, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention whose result for each query is independent of the other queries and of
     how many keys past it are read: the device's kernel (`KERNELS`), else the torch
     formulation below.
@@ -105,6 +105,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     `positions` [B, T] and `window`: where the mask comes from (query row r of row b at
     positions[b, r % T], causal, within `window`), which lets the kernel skip the blocks a
     whole tile of queries cannot see; the torch formulation reads the mask alone.
+    `sinks` (gpt-oss's attention sinks): one logit per query row, broadcastable to [B, Hkv,
+    M, 1] (or [.., query_rows(M), 1]; any float dtype, used in float32), that joins the
+    softmax's denominator and carries no value: softmax over [scores, sink], the sink's
+    weight dropped (transformers' gpt_oss `eager_attention_forward`); not soft-capped. The
+    caller spreads a query head's sink over its folded rows (row r of KV head h is query
+    head h * groups + r // T). The sink weighs in once, after every key, the same way in
+    every call, so a query's result stays its own; without sinks the bits are as before.
 
     NOTE: the queries are zero-padded to whole tiles of Q_TILE rows: float32 matmuls of 1-3
     rows take another kernel than 4 or more (measured on the dev box: 3 query rows round
@@ -113,7 +120,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     """
     kernels = KERNELS.get(q.device.type)
     if kernels is not None:
-        return kernels.attend(q, keys, values, mask, scale, softcap, positions=positions, window=window)
+        return kernels.attend(q, keys, values, mask, scale, softcap, positions=positions, window=window, sinks=sinks)
     dtype = q.dtype
     b, h, m, d = q.shape
     n = aligned(keys.shape[2])
@@ -136,16 +143,32 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     else:
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap).add_(mask)
+    if sinks is not None:  # [B, Hkv, rows, 1] float32; the padded queries' 0 (finite, dropped)
+        sinks = sinks.to(torch.float32)
+        if sinks.dim() > 1 and sinks.shape[-2] not in (1, rows):
+            sinks = F.pad(sinks, (0, 0, 0, rows - sinks.shape[-2]))
+        sinks = sinks.expand(b, h, rows, 1)
     if scores.device.type == "cpu":
         # NOTE: PyTorch's CPU softmax sums a row in one sequential vector accumulation, so the
         # exact zeros of masked blocks past a query change nothing (measured: 0 of 175 rows
         # differ with 1-3 more masked blocks or more rows, 1 and 2 threads); the row's length
-        # is a whole number of blocks, no scalar tail.
-        probs = torch.softmax(scores, -1)
+        # is a whole number of blocks, no scalar tail. A sink is one more block after the
+        # keys (the sink, then -inf): added last, after those zeros, in every call.
+        if sinks is None:
+            probs = torch.softmax(scores, -1)
+        else:
+            tail = torch.full((b, h, rows, KV_BLOCK), float("-inf"), device=scores.device)
+            tail[..., :1] = sinks
+            probs = torch.softmax(torch.cat([scores, tail], -1), -1)[..., :n]
         sums = None
     else:  # a GPU softmax reduces by the row's length: max, exp and each block's own sum
-        probs = scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        top = scores.amax(-1, keepdim=True)
+        if sinks is not None:  # the max with the sink's (no weight overflows), its weight added last
+            top = torch.maximum(top, sinks)
+        probs = scores.sub_(top).exp_()
         sums = _in_order(probs.view(b, h, rows, nb, KV_BLOCK).sum(-1), 3)
+        if sinks is not None:
+            sums = sums + (sinks - top).exp_()[..., 0]
     if nb == 1:
         out = torch.matmul(probs, values)
     else:  # each block's P @ V over its KV_BLOCK keys, the blocks added in position order
@@ -330,10 +353,11 @@ def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     """Make server/engine/exact_kernel.py's kernels `attend`'s and (where `enable` finds cuBLAS's
     tiles unfit) `linear`'s on `device` (run by Triton's interpreter off a GPU, when
     TRITON_INTERPRET=1), once they compile and agree with the torch formulation and F.linear
-    on small random calls in `dtype`; otherwise keep the torch ones, with a warning. The
-    attention's two ways of walking chunks must give the same bits, or only one is used
-    (`exact_kernel.spread`). Chosen once per process, before the first forward pass, so every
-    query of a process is computed alike. True when the kernels are in use."""
+    on small random calls in `dtype` (attention with sinks and without: their programs
+    differ); otherwise keep the torch ones, with a warning. The attention's two ways of
+    walking chunks must give the same bits, or only one is used (`exact_kernel.spread`).
+    Chosen once per process, before the first forward pass, so every query of a process is
+    computed alike. True when the kernels are in use."""
     if device.type in KERNELS:
         return True
     try:
@@ -344,9 +368,12 @@ def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:
         q, keys, values = (torch.randn(2, 2, m, 64, generator=gen).to(device, dtype) for m in (24, n, n))
         allowed = torch.arange(n)[None, :] <= torch.arange(n - 40, n - 16)[:, None]
         mask = torch.zeros(2, 1, 24, n).masked_fill(~allowed, float("-inf")).to(device, dtype)
-        spread = exact_kernel.attend(q, keys, values, mask, 0.125, None, parallel=True)
-        walked = exact_kernel.attend(q, keys, values, mask, 0.125, None, parallel=False)
-        _agrees("attention", walked, attend(q, keys, values, mask, 0.125, None))
+        sinks = torch.randn(1, 2, 24, 1, generator=gen).to(device)
+        spread, walked = [], []
+        for s in (None, sinks):
+            spread.append(exact_kernel.attend(q, keys, values, mask, 0.125, None, parallel=True, sinks=s))
+            walked.append(exact_kernel.attend(q, keys, values, mask, 0.125, None, parallel=False, sinks=s))
+            _agrees("attention", walked[-1], attend(q, keys, values, mask, 0.125, None, sinks=s))
         for outputs in (200, 8200):  # both column tiles (`linear_block_n`), with a bias and without
             x, w, b = (torch.randn(*shape, generator=gen).to(device, dtype) for shape in ((70, 100), (outputs, 100), (outputs,)))
             _agrees("linear", exact_kernel.linear(x, w, b), F.linear(x, w, b))
@@ -354,7 +381,7 @@ def use_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     except Exception as e:  # noqa: BLE001 - any failure (no Triton, no compiler, a wrong result) keeps the torch path
         log.warning("exact mode: the Triton kernels are unusable on %s (%s); using the torch formulation and cuBLAS", device, e)
         return False
-    if not torch.equal(spread, walked):  # then every launch walks its chunks in one program
+    if not all(map(torch.equal, spread, walked)):  # then every launch walks its chunks in one program
         log.warning("exact mode: the attention kernel's chunks spread over programs round differently from one walk; walking only")
         exact_kernel.spread = False
     KERNELS[device.type] = exact_kernel

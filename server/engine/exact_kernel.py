@@ -16,8 +16,10 @@ chunks' states are then merged in position order (`_merge`). That is the arithme
 query in every launch; only who does it varies: one program walks its chunks in turn, or
 (few programs: a decode step of few rows over long contexts) each chunk is its own program
 and a second launch merges them (`_combine`), as flash-decoding does, with a fixed split.
-A query's result then depends only on its own query vector, its keys and values and its mask
-row:
+Attention sinks (gpt-oss's: a logit per query head in the softmax's denominator, with no
+value) weigh in once, after the last chunk's merge, in whichever kernel writes the output
+(`_sink`). A query's result then depends only on its own query vector, its keys and values,
+its mask row and its sink:
 
 * its scores and its share of P @ V are rows of tile matmuls, and a matmul's rows never mix;
 * a block or a chunk the query cannot see (past it, before its window, past the row's end)
@@ -107,12 +109,24 @@ def _merge(top, total, acc, c_top, c_total, c_acc):
     return new_top, total * mine + c_total * theirs, acc * mine[:, None] + c_acc * theirs[:, None]
 
 
+@triton.jit
+def _sink(top, total, acc, sink):
+    """The merged state with each row's sink logit joining the denominator (weight exp(sink),
+    no value): the max taken with the sink, so no weight overflows. A sink of -inf leaves the
+    state as it was, bit for bit."""
+    new_top = tl.maximum(top, sink)
+    shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+    mine = tl.exp(top - shift)
+    return total * mine + tl.exp(sink - shift), acc * mine[:, None]
+
+
 @triton.jit(do_not_specialize=["queries", "keys", "heads", "chunks", "width", "window", "p_b",
                                "q_b", "q_h", "q_m", "k_b", "k_h", "k_n", "v_b", "v_h", "v_n", "m_b", "m_h", "m_m", "o_b", "o_h", "o_m"])
-def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, pos_ptr, queries, keys, heads, chunks, width, window, p_b, scale, softcap,
+def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, pos_ptr, sink_ptr, queries, keys, heads, chunks, width, window, p_b, scale, softcap,
             q_b, q_h, q_m, k_b, k_h, k_n, v_b, v_h, v_n, m_b, m_h, m_m, o_b, o_h, o_m,
             DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-            PARALLEL: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, BOUNDED: tl.constexpr):
+            PARALLEL: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ALIGNED: tl.constexpr, BOUNDED: tl.constexpr,
+            SINKS: tl.constexpr):
     """PARALLEL: program (row x KV head, query tile, chunk) writes its chunk's state to the
     `part_ptr` buffer for `_combine`; otherwise program (row x KV head, query tile) walks the
     chunks in order, merging each, and writes the output. ALIGNED: the strides come in units
@@ -122,7 +136,8 @@ def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, pos_ptr, queries, 
     after position - window, none = 0), so a tile's queries see keys first..last-1 at most
     and the blocks outside, which the mask hides from all of them, are not computed (exact
     no-ops either way, whose skipping keeps the loop free of branches for the compiler's
-    software pipelining)."""
+    software pipelining). SINKS: `sink_ptr` holds a float32 logit per (row x KV head, query
+    row), [B * Hkv, queries] (`_sink`)."""
     if ALIGNED:
         q_b, q_h, q_m, k_b, k_h, k_n, v_b, v_h, v_n = q_b * 16, q_h * 16, q_m * 16, k_b * 16, k_h * 16, k_n * 16, v_b * 16, v_h * 16, v_n * 16
         m_b, m_h, m_m, o_b, o_h, o_m = m_b * 16, m_h * 16, m_m * 16, o_b * 16, o_h * 16, o_m * 16
@@ -156,13 +171,16 @@ def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, pos_ptr, queries, 
             c_top, c_total, c_acc = _chunk(q, k_base, v_base, m_base, live, dims, tl.maximum(lo, first), tl.minimum(lo + CHUNK, last),
                                            tl.minimum(lo + CHUNK, keys), k_n, v_n, scale, softcap, DIM, BLOCK_M, BLOCK_N, DIM_P2, SOFTCAP, IEEE)
             top, total, acc = _merge(top, total, acc, c_top, c_total, c_acc)
+        if SINKS:
+            total, acc = _sink(top, total, acc, tl.load(sink_ptr + row * queries + rows, mask=live, other=0.0))
         _store_out(out_ptr + b * o_b + h * o_h, rows, dims, live, total, acc, o_m, DIM)
 
 
 @triton.jit(do_not_specialize=["queries", "heads", "chunks", "o_b", "o_h", "o_m"])
-def _combine(part_ptr, out_ptr, queries, heads, chunks, o_b, o_h, o_m,
-             DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program (row x KV head, query tile): the chunks' states merged in position order."""
+def _combine(part_ptr, out_ptr, sink_ptr, queries, heads, chunks, o_b, o_h, o_m,
+             DIM: tl.constexpr, DIM_P2: tl.constexpr, BLOCK_M: tl.constexpr, SINKS: tl.constexpr):
+    """Program (row x KV head, query tile): the chunks' states merged in position order (then
+    the sinks, SINKS: `_attend`'s)."""
     row = tl.program_id(0).to(tl.int64)
     b, h = row // heads, row % heads
     tile = tl.program_id(1)
@@ -174,7 +192,10 @@ def _combine(part_ptr, out_ptr, queries, heads, chunks, o_b, o_h, o_m,
     for c in range(0, chunks):
         c_top, c_total, c_acc = _load_part(part_ptr, (row * chunks + c) * tl.num_programs(1) + tile, BLOCK_M, DIM_P2)
         top, total, acc = _merge(top, total, acc, c_top, c_total, c_acc)
-    _store_out(out_ptr + b * o_b + h * o_h, rows, dims, rows < queries, total, acc, o_m, DIM)
+    live = rows < queries
+    if SINKS:
+        total, acc = _sink(top, total, acc, tl.load(sink_ptr + row * queries + rows, mask=live, other=0.0))
+    _store_out(out_ptr + b * o_b + h * o_h, rows, dims, live, total, acc, o_m, DIM)
 
 
 @triton.jit
@@ -222,7 +243,8 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None,
-           parallel: bool | None = None, positions: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+           parallel: bool | None = None, positions: torch.Tensor | None = None, window: int | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`exact.attend` as one or two kernel launches: q [B, Hkv, M, D], keys/values [B, Hkv, L,
     D] (any L; key i at position i), `mask` additive (0 / -inf) broadcastable to [B, Hkv, M,
     L] (or [.., query_rows(M), L]), every query seeing at least one key. Returns [B, Hkv, M,
@@ -231,7 +253,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     PARALLEL_BELOW programs otherwise and more than one chunk); the bits are the same.
     `positions` [B, T] (optional): query row r of row b is at positions[b, r % T], and the mask
     is causal from there (and hides keys at or before position - `window`): the launch then
-    skips the blocks a tile's queries cannot see; the bits are the same."""
+    skips the blocks a tile's queries cannot see; the bits are the same. `sinks`: a logit per
+    query row broadcastable to [B, Hkv, M, 1] (or [.., query_rows(M), 1]), `exact.attend`'s;
+    the kernels read them as float32 [B * Hkv, M] (a small copy)."""
     b, h, m, d = q.shape
     n = keys.shape[2]
     if mask.shape[-2] not in (1, m):  # exact.attend's padded form: the padding rows' part unused
@@ -263,14 +287,19 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     width = positions.shape[-1] if positions is not None else 1
     if positions is not None and positions.stride(-1) != 1:
         positions = positions.contiguous()
+    if sinks is not None:
+        if sinks.dim() > 1 and sinks.shape[-2] not in (1, m):  # exact.attend's padded form
+            sinks = sinks[..., :m, :]
+        sinks = sinks.to(torch.float32).expand(b, h, m, 1).contiguous()
     _attend[(b * h, tiles, chunks if parallel else 1)](
-        q, keys, values, mask, out, part, positions if positions is not None else q, m, n, h, chunks, width, window or 0,
+        q, keys, values, mask, out, part, positions if positions is not None else q, sinks if sinks is not None else q,
+        m, n, h, chunks, width, window or 0,
         _strides(positions)[0] if positions is not None else 0, float(scale), float(softcap or 1.0),
         *(st // unit for x in (q, keys, values, mask, out) for st in _strides(x)),
         BLOCK_N=BLOCK_N, CHUNK=CHUNK, PARALLEL=parallel, SOFTCAP=softcap is not None, IEEE=q.dtype == torch.float32, ALIGNED=aligned, BOUNDED=positions is not None,
-        num_stages=2 if dim_p2 > 128 else 3, **shape, **options)
+        SINKS=sinks is not None, num_stages=2 if dim_p2 > 128 else 3, **shape, **options)
     if parallel:
-        _combine[(b * h, tiles)](part, out, m, h, chunks, *_strides(out), **shape, **options)
+        _combine[(b * h, tiles)](part, out, sinks if sinks is not None else out, m, h, chunks, *_strides(out), SINKS=sinks is not None, **shape, **options)
     return out
 
 

@@ -357,24 +357,45 @@ KERNEL_DTYPES = ["float32", "float16"] if DEVICE.type == "cpu" else ["float32", 
 FALLBACK_MEASURED = pytest.mark.xfail(DEVICE.type == "cuda", reason="the torch fallback's invariance on a GPU is measured, not promised", strict=False)
 
 
+SINKS = pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+
+
+def folded_sinks(sinks, heads, count):
+    """Sinks per query head [heads * groups] (gpt-oss's `sinks`) as `exact.attend` takes them
+    for a KV head's queries folded [groups * count]: row r of KV head h is query head
+    h * groups + r // count. [1, heads, groups * count, 1]; None stays None."""
+    if sinks is None:
+        return None
+    return sinks.view(heads, -1, 1).expand(-1, -1, count).reshape(1, heads, -1, 1)
+
+
+def some_sinks(heads, groups, on):
+    """Sink logits for heads * groups query heads (None unless `on`), large enough to weigh."""
+    return torch.randn(heads * groups, device=DEVICE) * 2 + 1 if on else None
+
+
 @FALLBACK_MEASURED
+@SINKS
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype, torch_formulation):
+def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype, sinks, torch_formulation):
     """A query at position p: alone (keys 0..p) and inside chunks of 16, 128 and 512 queries
-    reading keys to the chunk's end (and a block further): the same bits."""
+    reading keys to the chunk's end (and a block further): the same bits; with attention sinks
+    too."""
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     heads, groups, dim, n = 3, 3, 64, 1024
     q = torch.randn(1, heads, groups, n, dim, device=DEVICE).to(dt)
     k = torch.randn(1, heads, n + exact.KV_BLOCK, dim, device=DEVICE).to(dt)
     v = torch.randn(1, heads, n + exact.KV_BLOCK, dim, device=DEVICE).to(dt)
+    head_sinks = some_sinks(heads, groups, sinks)
 
     def attend(start, count, extra=0):
         length = start + count + extra
         mask = torch.arange(length, device=DEVICE)[None, :] <= torch.arange(start, start + count, device=DEVICE)[:, None]
         additive = torch.zeros(mask.shape, device=DEVICE, dtype=dt).masked_fill(~mask, float("-inf")).repeat(groups, 1)
         folded = q[:, :, :, start : start + count].reshape(1, heads, groups * count, dim)
-        return exact.attend(folded, k[:, :, :length], v[:, :, :length], additive, dim**-0.5, None).view(1, heads, groups, count, dim)
+        sinks = folded_sinks(head_sinks, heads, count)
+        return exact.attend(folded, k[:, :, :length], v[:, :, :length], additive, dim**-0.5, None, sinks=sinks).view(1, heads, groups, count, dim)
 
     checked = 0
     for p in (0, 5, 63, 64, 200, 511, 700, 1000):
@@ -389,18 +410,21 @@ def test_attention_of_a_query_ignores_other_queries_and_keys_past_it(dtype, torc
 
 
 @FALLBACK_MEASURED
+@SINKS
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_of_a_row_ignores_the_rows_batched_with_it(dtype, torch_formulation):
+def test_attention_of_a_row_ignores_the_rows_batched_with_it(dtype, sinks, torch_formulation):
     """`exact.attend` as the paged path calls it: a row's queries (1 or 8 positions, 3 query
     heads per KV head) alone, reading its own keys, and inside batches of 2-64 rows of other
-    lengths reading the longest one's: the same bits. On CUDA this asks whether cuBLAS's
-    batched matmuls change kernels with the batch (the reason for the Triton kernel)."""
+    lengths reading the longest one's: the same bits; with attention sinks too. On CUDA this
+    asks whether cuBLAS's batched matmuls change kernels with the batch (the reason for the
+    Triton kernel)."""
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
     heads, groups, dim = 3, 3, 64
     lengths = [int(x) for x in torch.randint(1, 1000, (64,))]
     keys = torch.randn(64, heads, exact.aligned(1000), dim, device=DEVICE).to(dt)
     values = torch.randn(64, heads, exact.aligned(1000), dim, device=DEVICE).to(dt)
+    head_sinks = some_sinks(heads, groups, sinks)
 
     def attend(rows, width, length):
         """Rows `rows`, `width` queries each (the last at position lengths[i] - 1), keys read to `length`."""
@@ -408,7 +432,7 @@ def test_attention_of_a_row_ignores_the_rows_batched_with_it(dtype, torch_formul
         positions = torch.tensor([[lengths[i] - width + t for t in range(width)] for i in rows], device=DEVICE).clamp(min=0)
         allowed = torch.arange(length, device=DEVICE)[None, None, :] <= positions[:, :, None]  # [B, width, L]
         mask = torch.zeros(allowed.shape, device=DEVICE).masked_fill(~allowed, float("-inf")).repeat(1, groups, 1)[:, None]
-        return exact.attend(q, keys[rows, :, :length], values[rows, :, :length], mask, dim**-0.5, None)
+        return exact.attend(q, keys[rows, :, :length], values[rows, :, :length], mask, dim**-0.5, None, sinks=folded_sinks(head_sinks, heads, width))
 
     checked = 0
     for width in (1, 8):
@@ -422,12 +446,17 @@ def test_attention_of_a_row_ignores_the_rows_batched_with_it(dtype, torch_formul
     assert checked == 2 * (2 + 5 + 16 + 64)
 
 
-def reference_attention(q, keys, values, mask, scale, softcap):
-    """Attention in float64, the textbook formula."""
+def reference_attention(q, keys, values, mask, scale, softcap, sinks=None):
+    """Attention in float64, the textbook formula; `sinks` [.., M, 1]: a logit per query
+    row that joins the softmax and is dropped from its weights (gpt-oss's)."""
     scores = q.double() @ keys.double().transpose(-1, -2) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    return torch.softmax(scores + mask.double(), -1) @ values.double()
+    scores = scores + mask.double()
+    if sinks is None:
+        return torch.softmax(scores, -1) @ values.double()
+    logits = torch.cat([scores, sinks.double().expand(*scores.shape[:-1], 1)], -1)
+    return torch.softmax(logits, -1)[..., :-1] @ values.double()
 
 
 def window_mask(positions, length, window=None, dtype=torch.float32):
@@ -460,14 +489,103 @@ def test_the_kernel_computes_attention(kernel, dtype, softcap):
             assert got.dtype == dt and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (window, bounds, (got.double() - want).abs().max())
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_the_kernel_gives_a_query_the_same_bits_in_any_launch(kernel, dtype):
+def gpt_oss_attention(q, keys, values, mask, scale, sinks):
+    """transformers' gpt_oss `eager_attention_forward` (the semantics of attention sinks) in
+    float64: q [B, Hq, T, D], keys/values [B, Hkv, L, D], mask [B, 1, T, L], sinks [Hq].
+    Returns [B, Hq, T, D]."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = torch.nn.Module().eval()
+    module.sinks, module.num_key_value_groups = sinks.double(), q.shape[1] // keys.shape[1]
+    out, _ = eager_attention_forward(module, q.double(), keys.double(), values.double(), mask.double(), scale)
+    return out.transpose(1, 2)
+
+
+SINK_PATHS = [("torch", d) for d in DTYPES] + [("kernel", d) for d in KERNEL_DTYPES]
+
+
+@pytest.mark.parametrize("softcap", [None, 50.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("path,dtype", SINK_PATHS, ids=[f"{p}-{d}" for p, d in SINK_PATHS])
+def test_sinks_join_the_softmax_denominator(path, dtype, softcap, request):
+    """Attention sinks (gpt-oss's: a logit per query head in the softmax's denominator, with
+    no value) in `exact.attend`, by the torch formulation and the Triton kernel (its chunks
+    walked and spread, told the positions): float64 attention over [scores, sink] with the
+    sink's weight dropped, which is transformers' gpt_oss `eager_attention_forward` on the
+    unfolded heads. 3 rows of other lengths, 2 KV heads of 3 query heads of 7 positions folded
+    into each, a head size that is not a power of two, two chunks of keys, a window,
+    soft-capping (the sink not capped); sinks that weigh (the result is not the sink-less
+    one); sinks given for the padded query rows too (`exact.query_rows`) change nothing."""
+    request.getfixturevalue("torch_formulation" if path == "torch" else "kernel")
+    from server.engine import exact_kernel
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    b, heads, groups, width, dim, length = 3, 2, 3, 7, 24, exact_kernel.CHUNK + 88
+    q = torch.randn(b, heads * groups, width, dim, device=DEVICE).to(dt)  # transformers' layout
+    keys, values = (torch.randn(b, heads, length, dim, device=DEVICE).to(dt) for _ in range(2))
+    head_sinks = some_sinks(heads, groups, True)
+    folded, sinks = q.reshape(b, heads, groups * width, dim), folded_sinks(head_sinks, heads, width)
+    padding = exact.query_rows(groups * width) - groups * width
+    padded_sinks = F.pad(sinks, (0, 0, 0, padding), value=7.0)
+    positions = (torch.tensor([40, length - 1, 530], device=DEVICE)[:, None] - torch.arange(width, device=DEVICE).flip(0)).clamp(min=0)
+    tolerance = 1e-5 if dt == torch.float32 else 4e-3
+    for window in (None, 30):
+        mask = window_mask(positions.repeat(1, groups), length, window, dt)
+        want = reference_attention(folded, keys, values, mask, dim**-0.5, softcap, sinks)
+        if softcap is None:
+            hf = gpt_oss_attention(q, keys, values, window_mask(positions, length, window, dt), dim**-0.5, head_sinks)
+            assert torch.allclose(hf.reshape(want.shape), want, atol=1e-12, rtol=1e-12)
+        unsunk = reference_attention(folded, keys, values, mask, dim**-0.5, softcap)
+        assert (want - unsunk).abs().max() > 0.05  # the sinks weigh
+        got = exact.attend(folded, keys, values, mask, dim**-0.5, softcap, sinks=sinks)
+        assert got.dtype == dt and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (window, (got.double() - want).abs().max())
+        assert torch.equal(exact.attend(folded, keys, values, mask, dim**-0.5, softcap, sinks=padded_sinks), got), window
+        if path == "kernel":
+            for parallel in (False, True):
+                bounded = exact_kernel.attend(folded, keys, values, mask, dim**-0.5, softcap, parallel, positions=positions, window=window, sinks=sinks)
+                assert torch.equal(bounded, got), (window, parallel)
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_sinks_of_minus_infinity_weigh_nothing(path, request):
+    """Sinks of -inf (weight exp(-inf) = 0) give exactly the bits of no sinks, by the torch
+    formulation and the kernel (walked and spread), float32 and a half type: the sink is one
+    step added to the sink-less computation, which stays as it was."""
+    request.getfixturevalue("torch_formulation" if path == "torch" else "kernel")
+    from server.engine import exact_kernel
+
+    torch.manual_seed(0)
+    b, heads, m, dim, length = 2, 2, 6, 64, exact_kernel.CHUNK + 40
+    positions = torch.tensor([length - 1, 300], device=DEVICE)[:, None] - torch.arange(m, device=DEVICE).flip(0)
+    none = torch.full((1, heads, m, 1), float("-inf"), device=DEVICE)
+    for dtype in ("float32", "bfloat16" if path == "torch" else "float16"):
+        dt = getattr(torch, dtype)
+        q = torch.randn(b, heads, m, dim, device=DEVICE).to(dt)
+        keys, values = (torch.randn(b, heads, length, dim, device=DEVICE).to(dt) for _ in range(2))
+        mask = window_mask(positions, length, None, dt)
+        for softcap in (None, 30.0):
+            want = exact.attend(q, keys, values, mask, dim**-0.5, softcap)
+            assert torch.equal(exact.attend(q, keys, values, mask, dim**-0.5, softcap, sinks=none), want), (dtype, softcap)
+            if path == "kernel":
+                for parallel in (False, True):
+                    got = exact_kernel.attend(q, keys, values, mask, dim**-0.5, softcap, parallel, sinks=none)
+                    assert torch.equal(got, exact_kernel.attend(q, keys, values, mask, dim**-0.5, softcap, parallel)), (dtype, softcap, parallel)
+
+
+# the kernel's invariance with attention sinks: on CPU (the interpreter) in one dtype, as the
+# sink is the same float32 step after the merge in every dtype
+KERNEL_SINKS = [(d, s) for s in (False, True) for d in KERNEL_DTYPES if not s or DEVICE.type != "cpu" or d == "float32"]
+
+
+@pytest.mark.parametrize("dtype,sinks", KERNEL_SINKS, ids=[f"{d}-{'sinks' if s else 'no-sinks'}" for d, s in KERNEL_SINKS])
+def test_the_kernel_gives_a_query_the_same_bits_in_any_launch(kernel, dtype, sinks):
     """A query at position p, decoded (alone, reading keys 0..p, its chunks spread over
     programs), inside chunks of 16 and 128 queries reading to the chunk's end or further (its
     chunks walked by one program), and inside a batch of rows of other lengths: the same bits,
     for p on both sides of a chunk boundary and for the batch's other rows; launches that know
     the positions (skipping the blocks a tile cannot see) and launches that do not. With a
-    window too."""
+    window too; with attention sinks too (their weight joins after the merge, in `_attend`
+    when walked and in `_combine` when spread)."""
     from server.engine import exact_kernel
 
     torch.manual_seed(0)
@@ -476,6 +594,7 @@ def test_the_kernel_gives_a_query_the_same_bits_in_any_launch(kernel, dtype):
     lengths = [n, 17, exact_kernel.CHUNK + 18, 64, 1, 2 * exact_kernel.CHUNK - 1, 700, 90]
     q = torch.randn(len(lengths), heads, groups, n, dim, device=DEVICE).to(dt)
     keys, values = (torch.randn(len(lengths), heads, n + 70, dim, device=DEVICE).to(dt) for _ in range(2))
+    head_sinks = some_sinks(heads, groups, sinks)
 
     def attend(rows, start, count, length, window, parallel, bounded):
         """Rows `rows`' queries start..start+count-1 (clamped to a row's own length), keys to
@@ -484,7 +603,8 @@ def test_the_kernel_gives_a_query_the_same_bits_in_any_launch(kernel, dtype):
         folded = torch.stack([q[r, :, :, positions[i]] for i, r in enumerate(rows)]).reshape(len(rows), heads, groups * count, dim)
         mask = window_mask(positions.repeat(1, groups), length, window, dt)
         bounds = dict(positions=positions, window=window) if bounded else {}
-        out = exact_kernel.attend(folded, keys[rows, :, :length], values[rows, :, :length], mask, dim**-0.5, None, parallel, **bounds)
+        out = exact_kernel.attend(folded, keys[rows, :, :length], values[rows, :, :length], mask, dim**-0.5, None, parallel, **bounds,
+                                  sinks=folded_sinks(head_sinks, heads, count))
         return out.view(len(rows), heads, groups, count, dim)
 
     checked = 0
