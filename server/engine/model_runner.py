@@ -57,11 +57,11 @@ def block_bucket(n: int, largest: int) -> int:
 class ModelRunner:
     """Runs `model` over sequences whose KV lives in `pool` (engine thread only, after `prepare`)."""
 
-    def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool = True, cuda_graphs: bool = True, max_rows: int = 64, paged: bool | None = None, exact: bool = False) -> None:
+    def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True, max_rows: int = 64, paged: bool | None = None, exact: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.device = pool.device
-        self.packed = packed  # cpu_linear.pack_model's `packed`
+        self.packed = packed  # cpu_linear.pack_model's `packed`; None: the linear layers left as they are
         self.exact = exact  # exact mode (server/engine/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
         self.max_rows = bucket(max_rows)
@@ -91,7 +91,8 @@ class ModelRunner:
             return
         attention.enable(self.model)
         self.rope = rope.install(self.model, self.pool.layout.rope_switch)
-        cpu_linear.pack_model(self.model, self.packed)
+        if self.packed is not None:
+            cpu_linear.pack_model(self.model, self.packed)
         if self.exact:
             exact_mode.pin_backends(self.device, self.pool.dtype)
             exact_mode.enable(self.model)
