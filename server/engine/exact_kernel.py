@@ -255,7 +255,17 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     is causal from there (and hides keys at or before position - `window`): the launch then
     skips the blocks a tile's queries cannot see; the bits are the same. `sinks`: a logit per
     query row broadcastable to [B, Hkv, M, 1] (or [.., query_rows(M), 1]), `exact.attend`'s;
-    the kernels read them as float32 [B * Hkv, M] (a small copy)."""
+    the kernels read them as float32 [B * Hkv, M] (a small copy).
+
+    Values of another width than the keys (MLA: DeepSeek-V3's keys 192 wide, values 128) are
+    zero-padded to the wider one, the queries and keys too where the values are wider, and
+    the output cut back: a zero column adds nothing, and the padding depends on the model's
+    shapes alone, so a query's bits still depend on nothing else in the launch."""
+    d, dv = q.shape[-1], values.shape[-1]
+    if dv != d:
+        width = max(d, dv)
+        q, keys, values = (F.pad(x, (0, width - x.shape[-1])) for x in (q, keys, values))
+        return attend(q, keys, values, mask, scale, softcap, parallel, positions, window, sinks)[..., :dv]
     b, h, m, d = q.shape
     n = keys.shape[2]
     if mask.shape[-2] not in (1, m):  # exact.attend's padded form: the padding rows' part unused

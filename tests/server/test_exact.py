@@ -830,3 +830,19 @@ def test_session_files_and_fingerprints_name_exact_modes_numerics():
     platform = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else torch.backends.cpu.get_cpu_capability()
     assert mode.startswith("deterministic:") and platform in mode and torch.__version__ in mode, mode
     assert mode.endswith(", triton") if DEVICE.type == "cuda" else "triton" not in mode
+
+
+def test_values_narrower_or_wider_than_keys(kernel):
+    """MLA's values (DeepSeek-V3: keys 192 wide, values 128): the kernel against the torch
+    formulation, and a row's bits alone and beside another row."""
+    torch.manual_seed(0)
+    for dk, dv in ((24, 16), (16, 24)):
+        q, keys, values = torch.randn(2, 2, 6, dk, device=DEVICE), torch.randn(2, 2, 40, dk, device=DEVICE), torch.randn(2, 2, 40, dv, device=DEVICE)
+        mask = torch.zeros(2, 1, 6, 40, device=DEVICE)
+        mask[0, ..., 30:] = float("-inf")
+        got = kernel.attend(q, keys, values, mask, 0.3, None)
+        assert got.shape == (2, 2, 6, dv)
+        with torch.no_grad():
+            want = torch.softmax(q.double() @ keys.double().transpose(-1, -2) * 0.3 + mask.double(), -1) @ values.double()
+        assert torch.allclose(got.double(), want, atol=1e-4)
+        assert torch.equal(kernel.attend(q[:1], keys[:1], values[:1], mask[:1], 0.3, None), got[:1])
