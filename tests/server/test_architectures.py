@@ -1,0 +1,69 @@
+"""The architecture matrix (bench/architectures.py): every decoder-only family transformers ships
+that a user could serve, as a tiny random-weight model, is either refused when its engine starts,
+by `UnsupportedModel` naming the feature this file expects, or greedy-identical to transformers'
+own `generate` (identical tokens, or a near-tie where they part: tests/equivalence.py) alone,
+batched, reusing a session, on the paged path, in exact mode and with prompt lookup. No family
+may run and differ.
+
+A family that starts being refused, or stops being refused, fails here until `REFUSED` says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import architectures
+from tests.device import DEVICE, DTYPE
+
+# family -> the feature UnsupportedModel names when the engine refuses it
+REFUSED = {
+    # layers that keep no KV cache: recurrent state, linear attention, convolutions
+    "minimax": "layers-linear_attention",
+    "qwen3_next": "layers-linear_attention",
+    "qwen3_5_text": "layers-linear_attention",
+    "olmo_hybrid": "layers-linear_attention",
+    "kimi_linear": "layers-linear_attention",
+    "granitemoehybrid": "layers-linear_attention",
+    "jamba": "layers-linear_attention",
+    "bamba": "layers-linear_attention",
+    "nemotron_h": "layers-linear_attention",
+    "recurrent_gemma": "layers-linear_attention",
+    "mamba": "layers-linear_attention",
+    "falcon_h1": "layers-hybrid",
+    "lfm2": "layers-conv",
+    # attention kvserve does not model
+    "llama4_text": "layers-chunked_attention",
+    "deepseek_v32": "layers-indexed_attention",
+    "gemma4_text": "per-layer-config",  # a head size per layer (transformers' per_layer_config)
+    "doge": "attention-mask",  # its attention adds a learned dynamic mask to the scores
+    "jetmoe": "kv-width",  # mixture of attention heads: more KV heads than its config names
+    "mimo_v2_flash": "kv-width",  # its sliding layers have twice the KV heads of its full ones
+    "diffllama": "kv-layers",  # differential attention: two attention calls per layer
+    # modeling code that never calls kvserve's attention
+    "falcon": "attention-backend",
+    "bloom": "attention-backend",
+    "mpt": "attention-backend",
+    "gpt_neo": "attention-backend",
+    "gptj": "attention-backend",
+    "codegen": "attention-backend",
+    "xglm": "attention-backend",
+    "stablelm": "attention-backend",
+    "nemotron": "kv-layers",  # its decoder layer drops the keywords that carry kvserve's step
+}
+
+
+@pytest.mark.parametrize("family", list(architectures.FAMILIES))
+def test_family_is_refused_by_name_or_matches_generate(family, tokenizer):
+    result = architectures.run_family(family, tokenizer, DEVICE, DTYPE)
+    if family in REFUSED:
+        assert result.status == "refused" and result.refusal == "UnsupportedModel", (result.status, result.message)
+        assert result.feature == REFUSED[family], result.message
+        return
+    assert result.status == "served", result.message
+    assert not result.failed(), result.failed()
+    assert set(result.checks) == set(architectures.CHECKS)
+    assert result.drafted > 0, "prompt lookup drafted nothing"
+
+
+def test_every_refusal_names_a_family_of_the_matrix():
+    assert set(REFUSED) <= set(architectures.FAMILIES)
