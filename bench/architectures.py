@@ -1,12 +1,12 @@
 """The architecture matrix: every decoder-only family transformers ships that a user could serve,
-as a tiny random-weight model, either refused when its engine starts (UnsupportedModel naming a
-feature) or greedy-identical to transformers' own `generate` in every way the engine runs it.
+as a tiny random-weight model, either refused at load (UnsupportedModel naming a feature) or
+greedy-identical to transformers' own `generate` in every way the engine runs it.
 
     .venv/bin/python -m bench.architectures [--families llama,gpt_oss] [--checks alone,session]
         [--device cpu] [--dtype float32]
 
-Per family (`FAMILIES`: a tiny config, seeded weights) the first engine starts (a refusal ends
-the row there); the references are `model.generate` (greedy, the model's own attention and
+Per family (`FAMILIES`: a tiny config, seeded weights) the first engine starts, refusing the
+model as the server would (a refusal ends the row there); the references are `model.generate` (greedy, the model's own attention and
 cache) on a second copy of the model that kvserve never touches; then one engine per mode
 (`MODES`) runs the checks:
 
@@ -48,6 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from server.engine.core import Engine, EngineConfig, end_of_turn_ids
+from server.engine import families
 from server.engine.families import UnsupportedModel
 from server.engine.prompt_lookup import NgramProposer
 from server.engine.sampling import SamplingParams
@@ -360,9 +361,12 @@ def _engine_failures():
 
 
 class Served:
-    """One started engine over the family's model, with its own KV pool."""
+    """One started engine over the family's model, with its own KV pool. Refuses the model as
+    the server does (`server.api.app.build_context`): `families.check` before any cache is
+    sized for it, then the engine's own checks as it starts."""
 
     def __init__(self, model, tok, proposer=None, **engine_kw) -> None:
+        families.check(model)
         self.metrics = Metrics()
         cache = CacheManager(model.config, model.device, model.dtype, MAX_CONTEXT, CacheConfig(budget_bytes=BUDGET), self.metrics)
         config = EngineConfig(max_context=MAX_CONTEXT, max_batch_tokens=64, **engine_kw)

@@ -1,9 +1,9 @@
 """The architecture matrix (bench/architectures.py): every decoder-only family transformers ships
-that a user could serve, as a tiny random-weight model, is either refused when its engine starts,
-by `UnsupportedModel` naming the feature this file expects, or greedy-identical to transformers'
-own `generate` (identical tokens, or a near-tie where they part: tests/equivalence.py) alone,
-batched, reusing a session, on the paged path, in exact mode and with prompt lookup. No family
-may run and differ.
+that a user could serve, as a tiny random-weight model, is either refused at load (as the server
+loads it: `families.check`, then the engine as it starts) by `UnsupportedModel` naming the
+feature this file expects, or greedy-identical to transformers' own `generate` (identical
+tokens, or a near-tie where they part: tests/equivalence.py) alone, batched, reusing a session,
+on the paged path, in exact mode and with prompt lookup. No family may run and differ.
 
 A family that starts being refused, or stops being refused, fails here until `REFUSED` says so.
 """
