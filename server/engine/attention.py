@@ -156,8 +156,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
     if kvserve_step.observe is not None:
         kvserve_step.observe(layer, key, value)
-    if kwargs:
-        _refuse_unknown(kvserve_step, layer, kwargs)
+    if kwargs or (attention_mask is not None and attention_mask.numel() != 1):
+        _refuse_unknown(kvserve_step, layer, kwargs, attention_mask)
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     sinks = None if s_aux is None else s_aux.float().view(kv_heads, groups, 1)  # [Hkv, groups, 1]
@@ -179,11 +179,16 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out, None
 
 
-def _refuse_unknown(step: Step, layer: int, kwargs: dict) -> None:
-    """Raise UnsupportedModel for an attention keyword kvserve does not model: one it does not
-    know, or a sliding window other than the one the pool's layout has for this layer."""
+def _refuse_unknown(step: Step, layer: int, kwargs: dict, attention_mask=None) -> None:
+    """Raise UnsupportedModel for what the attention was handed and kvserve does not model: a
+    keyword it does not know, a sliding window other than the one the pool's layout has for
+    this layer, or a mask other than the model runner's placeholder (the step's rows carry
+    the real masks: a model that builds its own, Doge's learned one, would lose it)."""
     from server.engine.families import UnsupportedModel
 
+    if attention_mask is not None and attention_mask.numel() != 1:
+        raise UnsupportedModel("attention-mask", f"layer {layer} hands its attention a mask of its own "
+                               f"{tuple(attention_mask.shape)}, which kvserve's attention would ignore")
     for name, value in kwargs.items():
         if value is None or name in _IGNORED or name.startswith("output_"):  # what a forward returns, not how it attends
             continue

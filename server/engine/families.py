@@ -7,15 +7,18 @@ named: a model that runs and gives other tokens than transformers is the failure
 
 `check(model)` refuses, with `UnsupportedModel` naming the feature:
 
-* by what the config and modules say (`_static`): layer kinds without a KV layout (recurrent,
+* by what the config and modules say (`_static`): modeling code that does not go through
+  transformers' attention interface (`_supports_attention_backend = False`: Falcon, Bloom, MPT,
+  GPT-J...), attention shapes that differ per layer, layer kinds without a KV layout (recurrent,
   linear-attention, chunked layers: `kv.UnsupportedLayers`), recurrent modules in layers the
   config calls attention, rope whose frequencies follow the sequence length other than LongRoPE
   (dynamic NTK), Llama 4's query temperature, which reads positions from transformers' cache;
 * by running it (`_probe`): one sequence prefilled, then continued beside another sequence in
   one packed forward, through kvserve's attention, against transformers' own forward of the
   whole sequence. Every layer must attend exactly once per pass with the layout's key and value
-  widths, every keyword the attention function receives must be one kvserve models (else the
-  attention refuses it: `attention._refuse_unknown`), and the logits must agree. A feature a
+  widths, every keyword the attention function receives must be one kvserve models and its
+  mask the runner's own (else the attention refuses it: `attention._refuse_unknown`), and the
+  logits must agree. A feature a
   new transformers release adds fails here rather than producing text.
 
 Modelled, so served: sliding windows, soft-capping, attention sinks (gpt-oss), unequal key and
@@ -27,6 +30,7 @@ from __future__ import annotations
 import re
 
 import torch
+from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from cache_manager import kv
 
@@ -62,17 +66,24 @@ def check(model) -> None:
 def _static(model, config) -> kv.Layout:
     try:
         layout = kv.layout(model.config)
+    except AmbiguousGlobalPerLayerAttributeError:
+        raise UnsupportedModel("per-layer-config", "its layers differ in attention shape (head size per layer, "
+                               "transformers' per-layer config), where kvserve's pool holds one shape") from None
     except kv.UnsupportedLayers as exc:
         kinds = ", ".join(exc.kinds)
         if exc.kinds == ["dummy"]:  # transformers' type for a layer that keeps no cache of its own
             raise UnsupportedModel("layers-without-kv", "some of its layers keep no keys and values of their own "
                                    "and share none kvserve knows the source of") from None
-        raise UnsupportedModel(f"layers-{exc.kinds[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
+        named = [k for k in exc.kinds if k != "dummy"]  # "dummy": transformers' layers without attention
+        raise UnsupportedModel(f"layers-{named[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
                                "(recurrent, linear-attention or chunked layers are not served yet)") from None
     recurrent = sorted({type(m).__name__ for m in model.modules() if _RECURRENT.search(type(m).__name__) or hasattr(m, "A_log")})
     if recurrent:
         raise UnsupportedModel("recurrent-layers", f"its layers {', '.join(recurrent)} keep a recurrent state per sequence, "
                                "which kvserve does not store yet")
+    if getattr(model, "_supports_attention_backend", True) is False:
+        raise UnsupportedModel("attention-backend", f"{type(model).__name__} computes attention in its own modeling code, "
+                               "not through transformers' attention interface, where kvserve's attention and KV pool plug in")
     for module in model.modules():
         rope_type = getattr(module, "rope_type", None)
         kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
