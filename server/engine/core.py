@@ -403,6 +403,8 @@ class Engine:
         seq.n_computed = seq.cached_tokens = seq.lease.n_reused = 0
         seq.miss_reason = ROPE_SWITCH
         seq.status = Status.PREFILL
+        if self.metrics is not None:  # kvserve_prefix_cache_misses{reason="rope_switch"}: one per recompute
+            self.metrics.cache_misses.labels(ROPE_SWITCH).inc()
 
     def _postprocess(self, plan: Plan, logits: torch.Tensor) -> None:
         """Advance the rows' computed counts; sample (or verify a draft), emit and finish the

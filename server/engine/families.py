@@ -28,6 +28,7 @@ value widths (MLA: DeepSeek-V3, Kimi K2), LongRoPE per sequence (server/engine/r
 from __future__ import annotations
 
 import re
+import threading
 
 import torch
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
@@ -59,8 +60,29 @@ def check(model) -> None:
         return
     config = model.config.get_text_config(decoder=True)
     layout = _static(model, config)
-    _probe(model, layout)
+    _on_own_thread(_probe, model, layout)
     model._kvserve_checked = True
+
+
+def _on_own_thread(fn, *args) -> None:
+    """fn(*args) on a thread that ends with it; re-raises what it raised.
+
+    NOTE: the probe runs multi-threaded torch ops, and a thread that did keeps its OpenMP team
+    while it lives: run on the server's main thread, every later engine step slowed down by
+    half on 2 cores (docs/architecture.md, "One OpenMP team")."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="kvserve-probe")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 def _static(model, config) -> kv.Layout:
