@@ -3,7 +3,11 @@ as a tiny random-weight model, either refused at load (UnsupportedModel naming a
 greedy-identical to transformers' own `generate` in every way the engine runs it.
 
     .venv/bin/python -m bench.architectures [--families llama,gpt_oss] [--checks alone,session]
-        [--device cpu] [--dtype float32]
+        [--device cpu] [--dtype float32] [--readme README.md]
+
+`--readme FILE` also writes the table into FILE between README_BEGIN and README_END (the
+README's "Model families" section is generated that way; tests/server/test_architectures.py
+checks that it still names every family with the status the test expects).
 
 Per family (`FAMILIES`: a tiny config, seeded weights) the first engine starts, refusing the
 model as the server would (a refusal ends the row there); the references are `model.generate` (greedy, the model's own attention and
@@ -664,12 +668,29 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+README_BEGIN = "<!-- bench.architectures: begin (generated: python -m bench.architectures --readme README.md) -->"
+README_END = "<!-- bench.architectures: end -->"
+
+
+def write_readme(path: str, text: str) -> None:
+    """Replace what stands between README_BEGIN and README_END in `path` with `text`."""
+    with open(path, encoding="utf-8") as f:
+        readme = f.read()
+    head, begin, rest = readme.partition(README_BEGIN)
+    _, end, tail = rest.partition(README_END)
+    if not begin or not end:
+        raise SystemExit(f"{path} has no {README_BEGIN} ... {README_END} block")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{head}{README_BEGIN}\n{text}\n{README_END}{tail}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated names from FAMILIES")
     parser.add_argument("--checks", default=",".join(CHECKS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--readme", default=None, help="also write the table into this file's generated block")
     args = parser.parse_args()
     names = [n for n in args.families.split(",") if n]
     checks = tuple(c for c in args.checks.split(",") if c)
@@ -687,6 +708,8 @@ def main() -> None:
         print(f"{name}: {r.status} {r.feature or r.refusal or ''} {cells} ({r.seconds:.1f} s)", flush=True)
     print()
     print(table(results))
+    if args.readme:
+        write_readme(args.readme, table(results))
 
 
 if __name__ == "__main__":

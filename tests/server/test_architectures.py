@@ -10,6 +10,8 @@ A family that starts being refused, or stops being refused, fails here until `RE
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import architectures
@@ -67,3 +69,19 @@ def test_family_is_refused_by_name_or_matches_generate(family, tokenizer):
 
 def test_every_refusal_names_a_family_of_the_matrix():
     assert set(REFUSED) <= set(architectures.FAMILIES)
+
+
+def test_the_readme_matrix_names_every_family_as_this_test_expects():
+    """The README's generated matrix (`python -m bench.architectures --readme README.md`) lists
+    every family of the matrix, served or refused with the feature `REFUSED` names."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+    block = readme.partition(architectures.README_BEGIN)[2].partition(architectures.README_END)[0]
+    rows = {}
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) > 2 and cells[0] in architectures.FAMILIES:
+            rows[cells[0]] = cells[1]
+    assert set(rows) == set(architectures.FAMILIES), "regenerate the README's matrix"
+    for family, status in rows.items():
+        assert status == (f"refused [{REFUSED[family]}]" if family in REFUSED else "served"), (family, status)
+    assert "| error |" not in block and "DIFF" not in block
