@@ -34,6 +34,7 @@ import torch
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from cache_manager import kv
+from server.engine import rope
 
 
 class UnsupportedModel(ValueError):
@@ -114,6 +115,9 @@ def _static(model, config) -> kv.Layout:
                                    "(dynamic NTK scaling), which depends on what else runs")
         if isinstance(rope_type, dict) and "longrope" in rope_type.values():
             raise UnsupportedModel("longrope-per-layer-type", "its LongRoPE differs per layer type, which kvserve does not switch per sequence")
+    if layout.rope_switch is not None and not rope.longrope_modules(model):
+        raise UnsupportedModel("longrope-module", "its config asks for LongRoPE but no rotary module of its own applies it "
+                               "where kvserve could switch it per sequence")
     if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
         raise UnsupportedModel("attn-temperature-tuning", "its no-rope layers scale queries by a position read from "
                                "transformers' cache, which kvserve's packed steps do not have")

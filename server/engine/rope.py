@@ -53,7 +53,7 @@ def install(model, switch: int | None) -> LongRope | None:
     installed = getattr(model, "_kvserve_rope", None)
     if installed is not None and installed.switch == switch:
         return installed
-    modules = [m for m in model.modules() if _is_longrope(m)]
+    modules = longrope_modules(model)
     if not modules:
         raise ValueError(f"a rope switch at {switch} but no LongRoPE rotary module in {type(model).__name__}")
     rope = LongRope(switch, modules)
@@ -63,9 +63,9 @@ def install(model, switch: int | None) -> LongRope | None:
     return rope
 
 
-def _is_longrope(module) -> bool:
-    rope_type = getattr(module, "rope_type", None)
-    return rope_type == "longrope" and callable(getattr(module, "forward", None))
+def longrope_modules(model) -> list[torch.nn.Module]:
+    """The rotary modules of `model` whose rope type is LongRoPE."""
+    return [m for m in model.modules() if getattr(m, "rope_type", None) == "longrope"]
 
 
 def _patch(module: torch.nn.Module, rope: LongRope) -> None:
