@@ -284,3 +284,32 @@ def test_prompt_lookup_drafts_stop_short_of_the_switch(tokenizer):
     assert kv.can_crop_after(cache, 4) and not kv.can_crop_after(cache, 5)
     cache.length = SWITCH + 1  # long keys already: any draft that fits
     assert kv.can_crop_after(cache, 20)
+
+
+def test_the_server_refuses_an_unsupported_family_at_load_naming_the_feature(tokenizer):
+    """build_context checks the family before sizing any cache: the load fails with the
+    feature named (in the log and the process state; /ready says the load failed)."""
+    import httpx
+    from asgi_lifespan import LifespanManager
+
+    from server.api.app import create_app
+    from server.model_loader import LoadedModel
+    from server.settings import Settings
+    from tests.device import SETTINGS
+
+    model = tiny("qwen3_next", head_dim=16, layer_types=["linear_attention", "full_attention"])
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, model_id="tiny-qwen3-next", device=DEVICE, dtype=DTYPE, max_context=2048)
+    app = create_app(Settings(**SETTINGS), loaded=loaded)
+
+    async def ready_once_loaded():
+        async with LifespanManager(app) as manager:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url="http://kvserve") as client:
+                for _ in range(200):
+                    if app.state.kv.load_error is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                return await client.get("/ready")
+
+    ready = asyncio.run(ready_once_loaded())
+    assert "[layers-linear_attention]" in app.state.kv.load_error and "linear_attention" in app.state.kv.load_error
+    assert ready.status_code == 503 and "failed to load" in ready.json()["error"]["message"]
