@@ -141,7 +141,7 @@ class Engine:
         self.speculator = (
             NoSpeculation() if proposer is None else Speculator(proposer, self.eos_ids, config.speculative, metrics)
         )
-        families.check(model)  # refuse what the engine cannot model now, not on its thread
+        families.check_config(model)  # refuse what the config says the engine cannot model now, not on its thread
         self._rope_switch = cache_manager.pool.layout.rope_switch  # LongRoPE: `_cross_rope_switch`
         self.runner = ModelRunner(
             model,
@@ -291,6 +291,7 @@ class Engine:
         # NOTE: the models are prepared here, on the thread that runs them, so that it is the
         # only one with an OpenMP team (cpu_linear.pack_model).
         try:
+            families.check(self.model)  # the probe (once per model): the server's load has run it already
             self.runner.prepare()  # kvserve's attention, packed CPU weights, CUDA graphs
             self.speculator.prepare()
         except BaseException as exc:

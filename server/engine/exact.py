@@ -198,7 +198,7 @@ def query_rows(m: int) -> int:
 def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` ([..., in] -> [..., out]) with each row's result independent of the other
     rows: the rows are zero-padded to whole tiles (ROW_TILE; CUDA_ROW_TILE on CUDA) and
-    computed by F.linear: on CPU in one call, elsewhere one call per tile; or, for a layer
+    computed by F.linear, one call per tile; or, for a layer
     whose tiles `enable` found to round a row by its place in the tile, the device's Triton
     linear kernel (`kvserve_exact_kernel`).
 
@@ -207,13 +207,15 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     row, 2-3 rows and 4+ rows three different roundings, while any multiple of 4 from 4 to
     1024 rows gives each row the same bits, at any place in the call; oneDNN's packed matmul
     differs only between 1 row and 2+ (cpu_linear computes 1-3 rows as 4); bf16 never varied.
-    So on CPU one call over whole tiles is enough. cuBLAS chooses its kernel (and split-K) by
-    shape: there every call is exactly one tile (CUDA_ROW_TILE rows), so all run one kernel.
+    On an Intel Xeon with AVX-512 (Sapphire Rapids' flags; the CI box) MKL's sgemm rounded a
+    row among 16 rows otherwise than the same row among 8, so one call over whole tiles is not
+    enough on every CPU. MKL, like cuBLAS (kernel and split-K), picks its kernel by shape:
+    every call is exactly one tile (ROW_TILE rows, CUDA_ROW_TILE on CUDA), so all run one.
     """
     if getattr(layer, "kvserve_exact_kernel", False):
         return KERNELS[x.device.type].linear(x, layer.weight, layer.bias)
-    cpu = x.device.type == "cpu"
-    return by_tiles(lambda rows: F.linear(rows, layer.weight, layer.bias), x, ROW_TILE if cpu else CUDA_ROW_TILE, one_call=cpu)
+    tile = ROW_TILE if x.device.type == "cpu" else CUDA_ROW_TILE
+    return by_tiles(lambda rows: F.linear(rows, layer.weight, layer.bias), x, tile, one_call=False)
 
 
 def norm(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

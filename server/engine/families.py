@@ -59,10 +59,15 @@ def check(model) -> None:
     still run the model's own). Runs once per model: a passing model is marked."""
     if getattr(model, "_kvserve_checked", False):
         return
-    config = model.config.get_text_config(decoder=True)
-    layout = _static(model, config)
+    layout = check_config(model)
     _on_own_thread(_probe, model, layout)
     model._kvserve_checked = True
+
+
+def check_config(model) -> kv.Layout:
+    """The part of `check` that reads the config and the modules only (no forward pass, the
+    model left as it is); returns the KV layout."""
+    return _static(model, model.config.get_text_config(decoder=True))
 
 
 def _on_own_thread(fn, *args) -> None:
