@@ -397,9 +397,10 @@ class Pool:
         if not blocks:
             return
         slots = self.slots(blocks, 0, len(blocks) * self.block_size)
-        for t in self.keys + self.values + self.key_scales + self.value_scales:
-            if t is not None:
-                t.index_fill_(1, slots, 0)
+        for i in self.layout.owners:  # a layer sharing an owner's storage is zeroed with it
+            for t in (self.keys[i], self.values[i], self.key_scales[i], self.value_scales[i]):
+                if t is not None:
+                    t.index_fill_(1, slots, 0)
         for b in blocks:
             self._zeroed[b] = 1
 

@@ -107,7 +107,7 @@ def attention_workspace(layout: kv.Layout, heads: int, dtype: torch.dtype, kv_dt
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_position = layout.kv_heads * (layout.key_dim + layout.value_dim) * itemsize  # keys and values, dequantized
     if kv.kv_format(kv_dtype).quantized:
-        per_position += layout.bytes_per_token(dtype, kv_dtype) // len(layout.windows)
+        per_position += layout.bytes_per_token(dtype, kv_dtype) // len(layout.owners)  # one layer's stored bytes
     groups = heads // layout.kv_heads
     decode = rows * context * (per_position + itemsize)  # + the mask
     prefill = context * per_position + groups * chunk * context * itemsize

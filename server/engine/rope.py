@@ -28,9 +28,8 @@ import torch
 class LongRope:
     """The model's LongRoPE rotary modules, switched per sequence during kvserve's steps."""
 
-    def __init__(self, switch: int, modules: list[torch.nn.Module]) -> None:
+    def __init__(self, switch: int) -> None:
         self.switch = switch
-        self.modules = modules
         self.active = False
         self.rows: torch.Tensor | None = None  # [N] bool: tokens whose row is long (None: by position)
 
@@ -56,7 +55,7 @@ def install(model, switch: int | None) -> LongRope | None:
     modules = longrope_modules(model)
     if not modules:
         raise ValueError(f"a rope switch at {switch} but no LongRoPE rotary module in {type(model).__name__}")
-    rope = LongRope(switch, modules)
+    rope = LongRope(switch)
     for module in modules:
         _patch(module, rope)
     model._kvserve_rope = rope
