@@ -25,7 +25,7 @@ from cache_manager import kv
 from cache_manager.manager import CacheManager, NoRoom
 from cache_manager.prefix import ROPE_SWITCH
 from grammars.matcher import start_masks
-from server.engine import families, model_runner
+from server.engine import families, sampler
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Plan, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
@@ -241,8 +241,7 @@ class Engine:
                 self._update_gauges()
             handle.first_scheduled_at = time.monotonic()
             handle._put(seq.admitted_output())
-            if seq.matcher is not None:
-                self._fast_forward(seq, handle)  # a forced prefix rides along with the prefill
+            self._continue(seq, handle)  # a forced prefix rides along with the prefill
         self._flush()
 
     def _reserve(self, seq: Sequence) -> bool:
@@ -273,8 +272,8 @@ class Engine:
             need,
             private=not request.use_session,
         )
-        seq.lease, seq.cache = lease, lease.cache
-        seq.n_computed = seq.cached_tokens = lease.n_reused
+        seq.lease, seq.cache = lease, lease.cache  # its length: the tokens reused
+        seq.cached_tokens = lease.n_reused
         seq.rope_long = self.cache_manager.pool.layout.rope_long(lease.n_reused)
         # NOTE: a restore is reported where misses are (X-Cache-Miss-Reason: restored_disk).
         seq.miss_reason = lease.miss_reason or (f"restored_{lease.restored}" if lease.restored else None)
@@ -368,7 +367,7 @@ class Engine:
             return
         self.speculator.draft(plan, self.config.max_batch_tokens)  # decode rows may carry drafts
         prefill_tokens = sum(r.n_tokens for r in plan.rows if r.seq.status is Status.PREFILL)
-        start_masks([r.seq.matcher for r in plan.rows if r.completes and r.seq.matcher is not None])
+        start_masks([r.seq.grammar for r in plan.rows if r.completes and r.seq.grammar is not None])
         try:
             t_run = time.perf_counter()
             logits = self.runner.run(plan)
@@ -401,15 +400,15 @@ class Engine:
         if seq.n_computed == 0:
             return
         kv.crop(seq.cache, 0)
-        seq.n_computed = seq.cached_tokens = seq.lease.n_reused = 0
+        seq.cached_tokens = seq.lease.n_reused = 0
         seq.miss_reason = ROPE_SWITCH
         seq.status = Status.PREFILL
         if self.metrics is not None:  # kvserve_prefix_cache_misses{reason="rope_switch"}: one per recompute
             self.metrics.cache_misses.labels(ROPE_SWITCH).inc()
 
     def _postprocess(self, plan: Plan, logits: torch.Tensor) -> None:
-        """Advance the rows' computed counts; sample (or verify a draft), emit and finish the
-        rows that completed."""
+        """Sample (or verify a draft), emit and finish the rows that completed (the forward
+        pass moved their KV lengths)."""
         completed, plain, drafted = [], [], []
         offset = 0
         for row in plan.rows:
@@ -420,7 +419,6 @@ class Engine:
                 else:
                     drafted.append((row, logits[offset : offset + 1 + row.n_draft]))
                 offset += 1 + row.n_draft
-            row.seq.n_computed += row.n_tokens
         handles = dict(self._running)
         for row, block in drafted:
             self._verify(row.seq, handles[row.seq], row.draft, block)
@@ -429,7 +427,7 @@ class Engine:
         if drafted:
             logits = logits[plain]
         try:
-            tokens = model_runner.choose(completed, logits)
+            tokens = sampler.choose(completed, logits)
         except Exception:
             log.exception("sampling failed in a step of %d rows", len(completed))
             for seq in completed:
@@ -437,8 +435,8 @@ class Engine:
             return
         for seq, token in zip(completed, tokens):
             seq.status = Status.DECODE
-            if seq.matcher is not None and self.metrics is not None:
-                self.metrics.grammar_mask_seconds.observe(seq.matcher.last_mask_s)
+            if seq.grammar is not None and self.metrics is not None:
+                self.metrics.grammar_mask_seconds.observe(seq.grammar.last_mask_s)
             try:
                 self._take(seq, handles[seq], token)
             except Exception:
@@ -451,25 +449,23 @@ class Engine:
         then the token chosen at the first rejected position, sent as one output."""
         try:
             tokens, accepted = self.speculator.verify(seq, draft, logits)
-            seq.n_computed += accepted
-            kv.crop(seq.cache, seq.n_computed)
-            matcher = seq.matcher
-            if matcher is not None and self.metrics is not None:
-                self.metrics.grammar_mask_seconds.observe(matcher.last_mask_s)
+            kv.crop(seq.cache, kv.length(seq.cache) - (len(draft.tokens) - accepted))
+            grammar = seq.grammar  # the speculator drafts no row whose grammar waits for an answer
+            if grammar is not None and self.metrics is not None:
+                self.metrics.grammar_mask_seconds.observe(grammar.last_mask_s)
             drafted, final = tokens[:accepted], tokens[accepted:]
-            if matcher is None and final and final[0].token_id not in self.eos_ids:
-                self._emit(seq, handle, tokens)
+            if grammar is None and final and final[0].token_id not in self.eos_ids:
+                if not self._emit(seq, handle, tokens):
+                    self._continue(seq, handle)
                 return
-            if matcher is not None and not matcher.accept_tokens([t.token_id for t in drafted]):
-                raise RuntimeError(f"the grammar refused a verified draft: {matcher.error}")
+            if grammar is not None and not grammar.accept_tokens([t.token_id for t in drafted]):
+                raise RuntimeError(f"the grammar refused a verified draft: {grammar.error}")
             if drafted and self._emit(seq, handle, drafted):
                 return
             if final:
                 self._take(seq, handle, final[0])
-            elif matcher.is_terminated:  # the draft ended where the grammar completes
-                self._finish(seq, handle, "stop")
-            else:  # ... or where it forces the next tokens
-                self._fast_forward(seq, handle)
+            else:  # the draft ended where the grammar completes, or forces the next tokens
+                self._continue(seq, handle)
         except Exception:
             log.exception("request %s failed", seq.request_id)
             self._finish(seq, handle, "error", error="internal")
@@ -480,57 +476,67 @@ class Engine:
             self._finish(row.seq, handles[row.seq], "error", error=error)
 
     def _take(self, seq: Sequence, handle: RequestHandle, token: TokenInfo) -> None:
-        """Append the sampled token (and what the grammar forces after it), or finish."""
-        matcher = seq.matcher
+        """Append the sampled token (and what is forced after it), or finish."""
+        grammar = seq.grammar
         if token.token_id in self.eos_ids:
-            if matcher is not None and not matcher.is_accepting:
+            if grammar is not None and not grammar.is_accepting:
                 # a matcher in error allows only end-of-turn: never report that as a valid "stop"
-                log.warning("grammar dead end in %s: %s", seq.request_id, matcher.error)
+                log.warning("grammar dead end in %s: %s", seq.request_id, grammar.error)
                 self._finish(seq, handle, "error", error="grammar")
                 return
             self._finish(seq, handle, "stop")  # the mask allows end-of-turn only where it accepts
             return
-        if matcher is not None and not matcher.accept(token.token_id):
+        if grammar is not None and not grammar.accept(token.token_id):
             # NOTE: llguidance's mask can allow a token its parser then refuses, past a byte no
             # token holds (a Lark or regex literal with such a byte): a dead end of the grammar.
-            log.warning("grammar refused a masked token in %s: %s", seq.request_id, matcher.error)
+            log.warning("grammar refused a masked token in %s: %s", seq.request_id, grammar.error)
             self._finish(seq, handle, "error", error="grammar")
             return
-        if self._emit(seq, handle, [token]):
-            return
-        if matcher is not None:
-            if matcher.is_terminated:
-                self._finish(seq, handle, "stop")  # complete: no further forward pass
-            else:
-                self._fast_forward(seq, handle)
+        if not self._emit(seq, handle, [token]):
+            self._continue(seq, handle)
 
-    def _fast_forward(self, seq: Sequence, handle: RequestHandle) -> None:
-        """Append the tokens the grammar forces; the next forward pass computes them all.
+    def _continue(self, seq: Sequence, handle: RequestHandle) -> None:
+        """Append what is forced before the next sampled token, computed by the next forward
+        pass: a thinking model's start marker (a grammar request whose prompt left the
+        reasoning to the model) or end marker (its thinking budget spent), then the tokens its
+        grammar forces; or finish a complete grammar.
 
-        NOTE: not when logprobs are asked for: a forced token has no logits of its own, so it
-        is sampled (under a one-token mask) like any other to report the model's logprob.
+        NOTE: a grammar's forced tokens are sampled (under a one-token mask) when logprobs are
+        asked for: a forced token has no logits of its own, and the model's logprob is reported.
         """
+        reasoning = seq.reasoning
+        if reasoning is not None:
+            forced = reasoning.opening() or reasoning.forced()
+            if forced:
+                room = seq.params.max_tokens - len(seq.generated)
+                if self._emit(seq, handle, [TokenInfo(t) for t in forced[:room]]):
+                    return
+        grammar = seq.grammar
+        if grammar is None:
+            return
+        if grammar.is_terminated:
+            self._finish(seq, handle, "stop")  # complete: no further forward pass
+            return
         if seq.params.logprobs:
             return
         room = seq.params.max_tokens - len(seq.generated)
-        forced = seq.matcher.fast_forward_tokens()[:room]
-        if forced and seq.matcher.accept_tokens(forced):
-            if not self._emit(seq, handle, [TokenInfo(t) for t in forced]) and seq.matcher.is_terminated:
+        forced = grammar.fast_forward_tokens()[:room]
+        if forced and grammar.accept_tokens(forced):
+            if not self._emit(seq, handle, [TokenInfo(t) for t in forced]) and grammar.is_terminated:
                 self._finish(seq, handle, "stop")
 
     def _emit(self, seq: Sequence, handle: RequestHandle, tokens: list[TokenInfo]) -> bool:
-        """Append sampled or forced tokens, send their text; True when that finished the request
-        (a stop string, max_tokens, or a full cache)."""
-        text = ""
-        for i, token in enumerate(tokens):
-            seq.append(token.token_id)
-            delta = seq.text.push(token.token_id)
-            text += delta.text
-            if delta.stopped:
-                handle._put(RequestOutput(text=text, tokens=tokens[: i + 1]))
+        """Append sampled or forced tokens, send what they add to the output; True when that
+        finished the request (a stop string, max_tokens, or a full cache)."""
+        output = RequestOutput()
+        for token in tokens:
+            added = seq.append(token)
+            _extend(output, added.output)
+            if added.stopped:
+                handle._put(output)
                 self._finish(seq, handle, "stop")
                 return True
-        handle._put(RequestOutput(text=text, tokens=tokens))
+        handle._put(output)
         if len(seq.generated) >= seq.params.max_tokens or seq.n_computed >= kv.capacity(seq.cache):
             self._finish(seq, handle, "length")
             return True
@@ -556,14 +562,23 @@ class Engine:
                 log.exception("cache bookkeeping failed for %s", seq.request_id)
             seq.lease = None
         seq.cache = None
-        text = seq.text.flush() if reason in ("stop", "length") else ""
+        rest = seq.flush() if reason in ("stop", "length") else None
         with self._cond:
             if (seq, handle) in self._running:
                 self._running.remove((seq, handle))
             self._update_gauges()
         # NOTE: the gauges are updated before the client hears the end, so a client that reads
         # /metrics right after its response sees its request gone.
-        handle._put(seq.final_output(reason, error=error, text=text))
+        handle._put(seq.final_output(reason, error=error, rest=rest))
+
+
+def _extend(output: RequestOutput, more: RequestOutput) -> None:
+    """Append `more` (text, tokens, reasoning) to `output`, in generation order: reasoning
+    comes before the answer, so `more`'s reasoning tokens follow `output`'s."""
+    output.text += more.text
+    output.reasoning += more.reasoning
+    output.n_reasoning += more.n_reasoning
+    output.tokens += more.tokens
 
 
 def end_of_turn_ids(model, tokenizer) -> frozenset[int]:

@@ -29,9 +29,7 @@ from cache_manager import kv
 from server.engine import attention, cpu_linear, rope
 from server.engine import exact as exact_mode
 from server.engine.attention import Batch, Row, Step
-from server.engine.sampling import apply_logit_bias, apply_penalties, logprob_infos, sample_rows, softmax_rows
 from server.engine.scheduler import Plan
-from server.engine.sequence import Sequence, TokenInfo
 
 log = logging.getLogger(__name__)
 
@@ -361,71 +359,3 @@ def forward(model, cache: kv.SequenceKV, token_ids: list[int], start: int) -> to
 def model_context(model) -> int:
     config = model.config.get_text_config(decoder=True)
     return int(getattr(config, "max_position_embeddings", 0) or 8192)
-
-
-def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
-    """The next token of each sequence from its row of raw logits [R, vocab].
-
-    Logprobs are the model's own distribution (before grammar masks, bias and penalties).
-    Side effects: grammar masks are added to `logits` in place; penalty counts move forward.
-    """
-    asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
-    logprobs = softmax_rows(logits[asked], log=True) if asked else None
-    apply_masks([s.matcher for s in seqs], logits)
-    logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
-    for i, seq in enumerate(seqs):
-        row = logits[i]
-        if (done := penalized(seq, row)) is not row:
-            logits[i] = done
-    # a seeded request draws from its own generator; the others draw together, in one call
-    generators = [s.generator if s.params.seed is not None else None for s in seqs]
-    token_ids = sample_rows(logits, [s.params for s in seqs], generators)
-    infos = {}
-    if asked:
-        infos = dict(zip(asked, logprob_infos(logprobs, [token_ids[i] for i in asked], [seqs[i].params.top_logprobs for i in asked])))
-    return [taken(seq, token_id, infos.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
-
-
-def apply_masks(matchers: list, logits: torch.Tensor) -> None:
-    """Add each row's grammar mask to its logits [R, vocab] in place (rows without a matcher
-    are left alone): the masks stacked on the host, one copy to the device, one add."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return
-    if logits.shape[-1] != matchers[rows[0]].vocab_size:
-        raise ValueError(f"logits width {logits.shape[-1]} != vocab_size {matchers[rows[0]].vocab_size}")
-    masks = torch.stack([matchers[i].next_mask() for i in rows])
-    if logits.device.type == "cuda":
-        masks = masks.pin_memory()
-    masks = masks.to(logits.device, logits.dtype, non_blocking=True)
-    if len(rows) == len(matchers):
-        logits.add_(masks)
-    else:
-        logits[rows] += masks
-
-
-def processed(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-    """One position's logits [vocab] after the request's logit bias and penalties (`logits`
-    itself when it has neither)."""
-    return penalized(seq, apply_logit_bias(logits[None], [seq.params.logit_bias])[0])
-
-
-def penalized(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
-    """One position's logits [vocab] after the request's penalties (`logits` itself without);
-    a request with penalties starts counting its tokens here."""
-    params = seq.params
-    if params.uses_penalties and seq.counts is None:
-        seq.counts = torch.zeros(logits.shape[-1], dtype=torch.int32, device=logits.device)
-    if seq.counts is None:
-        return logits
-    return apply_penalties(logits, seq.counts, params.presence_penalty, params.frequency_penalty)
-
-
-def taken(seq: Sequence, token_id: int, info: tuple[float, list[tuple[int, float]]] | None) -> TokenInfo:
-    """The token chosen at one position, counted for penalties; with its logprob and the top
-    ones (`logprob_infos`), when the request asks for logprobs."""
-    if seq.counts is not None:
-        seq.counts[token_id] += 1
-    if info is None:
-        return TokenInfo(token_id)
-    return TokenInfo(token_id, logprob=info[0], top=info[1])

@@ -50,11 +50,12 @@ class ScheduledRow:
     # Drafted tokens computed after the pending one and verified from their logits
     # (a server/engine/speculative.py `Draft`, filled in after scheduling); None: no speculation.
     draft: object | None = None
+    # After this step nothing of the sequence is pending: its logits pick the next token (decided
+    # when scheduled: the forward pass moves the sequence's KV length, and with it what is pending).
+    completes: bool = field(init=False)
 
-    @property
-    def completes(self) -> bool:
-        """After this step nothing of the sequence is pending: its logits pick the next token."""
-        return self.n_tokens == self.seq.num_pending
+    def __post_init__(self) -> None:
+        self.completes = self.n_tokens == self.seq.num_pending
 
     @property
     def n_draft(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server.engine.detokenizer import TextStream
+from server.engine.reasoning import Reasoning, ReasoningSpec
 from server.engine.sampling import SamplingParams, make_generator
 
 
@@ -29,6 +30,7 @@ class GenerationRequest:
     use_session: bool = True  # False: a private cache (the extra choices of n > 1)
     grammar: object | None = None  # a grammars.CompiledGrammar; each sequence gets a matcher
     speculative: bool = True  # False: never draft for this request (when the server speculates)
+    reasoning: ReasoningSpec | None = None  # a thinking model's markers and budget (server/engine/reasoning.py)
 
     @property
     def session_key(self) -> tuple[str, str] | None:
@@ -50,16 +52,27 @@ class TokenInfo:
 
 
 @dataclass(slots=True)
+class Appended:
+    """What appending generated tokens added to the output; `stopped`: a stop string ended it."""
+
+    output: "RequestOutput"
+    stopped: bool = False
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """A chunk of one request's result; the last one has `finish_reason` (or `error`) set."""
 
-    text: str = ""
+    text: str = ""  # the answer's text (a thinking model's reasoning is `reasoning`)
     tokens: list[TokenInfo] = field(default_factory=list)
+    reasoning: str = ""  # reasoning text (without its markers)
+    n_reasoning: int = 0  # how many of `tokens`, from the first, belong to the reasoning (markers included)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # "timeout" | "internal" | "out_of_memory" | "kv_budget" | "grammar"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # completion tokens before the answer (usage's reasoning_tokens)
     miss_reason: str | None = None  # why nothing was reused (None on a hit)
     admitted: bool = False  # the first output: the engine took the request, cache decided
 
@@ -87,7 +100,6 @@ class Sequence:
         self.status = Status.WAITING
         self.lease = None  # the cache manager's Lease once admitted
         self.cache = None  # lease.cache, the kv.SequenceKV this sequence writes
-        self.n_computed = 0  # prompt+generated tokens whose KV is in the cache
         self.rope_long = False  # LongRoPE: its keys take the long factors (Engine._cross_rope_switch)
         self.cached_tokens = 0  # tokens reused from an earlier request
         self.miss_reason: str | None = None
@@ -95,6 +107,11 @@ class Sequence:
         # NOTE: stop strings would cut a structured output short of validity: a grammar
         # request ends when its grammar is complete (or at max_tokens) instead.
         self.text = TextStream(tokenizer, () if self.matcher is not None else request.params.stop)
+        # a thinking model: its reasoning phase, and the reasoning's own text (no stop strings)
+        self.reasoning = Reasoning(request.reasoning, open=self.matcher is not None) if request.reasoning else None
+        self.reasoning_text = TextStream(tokenizer) if request.reasoning else None
+        self.banned_mask: torch.Tensor | None = None  # sampler.constraint's, made once
+        self._held: list[TokenInfo] = []  # generated tokens whose side (reasoning or answer) is not known yet
         self.generator = make_generator(request.params.seed, device)  # where the logits are
         self.counts: torch.Tensor | None = None  # token counts, only when penalties are on
         self.spec = None  # a speculative.SpecState once the sequence drafts
@@ -112,10 +129,59 @@ class Sequence:
     def session_key(self) -> tuple[str, str] | None:
         return self.request.session_key
 
-    def append(self, token_id: int) -> None:
-        """A generated (sampled or forced) token: part of the output, pending until computed."""
-        self.generated.append(token_id)
-        self.all_ids.append(token_id)
+    @property
+    def n_computed(self) -> int:
+        """Prompt and generated tokens whose KV is in the cache: the cache's own length (the
+        one counter: the model runner moves it forward, crops set it)."""
+        return 0 if self.cache is None else self.cache.length
+
+    @property
+    def grammar(self):
+        """The matcher that constrains the next token: None without one, and while a thinking
+        model has not reached its answer (the grammar starts after the reasoning)."""
+        if self.reasoning is not None and not self.reasoning.answering:
+            return None
+        return self.matcher
+
+    def append(self, token: TokenInfo) -> RequestOutput:
+        """A generated (sampled or forced) token: part of the output, pending until computed.
+        Returns what it adds to the output, and whether a stop string ended the answer there;
+        a thinking model's tokens whose side is not known yet (a marker's first tokens) come
+        with a later one."""
+        self.generated.append(token.token_id)
+        self.all_ids.append(token.token_id)
+        if self.reasoning is None:
+            delta = self.text.push(token.token_id)
+            return Appended(RequestOutput(text=delta.text, tokens=[token]), delta.stopped)
+        self._held.append(token)
+        return self._route(self.reasoning.push(token.token_id))
+
+    def flush(self) -> RequestOutput:
+        """At the end of generation: held-back text and tokens."""
+        if self.reasoning is None:
+            return RequestOutput(text=self.text.flush())
+        out = self._route(self.reasoning.flush()).output
+        out.text += self.text.flush()
+        out.reasoning += self.reasoning_text.flush()
+        return out
+
+    def _route(self, routed: list[tuple[int, str]]) -> "Appended":
+        out = RequestOutput()
+        stopped = False
+        for (token_id, kind), info in zip(routed, self._held):
+            if stopped:
+                break
+            out.tokens.append(info)
+            if kind == "content":
+                delta = self.text.push(token_id)
+                out.text += delta.text
+                stopped = delta.stopped
+            else:
+                out.n_reasoning += 1
+                if kind == "reasoning":
+                    out.reasoning += self.reasoning_text.push(token_id).text
+        del self._held[: len(routed)]
+        return Appended(out, stopped)
 
     @property
     def num_pending(self) -> int:
@@ -129,9 +195,14 @@ class Sequence:
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
 
-    def final_output(self, finish_reason: str, error: str | None = None, text: str = "") -> RequestOutput:
+    def final_output(self, finish_reason: str, error: str | None = None, rest: RequestOutput | None = None) -> RequestOutput:
+        rest = rest or RequestOutput()
         return RequestOutput(
-            text=text,
+            text=rest.text,
+            tokens=rest.tokens,
+            reasoning=rest.reasoning,
+            n_reasoning=rest.n_reasoning,
+            reasoning_tokens=self.reasoning.tokens if self.reasoning is not None else 0,
             finish_reason=finish_reason,
             error=error,
             prompt_tokens=len(self.prompt_ids),

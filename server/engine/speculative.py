@@ -9,8 +9,9 @@ One engine step with speculation (still schedule -> run -> postprocess):
    the step's token budget leaves; a grammar row's draft is cut to what its grammar accepts;
 2. `model_runner.run` computes each such row's pending token and its draft in the same forward
    pass (KV written for all of them) and returns logits at every one of those positions;
-3. the engine's postprocess calls `Speculator.verify`, which picks the tokens exactly as decoding
-   without a draft would, position by position, and stops at the first rejected draft token;
+3. the engine's postprocess calls `Speculator.verify`, which has the sampler pick the tokens
+   exactly as decoding without a draft would, position by position (`sampler.verify`), and
+   stops at the first rejected draft token;
    the engine crops the rejected ones from the cache (`kv.crop`) and emits the accepted ones
    and the token chosen after them as one output, as decoding would have in as many steps.
 
@@ -18,10 +19,10 @@ Exactness. Greedy: a drafted token is accepted iff it is the argmax of its posit
 (after grammar mask, bias and penalties), so the output is the one without speculation (up to
 the near-ties of docs/architecture.md: the logits of a multi-token forward pass round
 differently from a one-token pass). Sampling: the standard rule (Leviathan et al. 2023, Chen
-et al. 2023), `accept_or_resample`: accept x ~ q with probability min(1, p(x) / q(x)), else
+et al. 2023), `sampler.accept_or_resample`: accept x ~ q with probability min(1, p(x) / q(x)), else
 draw from norm(max(0, p - q)); every emitted token is distributed as p. A prompt-lookup draft
 is deterministic (q is a point mass on x): the rule then accepts with probability p(x), which
-`accept_point_mass` implements as one draw y ~ p, accepted iff y == x (else y is the residual
+`sampler.accept_point_mass` implements as one draw y ~ p, accepted iff y == x (else y is the residual
 draw): one draw per emitted token from the request's generator, as without speculation, so a
 seeded request draws the same tokens with or without prompt lookup.
 
@@ -52,43 +53,10 @@ import torch
 
 from cache_manager import kv
 from grammars.matcher import start_draft_masks
-from server.engine.model_runner import processed, taken
-from server.engine.sampling import draw_rows, filtered_probs, logprob_infos, sample_rows, softmax_rows
+from server.engine import sampler
 from server.engine.sequence import Status, TokenInfo
 
 log = logging.getLogger(__name__)
-
-
-# -- the accept/reject rules (pure functions) --------------------------------------------------
-
-
-def accept_greedy(logits: torch.Tensor, token: int) -> tuple[bool, int]:
-    """Greedy verification at one position of processed logits [vocab]: (accepted, the token
-    decoding emits here: the draft's when accepted, else the argmax)."""
-    best = int(torch.argmax(logits))
-    return best == token, best
-
-
-def accept_point_mass(probs: torch.Tensor, token: int, generator: torch.Generator) -> tuple[bool, int]:
-    """The standard rule for a deterministic draft token (q = a point mass): draw y ~ p with
-    the request's generator; accept iff y == token, else y is the emitted (residual) token.
-    P(accept) = p(token) and a rejected draw is distributed as norm(p without token)."""
-    drawn = draw_rows(probs[None], [generator])[0]
-    return drawn == token, drawn
-
-
-def accept_or_resample(p: torch.Tensor, q: torch.Tensor, token: int, generator: torch.Generator) -> tuple[bool, int]:
-    """The standard rule for a token drawn from a draft distribution q [vocab] against the
-    target distribution p [vocab]: accept with probability min(1, p(token) / q(token)), else
-    emit a draw from norm(max(0, p - q)). The emitted token is distributed as p."""
-    p, q = p.to(generator.device), q.to(generator.device)
-    u = float(torch.rand((), generator=generator, device=generator.device))
-    if q[token] > 0 and u * float(q[token]) < float(p[token]):
-        return True, token
-    residual = torch.clamp(p - q, min=0)
-    if float(residual.sum()) <= 0:  # p == q: nothing to correct (never rejected, in theory)
-        residual = p
-    return False, draw_rows(residual[None], [generator])[0]
 
 
 # -- draft lengths ---------------------------------------------------------------------------
@@ -406,13 +374,21 @@ class Speculator:
         token, and the run a grammar forced after it: those need no draft, the draft follows
         them), has room for another token after the draft, and its cache can take the draft and
         crop it again (a sliding window about to wrap cannot: no speculation for that
-        sequence). Drafting never fails a request: on an error nobody drafts."""
+        sequence). A thinking model's row drafts no further than its thinking budget, and not
+        at all while its constraint changes at the answer (a grammar, or banned call markers). Drafting never fails a request: on an
+        error nobody drafts."""
         rows, limits = [], []
         for row in plan.rows:
             seq = row.seq
             if not (row.completes and seq.status is Status.DECODE and seq.request.speculative):
                 continue
             k = min(self.config.max_draft, seq.params.max_tokens - len(seq.generated) - 1)
+            reasoning = seq.reasoning
+            if reasoning is not None and not reasoning.answering:
+                if seq.matcher is not None or reasoning.spec.banned_ids:  # its constraint changes at the answer
+                    continue
+                if (left := reasoning.budget_left()) is not None:  # the thinking budget's end is forced
+                    k = min(k, left)
             while k > 0 and not kv.can_crop_after(seq.cache, row.n_tokens + k):
                 k -= 1
             if k <= 0:
@@ -486,31 +462,8 @@ class Speculator:
         are added to `logits` in place, penalty counts move forward, the request's generator
         draws; plus the sequence's acceptance statistics and the proposer's rewind.
         """
-        params, k = seq.params, len(draft.tokens)
-        logprobs = softmax_rows(logits, log=True) if params.logprobs else None
-        if seq.matcher is not None:
-            logits.add_(seq.matcher.draft_masks().to(logits.device))
-        tokens: list[TokenInfo] = []
-        accepted = 0
-        for j in range(k + 1):
-            if j == k and draft.ends_forced:
-                break
-            x = processed(seq, logits[j])
-            if j == k:
-                ok, token = False, sample_rows(x[None], [params], [seq.generator])[0]
-            elif params.greedy:
-                ok, token = accept_greedy(x, draft.tokens[j])
-            else:
-                p = filtered_probs(x[None], [params])[0]
-                if draft.probs is None:
-                    ok, token = accept_point_mass(p, draft.tokens[j], seq.generator)
-                else:
-                    ok, token = accept_or_resample(p, draft.probs[j], draft.tokens[j], seq.generator)
-            info = None if logprobs is None else logprob_infos(logprobs[j : j + 1], [token], [params.top_logprobs])[0]
-            tokens.append(taken(seq, token, info))
-            if not ok:
-                break
-            accepted += 1
+        k = len(draft.tokens)
+        tokens, accepted = sampler.verify(seq, draft.tokens, draft.probs, logits, draft.ends_forced)
         seq.spec.record(k, accepted)
         self.proposer.rewind(seq, len(seq.all_ids) + accepted)
         if self.metrics is not None:

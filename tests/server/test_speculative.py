@@ -27,6 +27,7 @@ from server.api.app import build_context
 from server.engine.draft_model import DraftModelProposer
 from server.engine.core import Engine, EngineConfig
 from server.metrics import Metrics
+from server.engine.sampler import accept_greedy, accept_or_resample, accept_point_mass
 from server.engine.sampling import SamplingParams, make_generator, sample_rows
 from server.engine.scheduler import Plan, ScheduledRow
 from server.engine.sequence import GenerationRequest, Status
@@ -39,9 +40,6 @@ from server.engine.speculative import (
     Speculator,
     SpecState,
     StepCost,
-    accept_greedy,
-    accept_or_resample,
-    accept_point_mass,
     allocate,
     expected_tokens,
 )
@@ -113,8 +111,8 @@ def verifier():
 
 
 def fake_seq(params, seed):
-    return SimpleNamespace(params=params, generator=make_generator(seed), counts=None, matcher=None,
-                           spec=SpecState(), all_ids=[0], request_id="fake")
+    return SimpleNamespace(params=params, generator=make_generator(seed), counts=None, matcher=None, grammar=None,
+                           reasoning=None, spec=SpecState(), all_ids=[0], request_id="fake")
 
 
 def test_verify_keeps_the_joint_distribution_of_consecutive_tokens():
@@ -282,7 +280,7 @@ def test_the_engine_starts_each_sequence_from_what_the_others_learned():
                                         vocab_size=8, max_position_embeddings=2048), 1024, DEVICE, torch.float32)
         cache.length = len(prompt) + 1
         seq = SimpleNamespace(status=Status.DECODE, num_pending=1, request=SimpleNamespace(speculative=True),
-                              params=SamplingParams(max_tokens=64), generated=[], spec=None, matcher=None,
+                              params=SamplingParams(max_tokens=64), generated=[], spec=None, matcher=None, reasoning=None,
                               cache=cache, prompt_ids=prompt, all_ids=prompt + prompt[:1])
         return ScheduledRow(seq, 1)
 

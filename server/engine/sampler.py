@@ -1,0 +1,195 @@
+"""The sampler: the one owner of how a sequence's next token is chosen from its logits.
+
+Every token the engine samples goes through here, one position of one sequence at a time in
+the same order: the model's logprobs (before anything below) when asked; the position's
+constraint (`constraint`: the grammar's mask once the sequence answers, or the tokens a
+thinking model may not write while it thinks); the request's logit bias; its penalties; then
+greedy argmax or a seeded draw (server/engine/sampling.py holds those pure functions); then
+`taken` counts the token for the penalties. `choose` does that for a step's rows at once;
+`verify` does it position by position along a speculative draft (server/engine/speculative.py),
+accepting drafted tokens by the rules below, so a draft never changes which token a position
+gets (greedy) or its distribution (sampling).
+
+Shapes: `logits` is float32 [rows, vocab] (one row per sequence) for `choose`, [k + 1, vocab]
+(the pending token's position and each of k drafted ones) for `verify`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from server.engine.sampling import (
+    apply_logit_bias,
+    apply_penalties,
+    draw_rows,
+    filtered_probs,
+    logprob_infos,
+    sample_rows,
+    softmax_rows,
+)
+from server.engine.sequence import Sequence, TokenInfo
+
+# -- one step's rows ---------------------------------------------------------------------------
+
+
+def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
+    """The next token of each sequence from its row of raw logits [R, vocab].
+
+    Logprobs are the model's own distribution (before constraints, bias and penalties).
+    Side effects: constraint masks are added to `logits` in place; penalty counts move forward.
+    """
+    asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
+    logprobs = softmax_rows(logits[asked], log=True) if asked else None
+    apply_constraints(seqs, logits)
+    logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
+    for i, seq in enumerate(seqs):
+        row = logits[i]
+        if (done := penalized(seq, row)) is not row:
+            logits[i] = done
+    # a seeded request draws from its own generator; the others draw together, in one call
+    generators = [s.generator if s.params.seed is not None else None for s in seqs]
+    token_ids = sample_rows(logits, [s.params for s in seqs], generators)
+    infos = {}
+    if asked:
+        infos = dict(zip(asked, logprob_infos(logprobs, [token_ids[i] for i in asked], [seqs[i].params.top_logprobs for i in asked])))
+    return [taken(seq, token_id, infos.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
+
+
+def constraint(seq: Sequence, vocab: int) -> torch.Tensor | None:
+    """The additive mask [vocab] float32 on the CPU of what the sequence may write next (0
+    allowed, -inf not), None when anything goes: its grammar's once it answers; while a
+    thinking model thinks, the tokens its spec bans (a tool format's call markers)."""
+    grammar = seq.grammar
+    if grammar is not None:
+        return grammar.next_mask()
+    reasoning = seq.reasoning
+    if reasoning is not None and reasoning.thinking and reasoning.spec.banned_ids:
+        if seq.banned_mask is None:
+            seq.banned_mask = torch.zeros(vocab, dtype=torch.float32)
+            seq.banned_mask[[t for t in reasoning.spec.banned_ids if t < vocab]] = -math.inf
+        return seq.banned_mask
+    return None
+
+
+def apply_constraints(seqs: list[Sequence], logits: torch.Tensor) -> None:
+    """Add each row's constraint mask to its logits [R, vocab] in place (rows without one are
+    left alone): the masks stacked on the host, one copy to the device, one add."""
+    masks = [constraint(s, logits.shape[-1]) for s in seqs]
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    if not rows:
+        return
+    width = masks[rows[0]].shape[-1]
+    if logits.shape[-1] != width:
+        raise ValueError(f"logits width {logits.shape[-1]} != vocab_size {width}")
+    stacked = torch.stack([masks[i] for i in rows])
+    if logits.device.type == "cuda":
+        stacked = stacked.pin_memory()
+    stacked = stacked.to(logits.device, logits.dtype, non_blocking=True)
+    if len(rows) == len(seqs):
+        logits.add_(stacked)
+    else:
+        logits[rows] += stacked
+
+
+def processed(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    """One position's logits [vocab] after the request's logit bias and penalties (`logits`
+    itself when it has neither)."""
+    return penalized(seq, apply_logit_bias(logits[None], [seq.params.logit_bias])[0])
+
+
+def penalized(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
+    """One position's logits [vocab] after the request's penalties (`logits` itself without);
+    a request with penalties starts counting its tokens here."""
+    params = seq.params
+    if params.uses_penalties and seq.counts is None:
+        seq.counts = torch.zeros(logits.shape[-1], dtype=torch.int32, device=logits.device)
+    if seq.counts is None:
+        return logits
+    return apply_penalties(logits, seq.counts, params.presence_penalty, params.frequency_penalty)
+
+
+def taken(seq: Sequence, token_id: int, info: tuple[float, list[tuple[int, float]]] | None) -> TokenInfo:
+    """The token chosen at one position, counted for penalties; with its logprob and the top
+    ones (`logprob_infos`), when the request asks for logprobs."""
+    if seq.counts is not None:
+        seq.counts[token_id] += 1
+    if info is None:
+        return TokenInfo(token_id)
+    return TokenInfo(token_id, logprob=info[0], top=info[1])
+
+
+# -- a drafted row, position by position -------------------------------------------------------
+
+
+def verify(seq: Sequence, tokens: list[int], probs: torch.Tensor | None, logits: torch.Tensor, ends_forced: bool) -> tuple[list[TokenInfo], int]:
+    """The tokens decoding emits for a row that carried the draft `tokens` (with the draft's
+    distributions `probs` [k, vocab], or None for a deterministic draft), from its raw logits
+    [k + 1, vocab]: the accepted drafted tokens, then the token chosen at the first rejected
+    position (or after the whole draft, unless `ends_forced`: what follows it is forced).
+    Returns them and how many drafted tokens were accepted.
+
+    Side effects, as `choose` one position at a time would have: constraint masks are added to
+    `logits` in place, penalty counts move forward, the request's generator draws. The
+    speculator drafts no row whose constraint could change inside the draft (a grammar waiting
+    for a thinking model's answer), so one constraint per position holds for the whole draft.
+    """
+    params, k = seq.params, len(tokens)
+    logprobs = softmax_rows(logits, log=True) if params.logprobs else None
+    grammar = seq.grammar
+    if grammar is not None:
+        logits.add_(grammar.draft_masks().to(logits.device))
+    elif (mask := constraint(seq, logits.shape[-1])) is not None:
+        logits.add_(mask.to(logits.device, logits.dtype))
+    out: list[TokenInfo] = []
+    accepted = 0
+    for j in range(k + 1):
+        if j == k and ends_forced:
+            break
+        x = processed(seq, logits[j])
+        if j == k:
+            ok, token = False, sample_rows(x[None], [params], [seq.generator])[0]
+        elif params.greedy:
+            ok, token = accept_greedy(x, tokens[j])
+        else:
+            p = filtered_probs(x[None], [params])[0]
+            if probs is None:
+                ok, token = accept_point_mass(p, tokens[j], seq.generator)
+            else:
+                ok, token = accept_or_resample(p, probs[j], tokens[j], seq.generator)
+        info = None if logprobs is None else logprob_infos(logprobs[j : j + 1], [token], [params.top_logprobs])[0]
+        out.append(taken(seq, token, info))
+        if not ok:
+            break
+        accepted += 1
+    return out, accepted
+
+
+def accept_greedy(logits: torch.Tensor, token: int) -> tuple[bool, int]:
+    """Greedy verification at one position of processed logits [vocab]: (accepted, the token
+    decoding emits here: the draft's when accepted, else the argmax)."""
+    best = int(torch.argmax(logits))
+    return best == token, best
+
+
+def accept_point_mass(probs: torch.Tensor, token: int, generator: torch.Generator) -> tuple[bool, int]:
+    """The standard rule for a deterministic draft token (q = a point mass): draw y ~ p with
+    the request's generator; accept iff y == token, else y is the emitted (residual) token.
+    P(accept) = p(token) and a rejected draw is distributed as norm(p without token)."""
+    drawn = draw_rows(probs[None], [generator])[0]
+    return drawn == token, drawn
+
+
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor, token: int, generator: torch.Generator) -> tuple[bool, int]:
+    """The standard rule for a token drawn from a draft distribution q [vocab] against the
+    target distribution p [vocab]: accept with probability min(1, p(token) / q(token)), else
+    emit a draw from norm(max(0, p - q)). The emitted token is distributed as p."""
+    p, q = p.to(generator.device), q.to(generator.device)
+    u = float(torch.rand((), generator=generator, device=generator.device))
+    if q[token] > 0 and u * float(q[token]) < float(p[token]):
+        return True, token
+    residual = torch.clamp(p - q, min=0)
+    if float(residual.sum()) <= 0:  # p == q: nothing to correct (never rejected, in theory)
+        residual = p
+    return False, draw_rows(residual[None], [generator])[0]
