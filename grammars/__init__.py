@@ -2,8 +2,9 @@
 
 Engine level (`compile.py`): `spec_from_request` turns request fields into a `GrammarSpec`
 (`tools.py`: `tool_call_spec` / `auto_tool_spec` for tool calls, written in the model's
-`tool_format`); one `GrammarCompiler` per loaded model compiles specs into shared
-`CompiledGrammar`s (LRU, time limit, `GrammarError` for anything a client got wrong).
+`tool_format`, one per model family: `tool_formats.py`); one `GrammarCompiler` per loaded
+model compiles specs into shared `CompiledGrammar`s (LRU, time limit, `GrammarError` for
+anything a client got wrong).
 
 Per request (`matcher.py`): `compiled.new_matcher()` gives each sequence its own `Matcher`.
 One decode step, as the engine drives it::
@@ -24,16 +25,18 @@ One decode step, as the engine drives it::
 
 from grammars.compile import CompiledGrammar, GrammarCompiler, GrammarError, GrammarSpec, spec_from_request
 from grammars.matcher import Matcher
-from grammars.tools import (
+from grammars.tool_formats import (
     KVSERVE_FORMAT,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     ToolFormat,
-    auto_tool_spec,
+    XmlParams,
+    is_raw_string,
     output_format,
-    tool_call_spec,
     tool_format,
+    value_end,
 )
+from grammars.tools import answer_spec, auto_tool_spec, tool_call_spec
 
 __all__ = [
     "KVSERVE_FORMAT",
@@ -47,7 +50,11 @@ __all__ = [
     "Matcher",
     "spec_from_request",
     "ToolFormat",
+    "XmlParams",
+    "is_raw_string",
     "output_format",
     "tool_call_spec",
+    "answer_spec",
     "tool_format",
+    "value_end",
 ]

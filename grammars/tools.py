@@ -1,114 +1,52 @@
-"""Tool calls: how a model writes them (`ToolFormat`) and the grammars that constrain them.
-
-A format writes one turn's calls as
-
-    block_open call_open CALL call_close (separator call_open CALL call_close)* block_close
-
-where CALL is `{"name": N, "<arguments_key>": {...}}` in compact JSON and each piece holds
-literal text and special-token ids (a model's own markers). `tool_format(tokenizer)` finds the
-format a tokenizer's marker tokens name (Hermes / Qwen2.5 `<tool_call>`, Llama 3.x
-`<|python_tag|>`, Mistral `[TOOL_CALLS]`); a tokenizer without one gets kvserve's own text
-wrappers (`KVSERVE_FORMAT`: `<tool_call>{...}</tool_call>`, one call per line).
+"""Tool calls: the grammars that constrain them, in the model's own format (`ToolFormat`,
+grammars/tool_formats.py, which describes each family's layout).
 
 `tool_call_spec` (a forced call: `tool_choice` "required" or a named function) and
 `auto_tool_spec` (`tool_choice` "auto") return Lark `GrammarSpec`s. With a marker the auto
 grammar is free text that a call may follow, started by the marker token (free text never
 holds a special token, so the marker is the trigger and text may start with any character);
 without one the first character decides: `<tool_call>` starts the calls, any other text is free.
+
+The shape of a call's rule follows the format:
+
+* JSON object (Hermes, Llama 3.x, Mistral, kvserve): `call: %json {anyOf: [{name: const N,
+  arguments: <parameters>}, ...]}`, one schema for all tools;
+* name then JSON (DeepSeek, harmony): per tool `call_i: <call_open> "N" <name_close> args_i
+  <call_close>`, `args_i: %json <parameters>`;
+* name then XML parameters (Qwen3-Coder, GLM-4.5): per tool `args_i: p_i_0 p_i_1? ...`, one
+  rule per declared property in schema order, required ones mandatory, others optional (so
+  required parameters are enforced, none repeats and none outside `properties` is written).
+  A string-typed value is free text that cannot hold the value's closing tag (a lazy lexeme
+  ending at it; with a special-token close, any text), its `enum`/`const` honoured as literal
+  choices, other string keywords (`maxLength`, `pattern`, `format`) not enforced; any other
+  value is `%json` of the property's schema (with the parameters' `$defs`).
+
+harmony (gpt-oss) writes one call per turn (its `<|call|>` ends the turn); the grammar stops after
+the arguments, where the model's `<|call|>` end token follows. Its free text is the `final`
+channel's message: `start: lead? (<|channel|> "final" <|message|> TEXT? | call)`, `lead` being
+the `<|start|>assistant` a thinking block leaves before the answer.
 """
 
 from __future__ import annotations
 
-import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from grammars.compile import GrammarError, GrammarSpec, _as_dict
-
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-
-Piece = tuple[str | int, ...]  # literal text and special-token ids, in order
-
-
-@dataclass(frozen=True, slots=True)
-class ToolFormat:
-    """How a turn's tool calls are written (see the module docstring)."""
-
-    name: str
-    block_open: Piece = ()
-    call_open: Piece = ()
-    call_close: Piece = ()
-    separator: Piece = ()
-    block_close: Piece = ()
-    arguments_key: str = "arguments"
-
-    @property
-    def marker_ids(self) -> frozenset[int]:
-        """The special tokens the format writes (empty: plain text only)."""
-        pieces = (self.block_open, self.call_open, self.call_close, self.separator, self.block_close)
-        return frozenset(part for piece in pieces for part in piece if isinstance(part, int))
-
-    def render(self, calls: Sequence[tuple[str, Any]], token_text: Mapping[int, str]) -> str:
-        """Calls (name, arguments object) as the model writes them, for a prompt; special
-        tokens as `token_text` spells them."""
-        def text(piece: Piece) -> str:
-            return "".join(p if isinstance(p, str) else token_text[p] for p in piece)
-
-        bodies = [
-            text(self.call_open)
-            + json.dumps({"name": name, self.arguments_key: arguments}, ensure_ascii=False)
-            + text(self.call_close)
-            for name, arguments in calls
-        ]
-        return text(self.block_open) + text(self.separator).join(bodies) + text(self.block_close)
-
-
-# kvserve's own format for tokenizers without a marker: calls wrapped in `<tool_call>` text, one
-# per line (under "auto" the first character decides, so text may not start with `<`).
-KVSERVE_FORMAT = ToolFormat("kvserve", call_open=(TOOL_CALL_OPEN,), call_close=(TOOL_CALL_CLOSE,), separator=("\n",))
-
-
-def _hermes(ids: Mapping[str, int]) -> ToolFormat | None:
-    if TOOL_CALL_OPEN not in ids or TOOL_CALL_CLOSE not in ids:
-        return None
-    return ToolFormat("hermes", call_open=(ids[TOOL_CALL_OPEN], "\n"), call_close=("\n", ids[TOOL_CALL_CLOSE]), separator=("\n",))
-
-
-def _llama3(ids: Mapping[str, int]) -> ToolFormat | None:
-    if "<|python_tag|>" not in ids:
-        return None
-    return ToolFormat("llama3", block_open=(ids["<|python_tag|>"],), separator=("; ",), arguments_key="parameters")
-
-
-def _mistral(ids: Mapping[str, int]) -> ToolFormat | None:
-    if "[TOOL_CALLS]" not in ids:
-        return None
-    return ToolFormat("mistral", block_open=(ids["[TOOL_CALLS]"], "["), separator=(", ",), block_close=("]",))
-
-
-_MARKER_FORMATS = (_hermes, _llama3, _mistral)
-
-
-@functools.lru_cache(maxsize=8)
-def tool_format(tokenizer) -> ToolFormat | None:
-    """The format named by the tokenizer's tool-call marker tokens (added tokens), or None
-    when it has none (then kvserve's own text wrappers apply). First match wins:
-    `<tool_call>` + `</tool_call>` (Hermes, Qwen2.5), `<|python_tag|>` (Llama 3.x),
-    `[TOOL_CALLS]` (Mistral)."""
-    added = tokenizer.get_added_vocab()
-    for detect in _MARKER_FORMATS:
-        if (fmt := detect(added)) is not None:
-            return fmt
-    return None
-
-
-def output_format(model_format: ToolFormat | None) -> ToolFormat:
-    """The format calls are written in: the model's own, else kvserve's."""
-    return KVSERVE_FORMAT if model_format is None else model_format
-
+from grammars.tool_formats import (  # noqa: F401  (re-exported: grammars.tools is where they were)
+    KVSERVE_FORMAT,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    Piece,
+    ToolFormat,
+    XmlParams,
+    is_raw_string,
+    output_format,
+    value_end,
+    tool_format,
+)
 
 # ---------------------------------------------------------------- request fields -> spec
 
@@ -124,11 +62,7 @@ def _functions(tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 
 def _call_schema(fn: Mapping[str, Any], arguments_key: str) -> dict[str, Any]:
-    params = fn.get("parameters")
-    if params is None:
-        params = {"type": "object", "properties": {}, "additionalProperties": False}
-    if not isinstance(params, Mapping):
-        raise GrammarError(f"tool {fn['name']!r}: parameters must be a JSON schema object", "tools")
+    params = _parameters(fn)
     # NOTE: the $id keeps each tool's local `#/$defs/...` references resolvable in the union.
     arguments = {"$id": f"urn:kvserve:tool:{fn['name']}", **params}
     return {
@@ -143,17 +77,84 @@ def _lark_piece(piece: Piece) -> str:
     return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p) for p in piece if p != "")
 
 
+def _strict(schema: Mapping[str, Any]) -> dict[str, Any]:
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def _parameters(fn: Mapping[str, Any]) -> Mapping[str, Any]:
+    params = fn.get("parameters")
+    if params is None:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    if not isinstance(params, Mapping):
+        raise GrammarError(f"tool {fn['name']!r}: parameters must be a JSON schema object", "tools")
+    return params
+
+
+def _regex_text(text: str) -> str:
+    """`text` as a Lark /regex/ that matches it literally."""
+    special = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "/": "\\/"}
+    return "".join(special.get(c, re.escape(c)) for c in text)
+
+
+def _xml_value_rules(rule: str, schema: Any, defs: Mapping[str, Any], close: Piece) -> list[str]:
+    """Rules `rule` (a parameter's value and its closing piece) for an XML format."""
+    if not is_raw_string(schema):
+        schema = schema if isinstance(schema, Mapping) else {}
+        value = json.dumps(_strict({**schema, **defs}), ensure_ascii=False)
+        return [f"{rule}: {rule}_json {_lark_piece(close)}", f"{rule}_json: %json {value}"]
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if values:
+        return [f"{rule}: ({' | '.join(json.dumps(v) for v in values)}) {_lark_piece(close)}"]
+    end = value_end(close)
+    if isinstance(end, str):  # NOTE: a lazy lexeme: the value ends where its closing text first appears
+        rest = (close[0][len(end):], *close[1:])
+        return [f"{rule}: {rule}_text {_lark_piece(rest)}".rstrip(), f"{rule}_text[lazy]: /(.|\\n)*{_regex_text(end)}/"]
+    return [f"{rule}: {rule.upper()}_TEXT? {_lark_piece(close)}", f"{rule.upper()}_TEXT: /(.|\\n)+/"]
+
+
+def _named_call_rules(i: int, fn: Mapping[str, Any], fmt: ToolFormat) -> list[str]:
+    """Rules `call_i` (one call of `fn`, wrappers included) for a format with the name outside
+    the arguments."""
+    params = _parameters(fn)
+    name = f"{_lark_piece(fmt.call_open)} {json.dumps(fn['name'])} {_lark_piece(fmt.name_close)}"
+    head = f"call_{i}: {name} args_{i} {_lark_piece(fmt.call_close)}"
+    if fmt.params is None:
+        return [head, f"args_{i}: %json {json.dumps(_strict(params), ensure_ascii=False)}"]
+    properties = params.get("properties") or {}
+    if not isinstance(properties, Mapping):
+        raise GrammarError(f"tool {fn['name']!r}: parameters.properties must be an object", "tools")
+    required = set(params.get("required") or ())
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    rules, items = [head], []
+    for j, (key, schema) in enumerate(properties.items()):
+        p = f"p_{i}_{j}"
+        items.append(p if key in required else f"{p}?")
+        rules.append(f"{p}: {_lark_piece(fmt.params.key_open)} {json.dumps(key)} {_lark_piece(fmt.params.key_close)} v_{i}_{j}")
+        rules += _xml_value_rules(f"v_{i}_{j}", schema, defs, fmt.params.value_close)
+    rules.append(f"args_{i}: {' '.join(items) or chr(34) * 2}")
+    return rules
+
+
 def _calls_grammar(functions: Sequence[Mapping[str, Any]], fmt: ToolFormat, parallel: bool) -> str:
     """Lark rules `calls` (one, or with `parallel` one or more, valid calls) and `call`."""
-    schemas = [_call_schema(fn, fmt.arguments_key) for fn in functions]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-    one = f"{_lark_piece(fmt.call_open)} call {_lark_piece(fmt.call_close)}".strip()
+    parallel = parallel and fmt.parallel
+    if fmt.name_close is None:
+        schemas = [_call_schema(fn, fmt.arguments_key) for fn in functions]
+        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        one = f"{_lark_piece(fmt.call_open)} call {_lark_piece(fmt.call_close)}".strip()
+        rules = [f"call: %json {json.dumps(_strict(schema), ensure_ascii=False)}"]
+    else:
+        one = "call"
+        rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(functions)))}"]
+        for i, fn in enumerate(functions):
+            rules += _named_call_rules(i, fn, fmt)
     more = f" ({_lark_piece(fmt.separator)} {one})*" if parallel else ""
-    return (
-        f"calls: {_lark_piece(fmt.block_open)} {one}{more} {_lark_piece(fmt.block_close)}\n"
-        f"call: %json {json.dumps(schema, ensure_ascii=False)}\n"
-    )
+    return f"calls: {_lark_piece(fmt.block_open)} {one}{more} {_lark_piece(fmt.block_close)}\n" + "\n".join(rules) + "\n"
+
+
+def _start(fmt: ToolFormat, body: str) -> str:
+    """The start rule: `body`, after the format's optional lead."""
+    return f"start: ({_lark_piece(fmt.lead)})? ({body})\n" if fmt.lead else f"start: {body}\n"
 
 
 def tool_call_spec(
@@ -181,7 +182,7 @@ def tool_call_spec(
         parallel = False
     if not chosen:
         raise GrammarError("tool_choice 'required' needs at least one tool", "tool_choice")
-    return GrammarSpec("lark", "start: calls\n" + _calls_grammar(chosen, fmt, parallel), param="tools")
+    return GrammarSpec("lark", _start(fmt, "calls") + _calls_grammar(chosen, fmt, parallel), param="tools")
 
 
 def auto_tool_spec(
@@ -192,10 +193,25 @@ def auto_tool_spec(
     With a marker token in `fmt`: any free text, optionally followed by calls that the marker
     starts (llguidance never lets free text hold a special token, so the marker is the
     trigger). Without one: text that does not start with `<`, or calls from the first
-    character on. Either way a call the model starts is always complete and valid.
+    character on. Either way a call the model starts is always complete and valid. A format
+    whose free text is a message of its own (harmony's final channel) gives that message or calls.
     """
-    if fmt.marker_ids:
+    if fmt.text_open:
+        start = _start(fmt, f"{_lark_piece(fmt.text_open)} TEXT? | calls") + "TEXT: /(.|\\n)+/\n"
+    elif fmt.marker_ids:
         start = "start: TEXT | calls | TEXT calls | \"\"\nTEXT: /(.|\\n)+/\n"
     else:
         start = 'start: free | calls\nfree: /[^<][\\s\\S]*/ | ""\n'
     return GrammarSpec("lark", start + _calls_grammar(_functions(tools), fmt, parallel), param="tools")
+
+
+def answer_spec(spec: GrammarSpec, fmt: ToolFormat | None) -> GrammarSpec:
+    """`spec` (a response_format) as the model's answer: for a format whose answer is a message
+    of its own (harmony's final channel) a JSON spec gets that message's header first, so the
+    model writes `<|start|>assistant<|channel|>final<|message|>{...}` as it was trained to;
+    any other spec, and any other format, is returned as it is."""
+    if fmt is None or not fmt.text_open or spec.schema is None:
+        return spec
+    schema = {**spec.schema, "x-guidance": {"whitespace_flexible": bool(spec.whitespace_flexible)}}
+    body = f"answer: %json {json.dumps(schema, ensure_ascii=False)}\n"
+    return GrammarSpec("lark", _start(fmt, f"{_lark_piece(fmt.text_open)} answer") + body, param=spec.param)

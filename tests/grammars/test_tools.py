@@ -116,3 +116,87 @@ def test_forced_with_marker_starts_with_the_marker(hermes, tokenizer):
     assert m.fast_forward_tokens()[0] == VOCAB_SIZE
     assert m.accept_tokens([VOCAB_SIZE, *ids_of(llama_tok, '{"name":"now","parameters":{}}; {"name":"now","parameters":{}}')])
     assert m.is_accepting
+
+
+# ---------------------------------------------------------------- formats by family
+
+
+def test_family_formats_from_markers_and_template(tokenizer):
+    from tests.server.test_tool_formats import FAMILIES, family_tokenizer
+
+    assert {name: tool_format(family_tokenizer(tokenizer, name)).name for name in FAMILIES} == {
+        "qwen3_coder": "qwen3_coder", "glm45": "glm45", "deepseek": "deepseek", "harmony": "harmony"}
+    qwen3 = with_markers(tokenizer, "<tool_call>", "</tool_call>")
+    qwen3.chat_template = "{{ '<tool_call>\\n<function=' + name + '>' }}"
+    assert tool_format(qwen3).name == "qwen3_coder"  # Hermes' markers, a template that writes `<function=`
+    harmony = tool_format(family_tokenizer(tokenizer, "harmony"))
+    assert not harmony.parallel and len(harmony.marker_ids) == 7  # the end markers are seen too
+
+
+FAMILY_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "maximum": 14},
+                                     "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+FAMILY_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.fixture(scope="module")
+def family_compilers(tokenizer):
+    from tests.server.test_tool_formats import FAMILIES, family_tokenizer
+
+    toks = {name: family_tokenizer(tokenizer, name) for name in FAMILIES}
+    return {name: (tok, GrammarCompiler(tok, len(tok), eos_token_ids=[2])) for name, tok in toks.items()}
+
+
+def family_text(tok, calls, *, raw: str | None = None) -> list[int]:
+    """Token ids of `calls` written by the family's format (or of `raw`, markers as text)."""
+    fmt = tool_format(tok)
+    text = raw if raw is not None else fmt.render(calls, {i: tok.convert_ids_to_tokens(i) for i in fmt.marker_ids})
+    return ids_of(tok, text)
+
+
+@pytest.mark.parametrize("family", ["qwen3_coder", "glm45", "deepseek", "harmony"])
+def test_family_grammars_accept_a_call_and_refuse_a_wrong_one(family_compilers, family):
+    tok, compiler = family_compilers[family]
+    fmt = tool_format(tok)
+    good = [("get_weather", {"city": "Pa\n<b>ris", "days": 3, "unit": "c"})]
+    if fmt.parallel:
+        good.append(("get_time", {}))
+    wrong = {
+        "missing": ("get_weather", {"city": "Oslo"}),  # `unit` is required
+        "enum": ("get_weather", {"city": "Oslo", "unit": "k"}),
+        "type": ("get_weather", {"city": "Oslo", "days": "three", "unit": "c"}),
+        "bound": ("get_weather", {"city": "Oslo", "days": 15, "unit": "c"}),
+        "name": ("get_wether", {}),
+    }
+    forced = compiler.compile(tool_call_spec([FAMILY_WEATHER, FAMILY_TIME], "required", fmt=fmt))
+    m = forced.new_matcher()
+    assert m.accept_tokens(family_text(tok, good)), m.error
+    assert m.is_accepting
+    for why, call in wrong.items():
+        m = forced.new_matcher()
+        assert not m.accept_tokens(family_text(tok, [call])), why
+    auto = compiler.compile(auto_tool_spec([FAMILY_WEATHER, FAMILY_TIME], fmt=fmt))
+    text = "<|channel|>final<|message|>Sure, <b>bold</b>." if fmt.text_open else "Sure, <b>bold</b>."
+    m = auto.new_matcher()
+    assert m.accept_tokens(ids_of(tok, text)) and m.is_accepting  # free text alone
+    m = auto.new_matcher()
+    prefix = "" if fmt.text_open else "Let me check.\n"  # harmony: a final message or calls
+    assert m.accept_tokens(ids_of(tok, prefix) + family_text(tok, good)), m.error
+    assert m.is_accepting
+    m = auto.new_matcher()
+    assert not m.accept_tokens(ids_of(tok, prefix) + family_text(tok, [wrong["missing"]]))
+
+
+def test_xml_string_values_are_free_text_up_to_their_closing_tag(family_compilers):
+    tok, compiler = family_compilers["qwen3_coder"]
+    spec = tool_call_spec([FAMILY_WEATHER], "required", parallel=False, fmt=tool_format(tok))
+    head = "<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+    tail = "\n</parameter>\n<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>"
+    m = compiler.compile(spec).new_matcher()
+    assert m.accept_tokens(family_text(tok, [], raw=head + "a </b>\n</param x" + tail)), m.error
+    assert m.is_terminated
+    m = compiler.compile(spec).new_matcher()  # the value ends at its first closing tag
+    assert not m.accept_tokens(family_text(tok, [], raw=head + "a\n</parameter>\nb" + tail))
+    m = compiler.compile(spec).new_matcher()  # forced: the call's start, a single tool's name, a first required key
+    assert tok.decode(m.fast_forward_tokens()).startswith(head.rstrip())

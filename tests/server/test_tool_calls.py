@@ -67,6 +67,26 @@ def test_parser_cut_off_calls_and_plain_text():
     assert reason == "stop" and text.content == "Hi <tool_call>!" and not text.calls
 
 
+def test_parser_marks_complete_calls_and_ends_at_a_repeated_one():
+    paris = '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
+    oslo = '<tool_call>{"name":"get_weather","arguments":{"city":"Oslo"}}</tool_call>'
+    time_ = '<tool_call>{"name":"get_time","arguments":{}}</tool_call>'
+    text = "\n".join([paris, time_, oslo, paris.replace('"Paris"', ' "Paris" '), time_])
+    chunks = [RequestOutput(text=text[i : i + 3]) for i in range(0, len(text), 3)]
+    parser, events, reason = parse(KVSERVE_FORMAT, chunks, "length")
+    assert parser.ended and reason == "tool_calls"  # the repeat (same JSON) and all after it dropped
+    assert [json.loads(c.arguments) for c in parser.calls] == [{"city": "Paris"}, {}, {"city": "Oslo"}]
+    assert all(c.complete for c in parser.calls)
+    oslo_events = [e for e in events if any(c.index == 2 for c in e.started) or 2 in e.arguments]
+    assert len(oslo_events) == 1 and oslo_events[0].arguments[2] == '{"city":"Oslo"}'  # held, then sent whole
+    cut, _, reason = parse(KVSERVE_FORMAT, [RequestOutput(text=text[: text.index("Oslo") + 2])], "length")
+    assert reason == "length" and [c.complete for c in cut.calls] == [True, True, False]
+    assert cut.calls[2].arguments == '{"city":"Os'  # a call named like an earlier one, cut: sent as far as it got
+    again = "\n".join([paris, time_, paris])
+    on_its_way, _, reason = parse(KVSERVE_FORMAT, [RequestOutput(text=again[: again.rindex("Paris")])], "length")
+    assert reason == "tool_calls" and on_its_way.ended and len(on_its_way.calls) == 2  # cut while repeating
+
+
 @pytest.fixture(scope="module")
 def hermes_tokenizer(tokenizer):
     tok = copy.deepcopy(tokenizer)
