@@ -163,6 +163,17 @@ class Settings(BaseSettings):
         "from a tier, with speculation on or off (batch-invariant linear layers and attention, "
         "docs/architecture.md). Costs some speed; off: the fast mode (near-ties may flip).",
     )
+    reasoning_parser: str = Field(
+        "auto",
+        description="How a thinking model's reasoning is told apart from its answer: auto = from the "
+        "tokenizer's markers (none for models without); none = all output is the answer; or a "
+        "parser name (qwen3, deepseek_r1, glm45, smollm3, gpt_oss).",
+    )
+    max_reasoning_tokens: int | None = Field(
+        None, ge=0,
+        description="Default thinking budget per request (tokens between the reasoning markers); the "
+        "engine then writes the end marker itself. Unset = unbounded (max_tokens still caps the total).",
+    )
     json_whitespace_flexible: bool = Field(
         False, description="Structured JSON may contain free whitespace (default: compact JSON)."
     )

@@ -25,6 +25,7 @@ from server import __version__ as VERSION
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
 from server.engine import exact, families
 from server.engine.core import Engine, EngineConfig
+from server.api import reasoning
 from server.api.errors import APIError, install_handlers
 from server import kv_budget
 from server.metrics import Metrics
@@ -217,6 +218,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         request_timeout_s=settings.request_timeout_s,
         fingerprint=fingerprint,
         deterministic=settings.deterministic,
+        reasoning=reasoning.reasoning_format(loaded.tokenizer, None if settings.reasoning_parser == "auto" else settings.reasoning_parser),
+        max_reasoning_tokens=settings.max_reasoning_tokens,
     )
 
 

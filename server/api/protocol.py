@@ -7,7 +7,6 @@ request converts itself to the engine's `SamplingParams`.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -34,21 +33,14 @@ class TextPart(OpenAIModel):
 
 
 class FunctionCall(OpenAIModel):
-    """A function call in an earlier assistant turn; `arguments` is a JSON string (OpenAI's
-    wire format) or, leniently, an already parsed object."""
+    """A function call in an earlier assistant turn; `arguments` is the text the model wrote
+    (OpenAI's wire format: JSON) or, leniently, an already parsed object.
+
+    NOTE: any string is accepted: a call that max_tokens cut short holds its arguments so far,
+    and its conversation must stay continuable as the model wrote it."""
 
     name: Annotated[str, Field(min_length=1, max_length=256)]
     arguments: Annotated[str, Field(max_length=10_000_000)] | dict[str, Any] = "{}"
-
-    @field_validator("arguments")
-    @classmethod
-    def _arguments_are_json(cls, value):
-        if isinstance(value, str):
-            try:
-                json.loads(value)
-            except ValueError:
-                raise ValueError("must be a JSON string") from None
-        return value
 
 
 class ToolCall(OpenAIModel):
@@ -68,6 +60,9 @@ class ChatMessage(OpenAIModel):
     name: Annotated[str, Field(max_length=256)] | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None
     tool_call_id: Annotated[str, Field(min_length=1, max_length=256)] | None = Field(None, validate_default=True)
+    # an earlier answer's thinking, as kvserve (and vLLM) return it: the template decides what it keeps
+    reasoning_content: Annotated[str, Field(max_length=10_000_000)] | None = None
+    reasoning: Annotated[str, Field(max_length=10_000_000)] | None = None
 
     @field_validator("content")
     @classmethod
@@ -109,6 +104,9 @@ class ChatMessage(OpenAIModel):
         for key in ("name", "tool_call_id"):
             if (value := getattr(self, key)) is not None:
                 out[key] = value
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None and self.role == "assistant":
+            out["reasoning_content"] = out["thinking"] = thinking  # Qwen3's and DeepSeek's name, gpt-oss's
         if self.tool_calls is not None:
             out["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
         return out
@@ -201,6 +199,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # extensions (vLLM's spelling): the template's thinking switches; kvserve: the thinking budget
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_reasoning_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -20,6 +20,7 @@ from cache_manager.manager import CacheManager
 from cache_manager.sessions import is_anonymous
 from grammars import (
     CompiledGrammar,
+    answer_spec,
     GrammarCompiler,
     GrammarError,
     GrammarSpec,
@@ -32,6 +33,7 @@ from grammars import (
 from server.engine.core import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
 from server.api.errors import APIError
 from server.metrics import Metrics
+from server.engine.reasoning import ReasoningSpec
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest, RequestOutput, TokenInfo
 
@@ -55,6 +57,8 @@ class ServingContext:
     request_timeout_s: float
     fingerprint: str
     deterministic: bool = False  # exact mode (--deterministic), reported by /v1/models
+    reasoning: object | None = None  # the model's reasoning.ReasoningFormat (None: no thinking model)
+    max_reasoning_tokens: int | None = None  # the server's default thinking budget
 
     def check_model(self, model: str) -> None:
         if model != self.model_id and model not in self.model_aliases:
@@ -66,8 +70,10 @@ class ServingContext:
                 rejection="bad_request",
             )
 
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """max_tokens within the context, or 400 context_length_exceeded with the numbers."""
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str, prompt_param: str | None = None) -> int:
+        """max_tokens within the context, or 400 context_length_exceeded with the numbers. The
+        error names `prompt_param` (`input`, `messages`) when the prompt alone leaves no room
+        for one token, `param` (the max-tokens field) when that is what overflows."""
         room = self.max_context - prompt_len
         if requested is None:
             if room >= 1:
@@ -80,7 +86,7 @@ class ServingContext:
                 f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
                 f"{requested} for the completion). Please reduce the prompt or the completion length.",
                 code="context_length_exceeded",
-                param=param,
+                param=prompt_param if room < 1 and prompt_param is not None else param,
                 rejection="too_long",
             )
         return requested
@@ -96,12 +102,14 @@ class ServingContext:
 
 @dataclass(slots=True)
 class Choice:
-    """One choice's accumulated result (non-streaming)."""
+    """One choice's accumulated result (non-streaming); chat's and the Responses API's
+    assembled as they come (server/api/assembly.py)."""
 
     index: int
     text: str = ""
     tokens: list[TokenInfo] = field(default_factory=list)
     final: RequestOutput | None = None
+    assembly: object | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -183,6 +191,9 @@ async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, 
         tool_spec = tool_call_spec(tools, tool_choice, parallel=parallel, fmt=output_format(model_format)) if tools else None
         if spec is not None and tool_spec is not None:
             raise GrammarError(f"a forced tool call and {spec.param} cannot be combined", "tool_choice")
+        kind = spec.kind if spec is not None else None
+        if spec is not None:  # a model whose answer is a message of its own gets its header
+            spec = answer_spec(spec, tool_format(ctx.tokenizer))
         mode = "forced" if tool_spec is not None else None
         if spec is None and tool_spec is None and tools and tool_choice in (None, "auto"):
             tool_spec, mode = auto_tool_spec(tools, parallel=parallel, fmt=output_format(model_format)), "auto"
@@ -192,7 +203,7 @@ async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, 
         compiled = await asyncio.to_thread(ctx.compiler.compile, spec)
     except GrammarError as exc:
         raise APIError(400, str(exc), code="invalid_grammar", param=exc.param, rejection="bad_schema") from None
-    ctx.metrics.structured_requests.labels(f"tool_call_{mode}" if mode else spec.kind).inc()
+    ctx.metrics.structured_requests.labels(f"tool_call_{mode}" if mode else kind).inc()
     return compiled, mode
 
 
@@ -209,7 +220,7 @@ def session_id(request: Request, prompt_cache_key: str | None) -> str | None:
 
 def generation_requests(
     request: Request, body, request_id: str, prompts: list[list[int]], params: list, timeout_s: float,
-    grammar: CompiledGrammar | None = None,
+    grammar: CompiledGrammar | None = None, reasoning: ReasoningSpec | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice). Only the first uses the session: the others
     get private caches, so n > 1 neither serializes on the session nor races for its cache."""
@@ -222,7 +233,7 @@ def generation_requests(
             out.append(GenerationRequest(
                 f"{request_id}-{index}", prompt_ids, sampling, timeout_s=timeout_s,
                 principal=principal, session_id=session, use_session=index == 0, grammar=grammar,
-                speculative=body.speculative,
+                speculative=body.speculative, reasoning=reasoning,
             ))
     return out
 
@@ -338,16 +349,24 @@ async def _watch_disconnect(request: Request, handles: list[RequestHandle]) -> N
         handle.cancel()
 
 
-async def collect(ctx: ServingContext, request: Request, handles: list[RequestHandle], route: str) -> list[Choice]:
-    """Run all choices to the end; raise the engine's error as an APIError."""
+async def collect(ctx: ServingContext, request: Request, handles: list[RequestHandle], route: str, assembly=None) -> list[Choice]:
+    """Run all choices to the end; raise the engine's error as an APIError. With `assembly`
+    (makes an `Assembly`), each choice is assembled as it comes, and stopped once its calls
+    have ended (a repeated call)."""
     arrived = time.monotonic()
-    choices = [Choice(i) for i in range(len(handles))]
+    choices = [Choice(i, assembly=assembly() if assembly is not None else None) for i in range(len(handles))]
     watcher = asyncio.create_task(_watch_disconnect(request, handles))
     try:
         async for index, output in _merge(handles, ctx, arrived):
             choice = choices[index]
             choice.text += output.text
             choice.tokens += output.tokens
+            if choice.assembly is not None:
+                choice.assembly.feed(output)
+                if output.finished:
+                    choice.assembly.finish(output.finish_reason)
+                elif choice.assembly.ended:
+                    handles[index].stop()
             if output.finished:
                 choice.final = output
                 ctx.metrics.finished.labels(route, output.finish_reason).inc()
@@ -365,8 +384,11 @@ async def stream(
     route: str,
     on_output: Callable[[int, RequestOutput], list[dict]],
     on_end: Callable[[list[RequestOutput]], list[dict]],
+    assembly_of: Callable[[int], object | None] = lambda index: None,
 ) -> AsyncIterator[str]:
     """SSE `data:` payloads: chunks from `on_output`, closing chunks from `on_end`, `[DONE]`.
+    A choice whose `assembly_of(index)` says its calls have ended (a repeated call) is
+    stopped: its final output follows.
 
     A choice that fails or is aborted ends the stream with an error event (OpenAI has no
     "abort" finish reason). Choices cut off by the client leaving count as aborted in the
@@ -386,6 +408,8 @@ async def stream(
                 finals.append(output)
             for chunk in on_output(index, output):
                 yield json.dumps(chunk, ensure_ascii=False)
+            if not output.finished and (assembled := assembly_of(index)) is not None and assembled.ended:
+                handles[index].stop()
         for chunk in on_end(finals):
             yield json.dumps(chunk, ensure_ascii=False)
         yield "[DONE]"
@@ -395,16 +419,20 @@ async def stream(
             ctx.metrics.e2e.observe(time.monotonic() - arrived)
 
 
-def usage(finals: list[RequestOutput], n: int) -> dict:
-    """Usage of a request: each prompt counted once (not once per choice), completions summed."""
+def usage(finals: list[RequestOutput], n: int, *, thinking: bool = False) -> dict:
+    """Usage of a request: each prompt counted once (not once per choice), completions summed;
+    for a thinking model (`thinking`) the completion tokens spent before the answers."""
     prompt = sum(o.prompt_tokens for o in finals) // n
     completion = sum(o.completion_tokens for o in finals)
     cached = min(prompt, sum(o.cached_tokens for o in finals))  # only the first choice reuses
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if thinking:
+        out["completion_tokens_details"] = {"reasoning_tokens": sum(o.reasoning_tokens for o in finals)}
+    return out
 
 

@@ -12,12 +12,12 @@ from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
 from grammars import output_format, tool_format
-from server.api import serving
+from server.api import reasoning, serving
+from server.api.assembly import Assembly
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest
 from server.engine.sequence import RequestOutput, TokenInfo
 from server.api.serving import ServingContext
-from server.api.tool_calls import tool_parser
 
 ROUTE = "/v1/chat/completions"
 
@@ -29,18 +29,60 @@ TOOLS_PROMPT = (
 )
 
 
+# Tools and earlier calls' arguments nest at most this deep in what a chat template gets:
+# templates walk them recursively (transformers' `_plain_template_data`, jinja's `tojson`) and
+# overflow Python's stack a few hundred levels down; the tool grammar's JSON parser stops at 128.
+MAX_TEMPLATE_DEPTH = 128
+
+
+def nesting_depth(value) -> int:
+    """How deeply `value` nests dicts and lists (0 for a scalar). Iterative: the depth is the
+    client's to choose."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            depth = max(depth, level)
+            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return depth
+
+
+def template_arguments(arguments: str | dict):
+    """An earlier call's arguments as a chat template takes them: the parsed object when the
+    text is JSON, else the text as the model wrote it (a call max_tokens cut short); text
+    too for an object nested deeper than MAX_TEMPLATE_DEPTH."""
+    if isinstance(arguments, dict):
+        text, parsed = None, arguments
+    else:
+        try:
+            text, parsed = arguments, json.loads(arguments)
+        except (ValueError, RecursionError):
+            return arguments
+    if nesting_depth(parsed) <= MAX_TEMPLATE_DEPTH:
+        return parsed
+    return text if text is not None else json.dumps(parsed, ensure_ascii=False)
+
+
 def template_messages(tokenizer, body: ChatCompletionRequest) -> list[dict]:
     """Messages for the chat template, earlier calls' arguments as objects (what templates
-    that know tools expect). A template that knows nothing of tools (no `tools` in its
+    that know tools expect) where they parse, as written where they do not
+    (`template_arguments`). A template that knows nothing of tools (no `tools` in its
     source) gets them as a system note showing how a call is written, and earlier calls
     written back in that form (several calls of one turn as the grammar writes them), so the
     model sees what the grammar allows."""
+    for tool in body.tools or ():
+        if nesting_depth(tool) > MAX_TEMPLATE_DEPTH:
+            name = (tool.get("function") or {}).get("name") if isinstance(tool.get("function"), dict) else None
+            raise APIError(
+                400, f"tool {name!r} nests deeper than {MAX_TEMPLATE_DEPTH} levels, more than a chat template renders",
+                code="invalid_value", param="tools", rejection="bad_request",
+            )
     messages = [m.for_template() for m in body.messages]
     for message in messages:
         for call in message.get("tool_calls") or []:
             fn = call.get("function", {})
-            if isinstance(fn.get("arguments"), str):
-                fn["arguments"] = json.loads(fn["arguments"])
+            if "arguments" in fn:
+                fn["arguments"] = template_arguments(fn["arguments"])
     if not body.tools or body.tool_choice == "none" or "tools" in (tokenizer.chat_template or ""):
         return messages
     fmt = output_format(tool_format(tokenizer))
@@ -59,12 +101,13 @@ def template_messages(tokenizer, body: ChatCompletionRequest) -> list[dict]:
     return messages
 
 
-def render_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """Chat template -> token ids (runs off the event loop: templates and tokenizers are slow)."""
+def render_prompt(tokenizer, body: ChatCompletionRequest, template_kwargs: dict | None = None) -> list[int]:
+    """Chat template -> token ids (runs off the event loop: templates and tokenizers are slow).
+    `template_kwargs`: the thinking switches (`reasoning.controls`)."""
     try:
         messages = template_messages(tokenizer, body)
         text = tokenizer.apply_chat_template(
-            messages, tools=body.tools, add_generation_prompt=True, tokenize=False
+            messages, tools=body.tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
         )
     except (TemplateError, ValueError, TypeError) as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}", code="invalid_value", param="messages", rejection="bad_request") from None
@@ -84,12 +127,14 @@ def logprobs_entry(ctx: ServingContext, token: TokenInfo) -> dict:
 
 async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
     ctx.check_model(body.model)
-    prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body)
-    max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens(), "max_tokens")
+    template_kwargs, budget = reasoning.controls(ctx, body.reasoning_effort, body.chat_template_kwargs, body.max_reasoning_tokens)
+    prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body, template_kwargs)
+    max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens(), "max_tokens", "messages")
     params = serving.choice_params(ctx, body, max_tokens)
     grammar, tool_mode = await serving.compile_grammar(ctx, body, body.tools, body.tool_choice)
+    thinking = reasoning.spec(ctx, prompt_ids, budget, tool_mode)
     request_id = serving.new_id("chatcmpl")
-    requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar)
+    requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar, thinking)
     handles = serving.submit_all(ctx, requests, len(params))
     created = int(time.time())
     head = {
@@ -98,63 +143,57 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
         "model": body.model,
         "system_fingerprint": ctx.fingerprint,
     }
+
+    def assembly() -> Assembly:
+        return Assembly(ctx.tokenizer, tool_mode, thinking=thinking is not None, tools=body.tools)
+
     if body.stream:
         headers = await serving.admission_headers(ctx, request, handles)
         return EventSourceResponse(
-            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head, tool_mode)),
+            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head, assembly)),
             ping=15,
             headers=headers,
         )
-    choices = await serving.collect(ctx, request, handles, ROUTE)
+    choices = await serving.collect(ctx, request, handles, ROUTE, assembly)
     return JSONResponse(headers=serving.cache_headers(choices[0].final), content={
         **head,
         "object": "chat.completion",
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", **message},
+                "message": {"role": "assistant", **c.assembly.message()},
                 "logprobs": {"content": [logprobs_entry(ctx, t) for t in c.tokens]} if body.logprobs else None,
-                "finish_reason": finish_reason,
+                "finish_reason": c.assembly.finish_reason,
             }
             for c in choices
-            for message, finish_reason in [assistant_message(c.text, c.final.finish_reason, tool_mode, tokenizer=ctx.tokenizer, tokens=c.tokens)]
         ],
-        "usage": serving.usage([c.final for c in choices], body.n),
+        "usage": serving.usage([c.final for c in choices], body.n, thinking=ctx.reasoning is not None),
     })
 
 
 def assistant_message(
     text: str, finish_reason: str, tool_mode: str | None, *, tokenizer=None, tokens: list[TokenInfo] | None = None,
 ) -> tuple[dict, str]:
-    """A finished choice's message fields and finish reason; generated calls become
-    `tool_calls` (arguments as the JSON text generated), with finish reason "tool_calls", or
-    "length" for a call max_tokens cut short (its arguments so far). Text around the calls is
-    `content`; the format's wrappers never are.
-
-    Pass the `tokenizer` and the choice's `tokens` so that a model's marker tokens (absent
-    from the text) are seen; without them the text is read in kvserve's own format.
-    """
-    parser = tool_parser(tokenizer, tool_mode)
-    if parser is None:
-        return {"content": text, "refusal": None}, finish_reason
-    parser.feed(RequestOutput(text=text, tokens=tokens or [], finish_reason=finish_reason))
-    _, finish_reason = parser.finish(finish_reason)
-    message = {"content": parser.content or (None if parser.calls else ""), "refusal": None}
-    if parser.calls:
-        message["tool_calls"] = [call.wire() for call in parser.calls]
-    return message, finish_reason
+    """A finished answer's message fields and finish reason, read from its text (and, with
+    the `tokenizer`, its `tokens`, so a model's marker tokens are seen): `Assembly` over one
+    output. Generated calls become `tool_calls` (arguments as the JSON text generated), with
+    finish reason "tool_calls", or "length" for a call max_tokens cut short."""
+    assembly = Assembly(tokenizer, tool_mode)
+    assembly.feed(RequestOutput(text=text, tokens=tokens or [], finish_reason=finish_reason))
+    assembly.finish(finish_reason)
+    return assembly.message(), assembly.finish_reason
 
 
-def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool_mode: str | None = None):
+def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, assembly):
     """The two callbacks that turn engine outputs into chat.completion.chunk objects.
 
-    Under a tool mode each choice's output goes through a `ToolCallParser`: content streams as
-    text; each call streams as OpenAI's do, a first delta with its index, id and name, then
-    its arguments as they are generated. The format's wrappers are never sent.
+    Each choice's outputs go through its `Assembly` (`assembly()` makes one): reasoning
+    streams as `reasoning_content` and `reasoning` deltas, the answer as `content`; each call
+    streams as OpenAI's do, a first delta with its index, id and name, then its arguments as
+    they are generated. The format's wrappers and the reasoning markers are never sent.
     """
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    started: set[int] = set()
-    parsers: dict[int, object] = {}
+    assemblies: dict[int, Assembly] = {}
     pending_logprobs: dict[int, list] = {}  # logprobs of tokens whose text is not sent yet
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
@@ -167,30 +206,26 @@ def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool
             out["usage"] = None
         return out
 
-    def deltas(events) -> list[dict]:
-        out = [{"content": events.content}] if events.content else []
-        for call in events.started:
-            fn = {"name": call.name, "arguments": events.arguments.pop(call.index, "")}
+    def deltas(parts) -> list[dict]:
+        out = [{"reasoning_content": parts.reasoning, "reasoning": parts.reasoning}] if parts.reasoning else []
+        if parts.content:
+            out.append({"content": parts.content})
+        for call in parts.started:
+            fn = {"name": call.name, "arguments": parts.arguments.pop(call.index, "")}
             out.append({"tool_calls": [{"index": call.index, "id": call.id, "type": "function", "function": fn}]})
-        for i, text in events.arguments.items():
+        for i, text in parts.arguments.items():
             out.append({"tool_calls": [{"index": i, "function": {"arguments": text}}]})
         return out
 
     def on_output(index: int, output: RequestOutput) -> list[dict]:
         chunks = []
-        if index not in started:
-            started.add(index)
-            parsers[index] = tool_parser(ctx.tokenizer, tool_mode)
+        if index not in assemblies:
+            assemblies[index] = assembly()
             chunks.append(chunk(index, {"role": "assistant", "content": ""}))
-        parser = parsers[index]
-        finish_reason = output.finish_reason
-        if parser is None:
-            out = [{"content": output.text}] if output.text else []
-        else:
-            out = deltas(parser.feed(output))
-            if output.finished:
-                events, finish_reason = parser.finish(output.finish_reason)
-                out += deltas(events)
+        choice = assemblies[index]
+        out = deltas(choice.feed(output))
+        if output.finished:
+            out += deltas(choice.finish(output.finish_reason))
         logprobs = pending_logprobs.pop(index, [])
         if body.logprobs:
             logprobs += [logprobs_entry(ctx, t) for t in output.tokens]
@@ -199,13 +234,13 @@ def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, tool
         for i, delta in enumerate(out):
             chunks.append(chunk(index, delta, logprobs={"content": logprobs} if i == 0 and logprobs else None))
         if output.finished:
-            chunks.append(chunk(index, {}, finish_reason=finish_reason,
+            chunks.append(chunk(index, {}, finish_reason=choice.finish_reason,
                                 logprobs={"content": logprobs} if logprobs and not out else None))
         return chunks
 
     def on_end(finals: list[RequestOutput]) -> list[dict]:
         if not include_usage:
             return []
-        return [{**head, "object": "chat.completion.chunk", "choices": [], "usage": serving.usage(finals, body.n)}]
+        return [{**head, "object": "chat.completion.chunk", "choices": [], "usage": serving.usage(finals, body.n, thinking=ctx.reasoning is not None)}]
 
-    return on_output, on_end
+    return on_output, on_end, lambda index: assemblies.get(index)

@@ -100,6 +100,13 @@ class RequestHandle:
         self._seq.cancelled = True
         self._engine.wake()
 
+    def stop(self) -> None:
+        """End the sequence as if it had stopped (its output so far is the answer, its KV
+        committed to the session); the engine does it within one step. Safe from any thread:
+        the HTTP side stops a turn whose tool calls have ended (a repeated call)."""
+        self._seq.stop_requested = True
+        self._engine.wake()
+
     @property
     def admission(self) -> RequestOutput | None:
         return self._admission
@@ -357,6 +364,8 @@ class Engine:
         for seq, handle in list(self._running):
             if seq.cancelled:
                 self._finish(seq, handle, "abort")
+            elif seq.stop_requested:
+                self._finish(seq, handle, "stop")
             elif seq.expired(now):
                 self._finish(seq, handle, "error", error="timeout")
         if self._rope_switch is not None:

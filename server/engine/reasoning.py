@@ -11,7 +11,7 @@ either text. Phases only move forward:
        \\--(any other first token)-----------------------/
 
 * `opening`: the prompt did not open the reasoning; the output may (Qwen3 writes `<think>`
-  itself). A grammar cannot wait for that choice, so with a grammar the engine forces the
+  itself, GLM-4.5 `\n<think>`: blank tokens before the marker wait with it). A grammar cannot wait for that choice, so with a grammar the engine forces the
   start marker (`Reasoning(spec, open=True)`).
 * `thinking`: tokens are reasoning. `budget` counts the tokens between the markers; once it is
   spent `forced()` is the rest of the end marker, which the engine appends without sampling.
@@ -39,6 +39,7 @@ class ReasoningSpec:
     inside: bool = False  # the prompt opened the reasoning: the output starts thinking
     budget: int | None = None  # most tokens between the markers (None: unbounded)
     banned_ids: frozenset[int] = field(default_factory=frozenset)  # masked while thinking
+    blank_ids: frozenset[int] = field(default_factory=frozenset)  # whitespace the output may write before opening
 
     def __post_init__(self) -> None:
         if not self.start_ids or not self.end_ids:
@@ -57,6 +58,7 @@ class Reasoning:
         self.tokens = 0  # generated tokens before the answer, markers included
         self.thought = 0  # tokens between the markers
         self._held: list[int] = []  # a marker's first tokens, until it is complete or not
+        self._lead: list[int] = []  # blank tokens before a start marker may come
 
     @property
     def answering(self) -> bool:
@@ -92,6 +94,9 @@ class Reasoning:
             return [(token_id, "content")]
         self.tokens += 1
         marker = self.spec.start_ids if self.phase == OPENING else self.spec.end_ids
+        if self.phase == OPENING and not self._held and token_id in self.spec.blank_ids:
+            self._lead.append(token_id)  # GLM-4.5 writes "\n<think>": undecided yet
+            return []
         out: list[tuple[int, str]] = []
         if self._held and token_id != marker[len(self._held)]:  # the held tokens were no marker
             released, self._held = self._held, []
@@ -102,8 +107,8 @@ class Reasoning:
         if token_id == marker[len(self._held)]:
             self._held.append(token_id)
             if len(self._held) == len(marker):
-                out += [(t, "marker") for t in self._held]
-                self._held = []
+                out += [(t, "marker") for t in self._lead + self._held]
+                self._held, self._lead = [], []
                 self.phase = THINKING if self.phase == OPENING else ANSWER
             return out
         if self.phase == OPENING:
@@ -113,14 +118,16 @@ class Reasoning:
 
     def _no_reasoning(self, tokens: list[int]) -> list[tuple[int, str]]:
         """The output did not open a reasoning block: all of it is content."""
+        lead, self._lead = self._lead, []
         self.phase = ANSWER
         self.tokens = 0
-        return [(t, "content") for t in tokens]
+        return [(t, "content") for t in lead + tokens]
 
     def flush(self) -> list[tuple[int, str]]:
         """At the end of generation: held tokens of a marker never completed."""
-        released, self._held = self._held, []
-        kind = "content" if self.phase == OPENING else "reasoning"
         if self.phase == OPENING:
-            self.tokens -= len(released)
-        return [(t, kind) for t in released]
+            released, self._held = self._held, []
+            return self._no_reasoning(released)
+        released, self._held = self._held, []
+        self.thought += len(released)
+        return [(t, "reasoning") for t in released]

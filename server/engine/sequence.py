@@ -116,6 +116,7 @@ class Sequence:
         self.counts: torch.Tensor | None = None  # token counts, only when penalties are on
         self.spec = None  # a speculative.SpecState once the sequence drafts
         self.cancelled = False
+        self.stop_requested = False  # RequestHandle.stop: finish as "stop" at the next step
         self.submitted_at = time.monotonic()
         self.deadline = (
             self.submitted_at + request.timeout_s if request.timeout_s is not None else None

@@ -1,0 +1,264 @@
+"""Thinking models end to end: reasoning apart from the answer (both fields, streamed and not),
+the thinking budget enforced by the engine, a grammar that starts after the thinking, the
+controls, and sessions whose template drops earlier thinking.
+
+The models are tiny random Llamas over tokenizers carrying each family's markers, with chat
+templates written in tests/thinking.py; the tests drive them into their markers with the
+thinking budget (the engine forces the end marker) and grammars (the engine opens the
+thinking before a grammar), so nothing depends on a random model choosing to think."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import anyio
+import httpx
+import jsonschema
+import pytest
+from openai import AsyncOpenAI
+
+from tests import thinking
+
+pytestmark = pytest.mark.anyio
+ASK = [{"role": "user", "content": "What is 2 + 2?"}]
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["answer"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def models(tokenizer):
+    """family -> LoadedModel (tiny random weights, the family's markers and template)."""
+    return {name: thinking.tiny_model(thinking.family_tokenizer(tokenizer, name)) for name in ("qwen3", "deepseek_r1")}
+
+
+@pytest.fixture
+def serve(models):
+    """`async with serve(family, **settings) as (client, http)`: the official client on an
+    in-process app serving that family's tiny model."""
+    from asgi_lifespan import LifespanManager
+
+    from server.api.app import create_app
+    from server.settings import Settings
+
+    @contextlib.asynccontextmanager
+    async def make(family, **settings):
+        app = create_app(Settings(**settings), loaded=models[family])
+        async with LifespanManager(app) as manager:
+            transport = httpx.ASGITransport(app=manager.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://kvserve", timeout=120) as http:
+                while (await http.get("/ready")).status_code != 200:
+                    await anyio.sleep(0.05)
+                yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=http, max_retries=0), http
+
+    return make
+
+
+def fields(message) -> tuple[str | None, str | None, str | None]:
+    extra = message.model_extra or {}
+    return extra.get("reasoning_content"), extra.get("reasoning"), message.content
+
+
+async def streamed(client, **kwargs) -> tuple[str, str, str, dict]:
+    """(reasoning_content, reasoning, content, usage) joined from a stream's deltas."""
+    stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    rc = r = content = ""
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            rc += extra.get("reasoning_content") or ""
+            r += extra.get("reasoning") or ""
+            content += choice.delta.content or ""
+    return rc, r, content, usage
+
+
+async def test_budget_cuts_the_thinking_at_exactly_n_tokens_and_the_answer_follows(serve):
+    """DeepSeek-R1's template opens the thinking in the prompt: the budget's N tokens are all
+    reasoning, the engine writes `</think>` as token N + 1, then the answer; reasoning_tokens
+    = N + 1 and neither field holds a marker."""
+    async with serve("deepseek_r1") as (client, _):
+        for n in (0, 3, 7):
+            out = await client.chat.completions.create(
+                model="tiny-deepseek_r1", messages=ASK, temperature=0, max_tokens=20, logprobs=True,
+                extra_body={"max_reasoning_tokens": n})
+            rc, r, content = fields(out.choices[0].message)
+            tokens = [t.token for t in out.choices[0].logprobs.content]
+            assert len(tokens) == out.usage.completion_tokens
+            assert tokens[n] == "</think>" and "</think>" not in tokens[:n]
+            assert out.usage.completion_tokens_details.reasoning_tokens == n + 1
+            assert rc == r and (rc is None) == (n == 0)
+            for text in (rc or "", content or ""):
+                assert "<think>" not in text and "</think>" not in text
+
+
+async def test_streamed_fields_equal_the_whole_ones(serve):
+    async with serve("deepseek_r1") as (client, _):
+        ask = dict(model="tiny-deepseek_r1", messages=ASK, temperature=0, max_tokens=24, extra_body={"max_reasoning_tokens": 6})
+        whole = await client.chat.completions.create(**ask)
+        rc, r, content = fields(whole.choices[0].message)
+        s_rc, s_r, s_content, usage = await streamed(client, **ask)
+        assert (s_rc, s_r, s_content) == (rc, r, content or "")
+        assert rc and usage["completion_tokens_details"]["reasoning_tokens"] == 7
+
+
+async def test_a_json_schema_after_thinking_is_valid_json_with_non_empty_reasoning(serve):
+    """Qwen3 writes `<think>` itself: under a grammar the engine opens the thinking, which is
+    free; the schema constrains only the answer after `</think>`."""
+    async with serve("qwen3") as (client, _):
+        for seed in range(2):
+            out = await client.chat.completions.create(
+                model="tiny-qwen3", messages=ASK, temperature=1, seed=seed, max_tokens=60,
+                response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+                extra_body={"max_reasoning_tokens": 5})
+            rc, r, content = fields(out.choices[0].message)
+            assert rc and rc == r and "<think>" not in rc
+            jsonschema.validate(json.loads(content), SCHEMA)
+            assert out.choices[0].finish_reason == "stop"
+            assert out.usage.completion_tokens_details.reasoning_tokens == 5 + 2  # <think>, 5, </think>
+
+
+async def test_a_forced_tool_call_after_thinking(serve):
+    async with serve("qwen3") as (client, _):
+        out = await client.chat.completions.create(
+            model="tiny-qwen3", messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+            temperature=0, max_tokens=80, extra_body={"max_reasoning_tokens": 4})
+        choice = out.choices[0]
+        rc, _, _ = fields(choice.message)
+        assert rc and "<tool_call>" not in rc
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+async def test_reasoning_effort_none_stops_a_model_that_cannot_switch_off(serve):
+    async with serve("deepseek_r1") as (client, _):
+        out = await client.chat.completions.create(
+            model="tiny-deepseek_r1", messages=ASK, temperature=0, max_tokens=8, reasoning_effort="none")
+        rc, r, content = fields(out.choices[0].message)
+        assert rc is None and r is None and content
+        assert out.usage.completion_tokens_details.reasoning_tokens == 1  # the forced </think>
+
+
+async def test_qwen3_thinking_switched_off_parses_nothing(serve):
+    async with serve("qwen3") as (client, http):
+        out = await client.chat.completions.create(
+            model="tiny-qwen3", messages=ASK, temperature=0, max_tokens=6, reasoning_effort="none")
+        assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
+        bad = await http.post("/v1/chat/completions", json={
+            "model": "tiny-qwen3", "messages": ASK, "chat_template_kwargs": {"tools": []}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs.tools"
+        big = await http.post("/v1/chat/completions", json={
+            "model": "tiny-qwen3", "messages": ASK, "chat_template_kwargs": {"enable_thinking": True, "x" * 2000: 1}})
+        assert big.status_code == 400 and big.json()["error"]["param"].startswith("chat_template_kwargs")
+
+
+async def test_server_default_budget_and_parser_off(serve):
+    async with serve("deepseek_r1", max_reasoning_tokens=2) as (client, _):
+        out = await client.chat.completions.create(model="tiny-deepseek_r1", messages=ASK, temperature=0, max_tokens=10)
+        assert out.usage.completion_tokens_details.reasoning_tokens == 3
+    async with serve("deepseek_r1", reasoning_parser="none", max_reasoning_tokens=2) as (client, _):
+        out = await client.chat.completions.create(model="tiny-deepseek_r1", messages=ASK, temperature=0, max_tokens=10)
+        assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
+        assert out.usage.completion_tokens_details is None
+
+
+def test_markers_written_as_several_tokens_never_leak(tokenizer):
+    """SmolLM2's tokenizer has no `<think>` token: `</think>` is several tokens. The sequence
+    holds a marker's first tokens back until it is complete (then neither text gets it) or
+    turns out to be text (then the reasoning gets them), so no piece of a marker leaks."""
+    from server.engine.reasoning import ReasoningSpec
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import GenerationRequest, Sequence, TokenInfo
+
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    end_ids = tuple(encode("</think>"))
+    assert len(end_ids) > 1
+    spec = ReasoningSpec(tuple(encode("<think>")), end_ids, inside=True)
+    seq = Sequence(GenerationRequest("r", [1], SamplingParams(max_tokens=64), reasoning=spec), tokenizer)
+    chunks = [seq.append(TokenInfo(t)).output for t in encode("Sum it") + list(end_ids[:-1])]
+    chunks += [seq.append(TokenInfo(t)).output for t in [end_ids[-1]] + encode(" Four.")]
+    chunks.append(seq.flush())
+    reasoning = "".join(c.reasoning for c in chunks)
+    assert reasoning == "Sum it" and "".join(c.text for c in chunks) == " Four."
+    assert all("<" not in c.text + c.reasoning for c in chunks)
+    assert sum(len(c.tokens) for c in chunks) == len(seq.generated)
+    assert seq.reasoning.tokens == len(encode("Sum it")) + len(end_ids) and seq.reasoning.thought == len(encode("Sum it"))
+    # a marker's start that turns out to be text is reasoning after all
+    seq = Sequence(GenerationRequest("r", [1], SamplingParams(max_tokens=64), reasoning=spec), tokenizer)
+    chunks = [seq.append(TokenInfo(t)).output for t in encode("a") + list(end_ids[:-1]) + encode("x")]
+    assert "".join(c.reasoning for c in chunks) + seq.flush().reasoning == tokenizer.decode(encode("a") + list(end_ids[:-1]) + encode("x"))
+
+
+async def test_a_model_without_markers_answers_as_before(app_client):
+    async with app_client() as client:
+        out = (await client.post("/v1/chat/completions", json={
+            "model": "SmolLM2-135M-Instruct", "messages": ASK, "max_tokens": 4, "temperature": 0})).json()
+        assert set(out["choices"][0]["message"]) == {"role", "content", "refusal"}
+        assert "completion_tokens_details" not in out["usage"]
+
+
+def history(responses: list, turns: int) -> list[dict]:
+    """The messages of a chat's first `turns` turns as a client sends them back (each answer
+    with its reasoning), ending with the next question."""
+    messages = []
+    for turn in range(turns + 1):
+        messages.append({"role": "user", "content": f"Question {turn}: what is {turn} + {turn}?"})
+        if turn < turns:
+            rc, _, content = fields(responses[turn].choices[0].message)
+            messages.append({"role": "assistant", "content": content or "", "reasoning_content": rc})
+    return messages
+
+
+async def chat_turns(client, model: str, turns: int, session: str, **body) -> list:
+    """A `turns`-turn chat in `session`: each turn's response."""
+    out = []
+    for turn in range(turns):
+        out.append(await client.chat.completions.create(
+            model=model, messages=history(out, turn), temperature=0, max_tokens=24,
+            extra_body={"max_reasoning_tokens": 5, "prompt_cache_key": session, **body}))
+    return out
+
+
+async def test_a_session_whose_template_drops_thinking_reuses_up_to_the_first_difference(serve, models):
+    """DeepSeek-R1's template drops an answer's thinking from the history: turn N + 1's prompt
+    first differs from the session's cached tokens where turn N's prompt opened `<think>`. The
+    session reuses everything before that, and each answer equals a fresh prefill's."""
+    tok = models["deepseek_r1"].tokenizer
+    opened = len(tok.encode("<think>\n", add_special_tokens=False))
+    async with serve("deepseek_r1") as (client, _):
+        kept = await chat_turns(client, "tiny-deepseek_r1", 4, "s1")
+        for before, after in zip(kept, kept[1:]):
+            assert after.usage.prompt_tokens_details.cached_tokens == before.usage.prompt_tokens - opened
+        for turn in range(1, 4):
+            fresh = await client.chat.completions.create(
+                model="tiny-deepseek_r1", messages=history(kept, turn), temperature=0, max_tokens=24,
+                extra_body={"max_reasoning_tokens": 5, "prompt_cache_key": f"fresh-{turn}"})
+            assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+            assert fresh.choices[0].message == kept[turn].choices[0].message
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tokenizer, models):
+    models["gpt_oss"] = thinking.tiny_model(thinking.family_tokenizer(tokenizer, "gpt_oss"))
+    return models["gpt_oss"]
+
+
+async def test_harmony_analysis_is_reasoning_and_the_answer_is_the_final_channel(serve, gpt_oss):
+    """gpt-oss: under a grammar the engine opens the analysis channel; the budget closes it with
+    `<|end|>`; the JSON answer comes in the final channel (its header written by the grammar),
+    and neither field holds a channel header."""
+    async with serve("gpt_oss") as (client, _):
+        ask = dict(model="tiny-gpt_oss", messages=ASK, temperature=0, max_tokens=60,
+                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+                   extra_body={"max_reasoning_tokens": 4})
+        out = await client.chat.completions.create(**ask)
+        rc, r, content = fields(out.choices[0].message)
+        assert rc and rc == r and "analysis" not in rc
+        jsonschema.validate(json.loads(content), SCHEMA)
+        assert out.usage.completion_tokens_details.reasoning_tokens == 3 + 4 + 1  # <|channel|>analysis<|message|>, 4, <|end|>
+        s_rc, _, s_content, _ = await streamed(client, **ask)
+        assert (s_rc, s_content) == (rc, content)
