@@ -89,6 +89,11 @@ def _param_path(loc: tuple) -> str | None:
 
 
 _OBJECT_TYPES = frozenset({"model_type", "model_attributes_type", "dict_type"})
+# Validation errors raised with OpenAI's own code as their type (PydanticCustomError): the
+# message is OpenAI's, already naming the field, and the code is passed on as it is.
+_OPENAI_CODES = frozenset({"empty_array"})
+UNPARSEABLE = "We could not parse the JSON body of your request"
+BODY_PARSE_ERROR = "There was an error parsing the body"  # FastAPI's HTTPException detail
 _NOT_AN_OBJECT = _OBJECT_TYPES | {"missing"}
 
 
@@ -122,7 +127,12 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = _param_path(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
-        message, param = "the request body is not valid JSON", None
+        loc = first.get("loc", ())
+        where = f" at character {loc[-1]}" if len(loc) > 1 and isinstance(loc[-1], int) else ""
+        error = (first.get("ctx") or {}).get("error", "not valid JSON")
+        message, param = f"{UNPARSEABLE}: {error}{where}. The API expects a JSON object.", None
+    elif first.get("type") in _OPENAI_CODES:
+        return APIError(400, message, code=first["type"], param=param)
     elif first.get("type") == "missing":
         message = f"'{param}' is a required property"
     elif first.get("type") in _OBJECT_TYPES and param:
@@ -130,6 +140,13 @@ def validation_error(exc: RequestValidationError) -> APIError:
     elif param:
         message = f"{param}: {message}"
     return APIError(400, message, code="invalid_value" if param else "invalid_request", param=param)
+
+
+def unparseable_body(cause: Exception) -> APIError:
+    """A JSON body the parser gave up on: OpenAI's words and type (OpenAI itself sends `code:
+    null` here; kvserve's code is the one it gives any body that is not a JSON object)."""
+    why = "it nests too deeply (at most about 1000 levels)" if isinstance(cause, RecursionError) else "it could not be decoded"
+    return APIError(400, f"{UNPARSEABLE}: {why}. The API expects a JSON object.", code="invalid_request")
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -149,12 +166,20 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == BODY_PARSE_ERROR and isinstance(exc.__cause__, Exception):
+            # NOTE: FastAPI's 400 for a body its JSON parser raised on other than a syntax
+            # error: nesting deeper than Python's recursion limit (~1000 levels), bytes that
+            # are not UTF-8.
+            state = getattr(request.app.state, "kv", None)
+            if state is not None:
+                state.metrics.rejections.labels("bad_request").inc()
+            return unparseable_body(exc.__cause__).response()
         codes = {404: "not_found", 405: "method_not_allowed"}
         message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
         return APIError(
             exc.status_code,
             message.get(exc.status_code, str(exc.detail)),
-            code=codes.get(exc.status_code),
+            code=codes.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "internal_error"),
             headers=getattr(exc, "headers", None),
         ).response()
 

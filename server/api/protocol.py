@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from server.engine.sampling import SamplingParams
 
@@ -203,6 +204,15 @@ class ChatCompletionRequest(SamplingFields):
     # extensions (vLLM's spelling): the template's thinking switches; kvserve: the thinking budget
     chat_template_kwargs: dict[str, Any] | None = None
     max_reasoning_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages_not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise PydanticCustomError(
+                "empty_array", "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+            )
+        return value
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -8,23 +8,26 @@ Items (the conversation) are a discriminated union on `type`; a message may omit
 "easy input message"). Tags are spelled with a space so that `server.api.errors` leaves them out of
 the `param` it reports (`input[2].content[0].type`, not `input[2].message item.content...`).
 Unknown fields are ignored, as in `server.api.protocol`; fields kvserve cannot honour and that would
-change the meaning of the request (`background`, `conversation`, `prompt`, non-function tools)
-are refused with a 400 naming them.
+change the meaning of the request (`background`, `conversation`, `prompt`, a `tool_choice` naming
+a non-function tool) are refused with a 400 naming them. Tools kvserve cannot run (hosted ones:
+`web_search`, `namespace`, `custom`, ...) are dropped, and the response says which
+(`DROPPED_TOOLS_HEADER`): agents such as the Codex CLI send them by default.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from server.api.protocol import INT64, MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, OpenAIModel, StopString
 
 Text = Annotated[str, Field(max_length=10_000_000)]
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_ITEMS = 4096
+DROPPED_TOOLS_HEADER = "X-Kvserve-Dropped-Tools"
 
 
 def item_id(prefix: str) -> str:
@@ -57,27 +60,20 @@ class MessageItem(OpenAIModel):
 
 
 class FunctionCallItem(OpenAIModel):
-    """A call the model made earlier; `arguments` is a JSON string."""
+    """A call the model made earlier; `arguments` is the JSON text it wrote, or, for a call
+    `max_output_tokens` cut short ("incomplete"), its arguments so far: accepted as written."""
 
     type: Literal["function_call"]
     id: Annotated[str, Field(max_length=256)] | None = None
     call_id: CallId
     name: Annotated[str, Field(min_length=1, max_length=256)]
     arguments: Text
-
-    @field_validator("arguments")
-    @classmethod
-    def _arguments_are_json(cls, value: str) -> str:
-        try:
-            json.loads(value)
-        except ValueError:
-            raise ValueError("must be a JSON string") from None
-        return value
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def wire(self) -> dict:
         return {
             "id": self.id or item_id("fc"), "type": "function_call", "call_id": self.call_id,
-            "name": self.name, "arguments": self.arguments, "status": "completed",
+            "name": self.name, "arguments": self.arguments, "status": self.status or "completed",
         }
 
 
@@ -183,6 +179,33 @@ class FunctionTool(OpenAIModel):
     strict: bool | None = None
 
 
+class HostedTool(OpenAIModel):
+    """A tool of any other type (`web_search`, `file_search`, `local_shell`, `custom`, `mcp`,
+    `namespace`, ...): one OpenAI runs, or a client-side kind kvserve's grammar cannot write.
+    Accepted and dropped (`ResponsesRequest.dropped_tools`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+def _tool_tag(value: Any) -> str | None:
+    if isinstance(value, dict) and isinstance(value.get("type"), str):
+        return "function tool" if value["type"] == "function" else "hosted tool"
+    return None
+
+
+Tool = Annotated[
+    Union[Annotated[FunctionTool, Tag("function tool")], Annotated[HostedTool, Tag("hosted tool")]],
+    Discriminator(_tool_tag, custom_error_type="invalid_tool", custom_error_message="a tool must be an object with a string type"),
+]
+
+
+def dropped_tools_header(types: list[str]) -> dict[str, str]:
+    """The header that lists the types of the tools a request's `tools` held and kvserve
+    dropped (each type once, in order); none when nothing was dropped."""
+    return {DROPPED_TOOLS_HEADER: ", ".join(dict.fromkeys(types))} if types else {}
+
+
 class NamedFunction(OpenAIModel):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1, max_length=256)]
@@ -194,7 +217,7 @@ class ResponsesRequest(OpenAIModel):
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     include: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=64)] | None = None
-    input: Text | Annotated[list[Item], Field(min_length=1, max_length=MAX_ITEMS)]
+    input: Text | Annotated[list[Item], Field(max_length=MAX_ITEMS)]
     instructions: Text | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     max_tool_calls: Annotated[int, Field(ge=1, le=1024)] | None = None
@@ -213,7 +236,7 @@ class ResponsesRequest(OpenAIModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     text: TextConfig | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
-    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # logprobs are not returned here
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -241,6 +264,25 @@ class ResponsesRequest(OpenAIModel):
             raise ValueError(f"not supported by kvserve{hint}")
         return value
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_not_empty(cls, value):
+        if isinstance(value, list) and not value:
+            raise PydanticCustomError(
+                "empty_array", "Invalid 'input': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+            )
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_runs(cls, value):
+        if isinstance(value, dict) and value.get("type") != "function":
+            raise ValueError(
+                f"a tool_choice of type {value.get('type')!r} is not supported: kvserve runs function tools only "
+                "(tools of other types are dropped); use 'auto', 'none', 'required' or {'type': 'function', 'name': ...}"
+            )
+        return value
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, value, info):
@@ -258,6 +300,14 @@ class ResponsesRequest(OpenAIModel):
         fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
         return fmt.model_dump(by_alias=True, exclude_none=True)
 
+    def function_tools(self) -> list[FunctionTool]:
+        """The tools this turn offers the model: the function tools."""
+        return [t for t in self.tools or () if isinstance(t, FunctionTool)]
+
+    def dropped_tools(self) -> list[str]:
+        """The types of the tools kvserve dropped (it cannot run them), in request order."""
+        return [t.type for t in self.tools or () if isinstance(t, HostedTool)]
+
     def tool_choice_wire(self) -> str | dict:
         if isinstance(self.tool_choice, NamedFunction):
             return self.tool_choice.model_dump()
@@ -270,8 +320,8 @@ class ResponsesRequest(OpenAIModel):
         if isinstance(tool_choice, NamedFunction):
             tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
         tools = None
-        if self.tools:
-            tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools]
+        if self.function_tools():
+            tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.function_tools()]
         fmt = self.text.format if self.text is not None else None
         return ChatCompletionRequest.model_validate({
             "model": self.model,

@@ -10,6 +10,10 @@ use), until the stored bytes fit the budget. A response larger than the whole bu
 stored at all (the response object then says `"store": false`). An evicted or deleted id is
 404, exactly like one that never existed.
 
+In progress: while a stored turn runs, its record (the response object `in_progress`) is held
+apart (`begin`): retrievable, not counted in the budget, never written to disk; `put` replaces
+it when the turn ends, `abandon` drops it when the turn fails or the client leaves.
+
 Persistence: with a directory (the server passes `<--kv-disk-dir>/responses`), every stored
 response is also written to `<id>.json` (atomically, on one background thread, in order) and
 removed when evicted or deleted; `load()` reads the directory back at start, oldest first, and
@@ -89,6 +93,7 @@ class ResponseStore:
         self.hits = self.misses = 0
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # LRU first
+        self._running: dict[str, StoredResponse] = {}  # turns being generated (see `begin`)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvserve-responses") if directory else None
 
     def __len__(self) -> int:
@@ -100,8 +105,10 @@ class ResponseStore:
         data = data if data is not None else record.to_json()
         record.nbytes = len(data)
         if record.nbytes > self.budget_bytes:
+            self.abandon(record.id)
             return False
         with self._lock:
+            self._running.pop(record.id, None)
             old = self._entries.pop(record.id, None)
             if old is not None:
                 self.nbytes -= old.nbytes
@@ -113,15 +120,32 @@ class ResponseStore:
             self._remove(gone.id)
         return True
 
-    def get(self, principal: str, response_id: str) -> StoredResponse | None:
+    def begin(self, record: StoredResponse) -> None:
+        """Holds the record of a turn still running (its response `in_progress`) until `put`
+        replaces it or `abandon` drops it. Nothing is held when the store stores nothing."""
+        if self.budget_bytes > 0:
+            with self._lock:
+                self._running[record.id] = record
+
+    def abandon(self, response_id: str) -> None:
+        """Drops a running turn's record (failed, cancelled, client gone); a stored one stays."""
+        with self._lock:
+            self._running.pop(response_id, None)
+
+    def get(self, principal: str, response_id: str, *, in_progress: bool = False) -> StoredResponse | None:
         """The caller's response (a use: moves it to the end of the LRU); None when missing,
-        evicted, deleted or another principal's."""
+        evicted, deleted or another principal's. With `in_progress`, a turn still running is
+        found too (its record's response says `"status": "in_progress"`)."""
         with self._lock:
             record = self._entries.get(response_id)
+            if record is not None and record.principal == principal:
+                self._entries.move_to_end(response_id)
+                self.hits += 1
+                return record
+            record = self._running.get(response_id) if in_progress else None
             if record is None or record.principal != principal:
                 self.misses += 1
                 return None
-            self._entries.move_to_end(response_id)
             self.hits += 1
             return record
 

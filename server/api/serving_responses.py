@@ -12,6 +12,9 @@ tool prompt, tool-call parsing) and generated in a kvserve session of the caller
 
 Because the session only caches what the rendered conversation already is, a continued turn's
 greedy output equals that of the same history sent whole (the equivalence invariant).
+
+A stored turn is retrievable from admission on, `in_progress` until it ends (the store's
+`begin`); a failed or abandoned one is removed, as it is never stored.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -30,10 +34,12 @@ from sse_starlette import EventSourceResponse
 from cache_manager.sessions import EntryPinnedError
 from server.api import serving, serving_chat
 from server.api.errors import APIError
-from server.api.protocol_responses import InputItemsQuery, Item, ResponsesRequest, item_id
+from server.api.protocol_responses import InputItemsQuery, Item, ResponsesRequest, dropped_tools_header, item_id
 from server.api.response_store import ResponseStore, StoredResponse
 from server.engine.sequence import RequestOutput
 from server.api.serving import ServingContext
+
+log = logging.getLogger(__name__)
 
 ROUTE = "/v1/responses"
 _ITEMS = TypeAdapter(list[Item])
@@ -46,6 +52,28 @@ def not_found(response_id: str, param: str) -> APIError:
         "deleted, evicted from the response store, or another API key's)",
         code="response_not_found", param=param,
     )
+
+
+def in_progress(response_id: str, param: str) -> APIError:
+    return APIError(
+        400,
+        f"Response '{response_id}' is still in progress: it can be continued or deleted once it has "
+        "completed (retrieve it to see its status)",
+        code="response_in_progress", param=param, rejection="bad_request",
+    )
+
+
+def unmatched_output(conversation: list[dict], input_items: list[dict]) -> APIError | None:
+    """OpenAI's 400 for a function_call_output in this input whose call_id no function_call
+    of the conversation (earlier turns and this input) has."""
+    calls = {item["call_id"] for item in conversation if item["type"] == "function_call"}
+    for item in input_items:
+        if item["type"] == "function_call_output" and item["call_id"] not in calls:
+            return APIError(
+                400, f"No tool call found for function call output with call_id {item['call_id']}.",
+                code="invalid_value", param="input", rejection="bad_request",
+            )
+    return None
 
 
 @contextlib.contextmanager
@@ -99,7 +127,7 @@ class Turn:
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": body.text_format()},
             "tool_choice": body.tool_choice_wire(),
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+            "tools": [t.model_dump(exclude_none=True) for t in body.function_tools()],
             "top_logprobs": 0,
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": body.truncation or "disabled",
@@ -155,11 +183,15 @@ async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequ
     principal = request.state.principal
     previous = None
     if body.previous_response_id is not None:
-        previous = store.get(principal, body.previous_response_id)
+        previous = store.get(principal, body.previous_response_id, in_progress=True)
         if previous is None:
             raise not_found(body.previous_response_id, "previous_response_id")
+        if previous.response["status"] == "in_progress":
+            raise in_progress(body.previous_response_id, "previous_response_id")
     input_wire = [item.wire() for item in body.input_items()]
     conversation = (previous.conversation if previous is not None else []) + input_wire
+    if (error := unmatched_output(conversation, input_wire)) is not None:
+        raise error
     response_id = item_id("resp")
     if body.prompt_cache_key is None and previous is not None and previous.session_id is not None:
         session = previous.session_id  # the KV of the stored conversation, whatever header is sent
@@ -175,7 +207,7 @@ async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequ
         raise APIError(400, f"the conversation cannot be rendered as a chat: {message}", code="invalid_value", param="input", rejection="bad_request") from None
     with _renamed(messages="input", max_tokens="max_output_tokens", response_format="text.format", prompt_cache_key="previous_response_id" if previous else "prompt_cache_key"):
         prompt_ids = await asyncio.to_thread(serving_chat.render_prompt, ctx.tokenizer, chat)
-        max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.max_output_tokens, "max_output_tokens")
+        max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.max_output_tokens, "max_output_tokens", "input")
         params = serving.choice_params(ctx, chat, max_tokens)
         grammar, tool_mode = await serving.compile_grammar(ctx, chat, chat.tools, chat.tool_choice)
         requests = serving.generation_requests(request, chat, response_id, [prompt_ids], params, ctx.request_timeout_s, grammar)
@@ -205,17 +237,32 @@ def drop_session(ctx: ServingContext | None, principal: str, session_id: str) ->
             ctx.cache_manager.delete_session(principal, session_id)
 
 
+def hold(store: ResponseStore, turn: Turn, head: dict) -> None:
+    """Makes a stored turn retrievable while it runs (`head`: its response `in_progress`)."""
+    if turn.body.store:
+        store.begin(StoredResponse(turn.id, turn.principal, turn.session_id, head, turn.input_items, []))
+
+
 async def create(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
+    """The turn, answered whole or streamed. Tools kvserve cannot run were dropped: logged, and
+    listed in the `X-Kvserve-Dropped-Tools` header."""
     turn, handles = await prepare(ctx, store, body, request)
+    headers = dropped_tools_header(body.dropped_tools())
+    if headers:
+        log.warning("%s: dropped tools kvserve cannot run: %s", turn.id, ", ".join(headers.values()))
     if body.stream:
-        headers = await serving.admission_headers(ctx, request, handles)
+        headers |= await serving.admission_headers(ctx, request, handles)
         return EventSourceResponse(stream(ctx, store, turn, handles[0]), ping=15, headers=headers)
-    choice = (await serving.collect(ctx, request, handles, ROUTE))[0]
-    final = choice.final
-    items = output_items(choice.text, final, turn.tool_mode, tokenizer=ctx.tokenizer, tokens=choice.tokens)
-    response = turn.response(status_of(final), items, final)
-    remember(ctx, store, turn, response)
-    return JSONResponse(response, headers=serving.cache_headers(final))
+    hold(store, turn, turn.response("in_progress", []))
+    try:
+        choice = (await serving.collect(ctx, request, handles, ROUTE))[0]
+        final = choice.final
+        items = output_items(choice.text, final, turn.tool_mode, tokenizer=ctx.tokenizer, tokens=choice.tokens)
+        response = turn.response(status_of(final), items, final)
+        remember(ctx, store, turn, response)
+    finally:
+        store.abandon(turn.id)  # a failed turn's record; a stored one stays
+    return JSONResponse(response, headers=serving.cache_headers(final) | headers)
 
 
 class Events:
@@ -265,6 +312,20 @@ def held_item(ev: Events, index: int, item: dict) -> list[dict]:
 
 
 async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
+    """`event_sequence`, with the turn retrievable `in_progress` from before its id is first sent
+    (`response.created`) until it is stored, and its record dropped however the stream ends
+    otherwise (failed, client gone)."""
+    head = turn.response("in_progress", [])
+    hold(store, turn, head)
+    try:
+        async with contextlib.aclosing(event_sequence(ctx, store, turn, handle, head)) as sequence:
+            async for event in sequence:
+                yield event
+    finally:
+        store.abandon(turn.id)
+
+
+async def event_sequence(ctx: ServingContext, store: ResponseStore, turn: Turn, handle, head: dict):
     """The Responses event sequence: created, in_progress, then per output item added /
     content_part.added / deltas / done events, then completed (or incomplete, or failed).
 
@@ -274,7 +335,6 @@ async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
     its final event is sent.
     """
     ev = Events()
-    head = turn.response("in_progress", [])
     yield ev("response.created", response=head)
     yield ev("response.in_progress", response=head)
     tracker = serving.Tracker(ctx.metrics, turn.arrived, handle)
@@ -319,7 +379,8 @@ async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
 
 
 def retrieve(store: ResponseStore, principal: str, response_id: str) -> dict:
-    record = store.get(principal, response_id)
+    """The stored response, or the one still being generated (`"status": "in_progress"`)."""
+    record = store.get(principal, response_id, in_progress=True)
     if record is None:
         raise not_found(response_id, "response_id")
     return record.response
@@ -331,6 +392,8 @@ def delete(ctx: ServingContext | None, store: ResponseStore, principal: str, res
     `prompt_cache_key` is the client's to delete."""
     record = store.delete(principal, response_id)
     if record is None:
+        if store.get(principal, response_id, in_progress=True) is not None:
+            raise in_progress(response_id, "response_id")
         raise not_found(response_id, "response_id")
     session = record.session_id
     if session is not None and session.startswith("resp_") and not store.sessions_in_use(principal, session):
@@ -339,8 +402,9 @@ def delete(ctx: ServingContext | None, store: ResponseStore, principal: str, res
 
 
 def input_items(store: ResponseStore, principal: str, response_id: str, query: InputItemsQuery) -> dict:
-    """This response's own input items (not the earlier turns'), as a cursor page."""
-    record = store.get(principal, response_id)
+    """This response's own input items (not the earlier turns'), as a cursor page; a response
+    still in progress has them too."""
+    record = store.get(principal, response_id, in_progress=True)
     if record is None:
         raise not_found(response_id, "response_id")
     items = record.input_items if query.order == "asc" else record.input_items[::-1]

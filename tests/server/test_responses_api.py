@@ -82,10 +82,10 @@ async def test_two_keys_cannot_see_each_others_responses(app_client):
 INVALID = [
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{nope"}]}, "input[0].arguments"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": []}, "input"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"tools": [{"name": "f"}]}, "tools[0]"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"text": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}}, "text.format"),
