@@ -97,7 +97,40 @@ class FunctionCallOutputItem(OpenAIModel):
         return {"id": self.id or item_id("fco"), "type": "function_call_output", "call_id": self.call_id, "output": self.text(), "status": "completed"}
 
 
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+class ReasoningPart(OpenAIModel):
+    """A reasoning item's text: `reasoning_text` (its content) or `summary_text` (a summary)."""
+
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(OpenAIModel):
+    """A thinking model's reasoning before the output that follows it, as kvserve returns it
+    (`content`: its reasoning_text) and as clients send it back (the Agents SDK, LangChain);
+    `encrypted_content` is accepted and ignored (kvserve keeps no secret of its own)."""
+
+    type: Literal["reasoning"]
+    id: Annotated[str, Field(max_length=256)] | None = None
+    summary: Annotated[list[ReasoningPart], Field(max_length=1024)] = []
+    content: Annotated[list[ReasoningPart], Field(max_length=1024)] | None = None
+    encrypted_content: Annotated[str, Field(max_length=10_000_000)] | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        """The reasoning itself (its content; a summary when that is all it has)."""
+        return "".join(p.text for p in (self.content if self.content else self.summary))
+
+    def wire(self) -> dict:
+        return reasoning_item(self.id or item_id("rs"), self.text(), self.status or "completed")
+
+
+def reasoning_item(reasoning_id: str, text: str | None, status: str) -> dict:
+    """The wire form of a reasoning item (OpenAI's open-weight models: the text as content)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"id": reasoning_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 def _item_tag(value: Any) -> str | None:
@@ -112,22 +145,29 @@ Item = Annotated[
         Annotated[MessageItem, Tag("message item")],
         Annotated[FunctionCallItem, Tag("function_call item")],
         Annotated[FunctionCallOutputItem, Tag("function_call_output item")],
+        Annotated[ReasoningItem, Tag("reasoning item")],
     ],
     Discriminator(
         _item_tag,
         custom_error_type="invalid_item",
-        custom_error_message="unsupported item: kvserve takes messages (text parts), function_call and function_call_output items",
+        custom_error_message="unsupported item: kvserve takes messages (text parts), function_call, function_call_output and reasoning items",
     ),
 ]
 
 
 def chat_messages(instructions: str | None, items: list[Item]) -> list[dict]:
-    """Items -> chat messages: instructions first (a system message), function calls as the
-    assistant's `tool_calls` (a call right after an assistant message joins it), outputs as
-    `tool` messages. Earlier outputs sent back as input render exactly like stored ones."""
+    """Items -> chat messages, the one conversion between the two APIs: instructions first (a
+    system message), function calls as the assistant's `tool_calls` (a call right after an
+    assistant message joins it), outputs as `tool` messages, a reasoning item as the
+    `reasoning_content` of the assistant turn it precedes (its chat template decides what it
+    keeps). Earlier outputs sent back as input render exactly like stored ones."""
     messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     joinable = False  # the last message is an assistant turn a call may join
+    reasoning: str | None = None  # a reasoning item waiting for its assistant turn
     for item in items:
+        if isinstance(item, ReasoningItem):
+            reasoning = (reasoning or "") + item.text()
+            continue
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
             joinable = item.role == "assistant"
@@ -140,6 +180,9 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict]:
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
             joinable = False
+        if reasoning is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = reasoning
+            reasoning = None
     return messages
 
 
@@ -206,6 +249,14 @@ def dropped_tools_header(types: list[str]) -> dict[str, str]:
     return {DROPPED_TOOLS_HEADER: ", ".join(dict.fromkeys(types))} if types else {}
 
 
+class ReasoningConfig(OpenAIModel):
+    """`reasoning`: the effort maps to the model's thinking switch as chat's `reasoning_effort`
+    does; summaries are not written (the reasoning itself is returned)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class NamedFunction(OpenAIModel):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1, max_length=256)]
@@ -227,7 +278,7 @@ class ResponsesRequest(OpenAIModel):
     previous_response_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     prompt: dict[str, Any] | None = None
     prompt_cache_key: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     safety_identifier: Annotated[str, Field(max_length=512)] | None = None
     service_tier: Annotated[str, Field(max_length=64)] | None = None
     store: bool = True
@@ -248,6 +299,7 @@ class ResponsesRequest(OpenAIModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     speculative: bool = True
+    max_reasoning_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None  # the thinking budget
 
     @field_validator("background")
     @classmethod
@@ -338,6 +390,8 @@ class ResponsesRequest(OpenAIModel):
             "tools": tools,
             "tool_choice": tool_choice,
             "parallel_tool_calls": self.parallel_tool_calls,
+            "reasoning_effort": self.reasoning.effort if self.reasoning is not None else None,
+            "max_reasoning_tokens": self.max_reasoning_tokens,
             "prompt_cache_key": session_id,
             "speculative": self.speculative,
         })

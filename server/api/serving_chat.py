@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -125,17 +126,42 @@ def logprobs_entry(ctx: ServingContext, token: TokenInfo) -> dict:
     return entry
 
 
-async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
-    ctx.check_model(body.model)
+@dataclass(slots=True)
+class Submitted:
+    """A chat turn the engine took: its sequences' handles, and how its output is assembled."""
+
+    handles: list
+    tool_mode: str | None
+    thinking: bool  # the model's reasoning parser runs for it
+    tools: list | None
+    tokenizer: object
+
+    def assembly(self) -> Assembly:
+        """A new `Assembly` for one of its choices."""
+        return Assembly(self.tokenizer, self.tool_mode, thinking=self.thinking, tools=self.tools)
+
+
+async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Request, request_id: str, *,
+                 requested_max_tokens: int | None, max_tokens_param: str = "max_tokens", prompt_param: str = "messages") -> Submitted:
+    """Everything between a chat request and the engine, for both APIs (the Responses API
+    converts its turn to a chat request first): the thinking controls, the chat template, the
+    token limit, sampling, the grammar, the reasoning spec; then its sequences are queued."""
     template_kwargs, budget = reasoning.controls(ctx, body.reasoning_effort, body.chat_template_kwargs, body.max_reasoning_tokens)
     prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body, template_kwargs)
-    max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens(), "max_tokens", "messages")
+    max_tokens = ctx.resolve_max_tokens(len(prompt_ids), requested_max_tokens, max_tokens_param, prompt_param)
     params = serving.choice_params(ctx, body, max_tokens)
     grammar, tool_mode = await serving.compile_grammar(ctx, body, body.tools, body.tool_choice)
     thinking = reasoning.spec(ctx, prompt_ids, budget, tool_mode)
-    request_id = serving.new_id("chatcmpl")
     requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar, thinking)
     handles = serving.submit_all(ctx, requests, len(params))
+    return Submitted(handles, tool_mode, thinking is not None, body.tools, ctx.tokenizer)
+
+
+async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
+    ctx.check_model(body.model)
+    request_id = serving.new_id("chatcmpl")
+    turn = await submit(ctx, body, request, request_id, requested_max_tokens=body.requested_max_tokens())
+    handles = turn.handles
     created = int(time.time())
     head = {
         "id": request_id,
@@ -143,18 +169,14 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
         "model": body.model,
         "system_fingerprint": ctx.fingerprint,
     }
-
-    def assembly() -> Assembly:
-        return Assembly(ctx.tokenizer, tool_mode, thinking=thinking is not None, tools=body.tools)
-
     if body.stream:
         headers = await serving.admission_headers(ctx, request, handles)
         return EventSourceResponse(
-            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head, assembly)),
+            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head, turn.assembly)),
             ping=15,
             headers=headers,
         )
-    choices = await serving.collect(ctx, request, handles, ROUTE, assembly)
+    choices = await serving.collect(ctx, request, handles, ROUTE, turn.assembly)
     return JSONResponse(headers=serving.cache_headers(choices[0].final), content={
         **head,
         "object": "chat.completion",

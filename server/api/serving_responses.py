@@ -19,7 +19,6 @@ A stored turn is retrievable from admission on, `in_progress` until it ends (the
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -33,8 +32,9 @@ from sse_starlette import EventSourceResponse
 
 from cache_manager.sessions import EntryPinnedError
 from server.api import serving, serving_chat
+from server.api.assembly import Parts
 from server.api.errors import APIError
-from server.api.protocol_responses import InputItemsQuery, Item, ResponsesRequest, dropped_tools_header, item_id
+from server.api.protocol_responses import InputItemsQuery, Item, ResponsesRequest, dropped_tools_header, item_id, reasoning_item
 from server.api.response_store import ResponseStore, StoredResponse
 from server.engine.sequence import RequestOutput
 from server.api.serving import ServingContext
@@ -96,7 +96,7 @@ class Turn:
     session_id: str | None
     input_items: list[dict]  # this turn's input, with ids
     conversation: list[dict]  # earlier turns + this input
-    tool_mode: str | None
+    submitted: serving_chat.Submitted  # its sequence, and how its output is assembled
     created_at: int
     arrived: float  # time.monotonic() when the request arrived (latency metrics)
 
@@ -121,7 +121,7 @@ class Turn:
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
             "prompt_cache_key": body.prompt_cache_key,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning is not None else None, "summary": None},
             "service_tier": "default",
             "store": body.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
@@ -141,7 +141,7 @@ def usage(final: RequestOutput) -> dict:
         "input_tokens": final.prompt_tokens,
         "input_tokens_details": {"cached_tokens": final.cached_tokens},
         "output_tokens": final.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": final.reasoning_tokens},
         "total_tokens": final.prompt_tokens + final.completion_tokens,
     }
 
@@ -150,29 +150,127 @@ def status_of(final: RequestOutput) -> str:
     return "completed" if final.finish_reason == "stop" else "incomplete"
 
 
-def output_items(text: str, final: RequestOutput, tool_mode: str | None, message_id: str | None = None, *, tokenizer=None, tokens=None) -> list[dict]:
-    """The output of a finished turn: its function calls (each its own item; several when
-    `parallel_tool_calls` allows them), or one message. A call `max_output_tokens` cut short
-    is "incomplete", with its arguments so far. `tokenizer` and the turn's `tokens` let a
-    model's marker tokens be seen (serving_chat.assistant_message)."""
-    message, finish_reason = serving_chat.assistant_message(text, final.finish_reason, tool_mode, tokenizer=tokenizer, tokens=tokens)
-    calls = message.get("tool_calls")
-    if calls:
-        last = len(calls) - 1
-        return [
-            {
-                "id": item_id("fc"), "type": "function_call", "call_id": call["id"],
-                "status": "incomplete" if i == last and finish_reason == "length" else "completed",
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-            }
-            for i, call in enumerate(calls)
-        ]
-    return [message_item(message_id or item_id("msg"), message["content"] or "", status_of(final))]
-
-
 def message_item(message_id: str, text: str | None, status: str) -> dict:
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"id": message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def call_item(item_id_: str, call, status: str | None = None) -> dict:
+    """A function_call item of a parsed call: "incomplete" when the token limit cut it."""
+    status = status or ("completed" if call.complete else "incomplete")
+    return {"id": item_id_, "type": "function_call", "call_id": call.id, "status": status, "name": call.name, "arguments": call.arguments}
+
+
+class Output:
+    """A turn's output items built from its `Assembly` as it comes: a reasoning item (a thinking
+    model's), then a message (its text), then one function_call item per call, each opened
+    when its first part arrives. `feed` returns the stream's events for a chunk of parts;
+    `items` are the finished items (the same ids), for the response object and the store."""
+
+    def __init__(self, ev: "Events | None" = None) -> None:
+        self.ev = ev or Events()
+        self.order: list[str] = []  # item ids in output order
+        self.kinds: dict[str, str] = {}
+        self.reasoning_id: str | None = None
+        self.message_id: str | None = None
+        self.call_ids: dict[int, str] = {}  # call index -> item id
+
+    def _add(self, kind: str, prefix: str, item: dict) -> tuple[str, list[dict]]:
+        """Open an item (its `done` events come with the response, once its final text and
+        status are known: `finish`)."""
+        new_id = item["id"] = item_id(prefix)
+        self.order.append(new_id)
+        self.kinds[new_id] = kind
+        return new_id, [self.ev("response.output_item.added", output_index=len(self.order) - 1, item=item)]
+
+    def _index(self, some_id: str) -> int:
+        return self.order.index(some_id)
+
+    def feed(self, parts) -> list[dict]:
+        events = []
+        if parts.reasoning:
+            if self.reasoning_id is None:
+                self.reasoning_id, opened = self._add("reasoning", "rs", reasoning_item("", None, "in_progress"))
+                events += opened
+                part = {"type": "reasoning_text", "text": ""}
+                events.append(self.ev("response.content_part.added", item_id=self.reasoning_id, output_index=self._index(self.reasoning_id), content_index=0, part=part))
+            events.append(self.ev("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=self._index(self.reasoning_id), content_index=0, delta=parts.reasoning))
+        if parts.content:
+            if self.message_id is None:
+                self.message_id, opened = self._add("message", "msg", message_item("", None, "in_progress"))
+                events += opened
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                events.append(self.ev("response.content_part.added", item_id=self.message_id, output_index=self._index(self.message_id), content_index=0, part=part))
+            events.append(self.ev("response.output_text.delta", item_id=self.message_id, output_index=self._index(self.message_id), content_index=0, delta=parts.content, logprobs=[]))
+        for call in parts.started:
+            new_id, opened = self._add("function_call", "fc", {**call_item("", call, "in_progress"), "arguments": ""})
+            self.call_ids[call.index] = new_id
+            events += opened
+        for index, text in parts.arguments.items():
+            call_id = self.call_ids[index]
+            events.append(self.ev("response.function_call_arguments.delta", item_id=call_id, output_index=self._index(call_id), delta=text))
+        return events
+
+    def items(self, assembly, final: RequestOutput) -> list[dict]:
+        """The finished items: the reasoning, the message (an empty one when the turn made
+        neither text nor calls), the calls."""
+        status = status_of(final)
+        calls = {call.index: call for call in assembly.calls}
+        if self.message_id is None and not calls:
+            self.message_id = item_id("msg")
+            self.order.append(self.message_id)
+            self.kinds[self.message_id] = "message"
+        by_id = {}
+        if self.reasoning_id is not None:
+            by_id[self.reasoning_id] = reasoning_item(self.reasoning_id, assembly.reasoning, "completed" if calls or assembly.content or status == "completed" else status)
+        if self.message_id is not None:
+            by_id[self.message_id] = message_item(self.message_id, assembly.content, status)
+        for index, call in calls.items():
+            if index not in self.call_ids:  # released whole at the end (a held-back call)
+                self.call_ids[index] = item_id("fc")
+                self.order.append(self.call_ids[index])
+                self.kinds[self.call_ids[index]] = "function_call"
+            by_id[self.call_ids[index]] = call_item(self.call_ids[index], call)
+        self.order = [i for i in self.order if i in by_id]  # a call the parser dropped (a repeat)
+        return [by_id[i] for i in self.order]
+
+    def finish(self, items: list[dict], sent: set[str]) -> list[dict]:
+        """The `done` events of every item, in output order (an item never opened is sent
+        whole: `added`, its text or arguments, `done`)."""
+        events = []
+        for index, item in enumerate(items):
+            if item["id"] not in sent:
+                events += self._whole(index, item)
+            events += closed_item(self.ev, index, item)
+        return events
+
+    def _whole(self, index: int, item: dict) -> list[dict]:
+        ev = self.ev
+        if item["type"] == "function_call":
+            return [ev("response.output_item.added", output_index=index, item={**item, "arguments": "", "status": "in_progress"}),
+                    ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"])]
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            text = item["content"][0]["text"]
+            events = [ev("response.output_item.added", output_index=index, item=message_item(item["id"], None, "in_progress")),
+                      ev("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part)]
+            if text:
+                events.append(ev("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0, delta=text, logprobs=[]))
+            return events
+        return [ev("response.output_item.added", output_index=index, item=reasoning_item(item["id"], None, "in_progress"))]
+
+
+def output_items(assembly, final: RequestOutput) -> list[dict]:
+    """The output of a finished turn, assembled whole (not streamed)."""
+    out = Output()
+    out.feed(_everything(assembly))
+    return out.items(assembly, final)
+
+
+def _everything(assembly) -> Parts:
+    """All of a finished assembly as one chunk of parts (ids are given in output order)."""
+    return Parts(reasoning=assembly.reasoning, content=assembly.content, started=list(assembly.calls),
+                 arguments={c.index: c.arguments for c in assembly.calls})
 
 
 async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequest, request: Request):
@@ -205,15 +303,12 @@ async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequ
         error = exc.errors()[0]
         message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
         raise APIError(400, f"the conversation cannot be rendered as a chat: {message}", code="invalid_value", param="input", rejection="bad_request") from None
-    with _renamed(messages="input", max_tokens="max_output_tokens", response_format="text.format", prompt_cache_key="previous_response_id" if previous else "prompt_cache_key"):
-        prompt_ids = await asyncio.to_thread(serving_chat.render_prompt, ctx.tokenizer, chat)
-        max_tokens = ctx.resolve_max_tokens(len(prompt_ids), body.max_output_tokens, "max_output_tokens", "input")
-        params = serving.choice_params(ctx, chat, max_tokens)
-        grammar, tool_mode = await serving.compile_grammar(ctx, chat, chat.tools, chat.tool_choice)
-        requests = serving.generation_requests(request, chat, response_id, [prompt_ids], params, ctx.request_timeout_s, grammar)
-        handles = serving.submit_all(ctx, requests, 1)
-    turn = Turn(response_id, body, principal, session, input_wire, conversation, tool_mode, int(time.time()), arrived)
-    return turn, handles
+    with _renamed(messages="input", max_tokens="max_output_tokens", response_format="text.format", reasoning_effort="reasoning.effort",
+                  prompt_cache_key="previous_response_id" if previous else "prompt_cache_key"):
+        submitted = await serving_chat.submit(ctx, chat, request, response_id, requested_max_tokens=body.max_output_tokens,
+                                              max_tokens_param="max_output_tokens", prompt_param="input")
+    turn = Turn(response_id, body, principal, session, input_wire, conversation, submitted, int(time.time()), arrived)
+    return turn, submitted.handles
 
 
 def remember(ctx: ServingContext, store: ResponseStore, turn: Turn, response: dict) -> None:
@@ -255,10 +350,9 @@ async def create(ctx: ServingContext, store: ResponseStore, body: ResponsesReque
         return EventSourceResponse(stream(ctx, store, turn, handles[0]), ping=15, headers=headers)
     hold(store, turn, turn.response("in_progress", []))
     try:
-        choice = (await serving.collect(ctx, request, handles, ROUTE))[0]
+        choice = (await serving.collect(ctx, request, handles, ROUTE, turn.submitted.assembly))[0]
         final = choice.final
-        items = output_items(choice.text, final, turn.tool_mode, tokenizer=ctx.tokenizer, tokens=choice.tokens)
-        response = turn.response(status_of(final), items, final)
+        response = turn.response(status_of(final), output_items(choice.assembly, final), final)
         remember(ctx, store, turn, response)
     finally:
         store.abandon(turn.id)  # a failed turn's record; a stored one stays
@@ -277,38 +371,19 @@ class Events:
         return {"event": kind, "data": json.dumps(event, ensure_ascii=False)}
 
 
-def opened_message(ev: Events, index: int, message_id: str) -> list[dict]:
-    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-    return [
-        ev("response.output_item.added", output_index=index, item=message_item(message_id, None, "in_progress")),
-        ev("response.content_part.added", item_id=message_id, output_index=index, content_index=0, part=part),
-    ]
-
-
 def closed_item(ev: Events, index: int, item: dict) -> list[dict]:
     """The `...done` events of a finished output item."""
     events = []
+    common = {"item_id": item["id"], "output_index": index, "content_index": 0}
     if item["type"] == "message":
         part = item["content"][0]
-        common = {"item_id": item["id"], "output_index": index, "content_index": 0}
         events += [ev("response.output_text.done", **common, text=part["text"], logprobs=[]), ev("response.content_part.done", **common, part=part)]
+    elif item["type"] == "reasoning":
+        part = item["content"][0]
+        events += [ev("response.reasoning_text.done", **common, text=part["text"]), ev("response.content_part.done", **common, part=part)]
     else:
         events.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=item["arguments"]))
     return events + [ev("response.output_item.done", output_index=index, item=item)]
-
-
-def held_item(ev: Events, index: int, item: dict) -> list[dict]:
-    """All events of an item sent whole at the end (a function call, or held-back text)."""
-    if item["type"] == "message":
-        text = item["content"][0]["text"]
-        delta = [ev("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0, delta=text, logprobs=[])] if text else []
-        return opened_message(ev, index, item["id"]) + delta + closed_item(ev, index, item)
-    added = {**item, "arguments": "", "status": "in_progress"}
-    return [
-        ev("response.output_item.added", output_index=index, item=added),
-        ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"]),
-        *closed_item(ev, index, item),
-    ]
 
 
 async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
@@ -338,26 +413,18 @@ async def event_sequence(ctx: ServingContext, store: ResponseStore, turn: Turn, 
     yield ev("response.created", response=head)
     yield ev("response.in_progress", response=head)
     tracker = serving.Tracker(ctx.metrics, turn.arrived, handle)
-    text, tokens = "", []
-    message_id: str | None = None  # set once the message item is open and streaming
-    hold = turn.tool_mode == "forced"
+    assembly, out = turn.submitted.assembly(), Output(ev)
     final = None
     try:
         async for output in handle:
             tracker.saw(output)
-            text += output.text
-            tokens += output.tokens
-            if turn.tool_mode == "auto" and message_id is None and not hold and text:
-                hold = text.startswith("<")
-            if output.text and not hold:
-                if message_id is None:
-                    message_id = item_id("msg")
-                    for event in opened_message(ev, 0, message_id):
-                        yield event
-                yield ev("response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=output.text, logprobs=[])
+            for event in out.feed(assembly.feed(output)):
+                yield event
             if output.finished:
                 final = output
                 break
+            if assembly.ended:  # a repeated call: the turn's calls are complete
+                handle.stop()
     finally:
         if final is None:  # cut off by the client
             handle.cancel()
@@ -369,10 +436,12 @@ async def event_sequence(ctx: ServingContext, store: ResponseStore, turn: Turn, 
         error = serving.engine_error(final, ctx.request_timeout_s)
         yield ev("response.failed", response=turn.response("failed", [], final, {"code": error.code, "message": error.message}))
         return
-    items = output_items(text, final, turn.tool_mode, message_id, tokenizer=ctx.tokenizer, tokens=tokens)
-    for index, item in enumerate(items):
-        for event in closed_item(ev, index, item) if index == 0 and message_id is not None else held_item(ev, index, item):
-            yield event
+    for event in out.feed(assembly.finish(final.finish_reason)):
+        yield event
+    sent = set(out.order)  # items whose `added` event went out
+    items = out.items(assembly, final)
+    for event in out.finish(items, sent):
+        yield event
     response = turn.response(status_of(final), items, final)
     remember(ctx, store, turn, response)
     yield ev("response.completed" if response["status"] == "completed" else "response.incomplete", response=response)

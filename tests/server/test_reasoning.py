@@ -262,3 +262,35 @@ async def test_harmony_analysis_is_reasoning_and_the_answer_is_the_final_channel
         assert out.usage.completion_tokens_details.reasoning_tokens == 3 + 4 + 1  # <|channel|>analysis<|message|>, 4, <|end|>
         s_rc, _, s_content, _ = await streamed(client, **ask)
         assert (s_rc, s_content) == (rc, content)
+
+
+async def test_responses_reasoning_items_events_and_a_continued_thinking_turn(serve):
+    """The Responses API renders the same assembly: a reasoning item (its text as
+    reasoning_text) before the message, reasoning_tokens in usage, the reasoning stream events;
+    `previous_response_id` continues through the template (DeepSeek-R1 drops the thinking), and
+    a reasoning item sent back as input is taken."""
+    async with serve("deepseek_r1") as (client, _):
+        ask = dict(model="tiny-deepseek_r1", input="What is 2 + 2?", temperature=0, max_output_tokens=20,
+                   reasoning={"effort": "high"}, extra_body={"max_reasoning_tokens": 5})
+        first = await client.responses.create(**ask)
+        reasoning, message = first.output
+        assert reasoning.type == "reasoning" and reasoning.content[0].type == "reasoning_text" and reasoning.content[0].text
+        assert message.type == "message" and "</think>" not in message.content[0].text
+        assert first.usage.output_tokens_details.reasoning_tokens == 6 and first.reasoning.effort == "high"
+        events = [e async for e in await client.responses.create(stream=True, **ask)]
+        kinds = [e.type for e in events]
+        deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert deltas == reasoning.content[0].text
+        assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.done")
+        done = events[-1].response
+        assert [i.type for i in done.output] == ["reasoning", "message"]
+        assert done.output[0].content[0].text == reasoning.content[0].text and done.output[1].content[0].text == message.content[0].text
+        second = await client.responses.create(model="tiny-deepseek_r1", input="And 3 + 3?", previous_response_id=first.id,
+                                               temperature=0, max_output_tokens=20, extra_body={"max_reasoning_tokens": 5})
+        assert second.usage.input_tokens_details.cached_tokens > 0 and second.output[0].type == "reasoning"
+        sent_back = await client.responses.create(
+            model="tiny-deepseek_r1", temperature=0, max_output_tokens=20, extra_body={"max_reasoning_tokens": 5},
+            input=[{"role": "user", "content": "What is 2 + 2?"}, *[i.model_dump(exclude_none=True) for i in first.output],
+                   {"role": "user", "content": "And 3 + 3?"}])
+        assert [i.type for i in sent_back.output] == [i.type for i in second.output]
+        assert sent_back.output[1].content[0].text == second.output[1].content[0].text

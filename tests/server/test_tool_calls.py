@@ -229,3 +229,53 @@ async def test_marker_model_text_may_start_with_lt_and_calls_after_the_marker_ar
         assert heads[0] == (0, "get_weather") and finish in ("tool_calls", "length")
         if finish == "tool_calls":
             assert [i for i, _ in heads] == list(range(len(heads)))
+
+
+async def test_a_cut_in_the_third_parallel_call_keeps_the_first_two_complete_on_both_apis(sdk):
+    """A seeded turn of three or more parallel calls, run again with a token limit that cuts
+    inside its third call: chat returns the two complete calls and the cut one with its
+    arguments so far (`length`); the Responses API marks the first two completed and the third
+    incomplete (it used to drop the cut one and call the second incomplete)."""
+    ask = dict(model="tiny-hermes", temperature=1, tools=[WEATHER, TIME], tool_choice="required")
+    async with sdk() as client:
+        for seed in range(40):
+            full = await client.chat.completions.create(messages=ASK, seed=seed, max_tokens=200, **ask)
+            whole = full.choices[0].message.tool_calls
+            if len(whole) >= 3 and len({(c.function.name, c.function.arguments) for c in whole}) == len(whole):
+                break
+        else:
+            pytest.skip("no seed gave three different calls")
+        for cut in range(full.usage.completion_tokens - 1, 0, -1):  # the same draws up to any limit
+            chat = await client.chat.completions.create(messages=ASK, seed=seed, max_tokens=cut, **ask)
+            calls = chat.choices[0].message.tool_calls or []
+            if len(calls) == 3 and calls[2].function.arguments != whole[2].function.arguments:
+                break
+        assert chat.choices[0].finish_reason == "length"
+        assert [c.function.arguments for c in calls[:2]] == [c.function.arguments for c in whole[:2]]
+        assert whole[2].function.arguments.startswith(calls[2].function.arguments)
+        response = await client.responses.create(
+            model="tiny-hermes", input=ASK[0]["content"], temperature=1, extra_body={"seed": seed}, max_output_tokens=cut,
+            tools=[{"type": "function", **t["function"]} for t in (WEATHER, TIME)], tool_choice="required")
+        assert [(i.type, i.status) for i in response.output] == [("function_call", "completed")] * 2 + [("function_call", "incomplete")]
+        assert [i.arguments for i in response.output] == [c.function.arguments for c in calls]
+        assert response.status == "incomplete"
+
+
+async def test_a_repeated_call_ends_the_turn_there(sdk):
+    """Greedy, the tiny model writes the same call again and again: the repeat ends the turn's
+    calls (dropped, finish_reason tool_calls) and the engine stops there, streamed or not."""
+    ask = dict(model="tiny-hermes", messages=ASK, temperature=0, tools=[TIME], tool_choice="required", max_tokens=300)
+    async with sdk() as client:
+        out = await client.chat.completions.create(**ask)
+        calls = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls"
+        assert len({(c.function.name, c.function.arguments) for c in calls}) == len(calls)
+        assert out.usage.completion_tokens < 300  # stopped, not run to max_tokens
+        stream = await client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ask)
+        heads, finish, usage = [], None, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                heads += [c.id for c in choice.delta.tool_calls or [] if c.id]
+                finish = choice.finish_reason or finish
+        assert finish == "tool_calls" and len(heads) == len(calls) and usage.completion_tokens < 300
