@@ -4,6 +4,10 @@
     kvserve serve &                      # in kvserve's venv
     python -m bench.clients --base-url http://127.0.0.1:8000/v1 [--model NAME]
 
+    # a thinking model's reasoning and tool calls, as the openai SDK, the Agents SDK and LangChain read them
+    python -m bench.thinking --save-model deepseek_r1 /tmp/r1 && kvserve serve --model /tmp/r1 --max-reasoning-tokens 16 &
+    python -m bench.clients --thinking --model deepseek_r1
+
 Each case runs one client the way its documentation shows (instructor TOOLS and JSON_SCHEMA;
 pydantic-ai text, structured output and a tool; litellm plain, streamed, json_schema and tools;
 LangChain `with_structured_output` and `bind_tools`; the OpenAI Agents SDK with its chat
@@ -26,6 +30,7 @@ import importlib.util
 import time
 import traceback
 from collections.abc import Callable
+from typing import Annotated
 
 from pydantic import BaseModel, Field
 
@@ -202,6 +207,110 @@ class Cases:
         expect(result.final_output is not None, "no final answer")
 
 
+class ThinkingCases(Cases):
+    """A thinking model's reasoning and tool calls as each client reads them (a server whose
+    model has reasoning markers and a thinking budget: `bench.thinking --save-model`)."""
+
+    def _sdk(self):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key="unused", max_retries=0)
+
+    def sdk_chat(self) -> None:
+        message = self._sdk().chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": "What is 2 + 2?"}], temperature=0, max_tokens=self.max_tokens).choices[0].message
+        extra = message.model_extra or {}
+        assert extra.get("reasoning_content") and extra.get("reasoning") == extra["reasoning_content"], "no reasoning_content"
+        assert "<think>" not in (message.content or "") and "</think>" not in (message.content or ""), "markers in content"
+
+    def sdk_stream(self) -> None:
+        stream = self._sdk().chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": "What is 2 + 2?"}], temperature=0, max_tokens=self.max_tokens, stream=True)
+        reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in stream if c.choices)
+        assert reasoning, "no reasoning_content deltas"
+
+    def sdk_responses(self) -> None:
+        out = self._sdk().responses.create(model=self.model, input="What is 2 + 2?", temperature=0, max_output_tokens=self.max_tokens)
+        kinds = [item.type for item in out.output]
+        assert kinds[0] == "reasoning" and out.output[0].content[0].text, f"output items {kinds}"
+        assert out.usage.output_tokens_details.reasoning_tokens > 0, "no reasoning_tokens"
+
+    def sdk_tool(self) -> None:
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
+        message = self._sdk().chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": WEATHER_PROMPT}], tools=[tool], tool_choice="required",
+            temperature=0, max_tokens=self.max_tokens).choices[0].message
+        assert (message.model_extra or {}).get("reasoning_content"), "no reasoning before the call"
+        assert message.tool_calls and message.tool_calls[0].function.name == "get_weather", "no call"
+
+    def _agents(self, tools: list, responses: bool):
+        from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, set_tracing_disabled
+        from openai import AsyncOpenAI
+
+        set_tracing_disabled(True)
+        client = AsyncOpenAI(base_url=self.base_url, api_key="unused")
+        kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
+        model = kind(model=self.model, openai_client=client)
+        settings = ModelSettings(temperature=0, max_tokens=self.max_tokens, tool_choice="required" if tools else None)
+        # NOTE: the run ends at the tool's result: a random-weight model's text answer after it never ends
+        agent = Agent(name="assistant", instructions="You are a helpful assistant.", model=model, tools=tools, model_settings=settings,
+                      tool_use_behavior="stop_on_first_tool")
+        return asyncio.run(Runner.run(agent, WEATHER_PROMPT if tools else "What is 2 + 2?", max_turns=4))
+
+    def agents_chat(self) -> None:
+        result = self._agents([], responses=False)
+        kinds = [item.type for item in result.new_items]
+        assert "reasoning_item" in kinds, f"items {kinds}"
+
+    def agents_responses_tool(self) -> None:
+        from agents import function_tool
+
+        called = []
+
+        @function_tool
+        def get_weather(city: Annotated[str, Field(max_length=20)]) -> str:
+            """Current weather in a city."""
+            called.append(city)
+            return WEATHER_ANSWER
+
+        # NOTE: a bounded string: a random-weight model's greedy string never closes by itself
+        result = self._agents([get_weather], responses=True)
+        kinds = [item.type for item in result.new_items]
+        assert "reasoning_item" in kinds and called, f"items {kinds}"
+
+    def langchain_responses(self) -> None:
+        from langchain_openai import ChatOpenAI
+
+        llm = ChatOpenAI(model=self.model, base_url=self.base_url, api_key="unused", temperature=0, max_tokens=self.max_tokens,
+                         max_retries=0, use_responses_api=True, reasoning={"effort": "high", "summary": "auto"})
+        message = llm.invoke("What is 2 + 2?")
+        blocks = [b for b in message.content_blocks if b["type"] == "reasoning"]
+        assert blocks and blocks[0].get("reasoning"), f"blocks {[b['type'] for b in message.content_blocks]}"
+
+    def langchain_tools(self) -> None:
+        from langchain_core.tools import StructuredTool
+
+        class Where(BaseModel):
+            city: str = Field(max_length=20)  # bounded: a random-weight model's greedy string never closes by itself
+
+        weather = StructuredTool.from_function(get_weather, args_schema=Where)
+        message = self._langchain().bind_tools([weather], tool_choice="any").invoke(WEATHER_PROMPT)
+        assert not message.invalid_tool_calls, message.invalid_tool_calls
+        assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather", "no call"
+
+
+THINKING_CASES: list[tuple[str, str, str, Callable[[Cases], None]]] = [
+    ("openai SDK", "chat: reasoning_content", "openai", ThinkingCases.sdk_chat),
+    ("openai SDK", "chat streamed: reasoning deltas", "openai", ThinkingCases.sdk_stream),
+    ("openai SDK", "responses: reasoning item", "openai", ThinkingCases.sdk_responses),
+    ("openai SDK", "forced call after thinking", "openai", ThinkingCases.sdk_tool),
+    ("Agents SDK", "chat completions: reasoning item", "agents", ThinkingCases.agents_chat),
+    ("Agents SDK", "responses: reasoning + a tool", "agents", ThinkingCases.agents_responses_tool),
+    ("LangChain", "responses API: reasoning block", "langchain_openai", ThinkingCases.langchain_responses),
+    ("LangChain", "bind_tools (forced) after thinking", "langchain_openai", ThinkingCases.langchain_tools),
+]
+
 CASES: list[tuple[str, str, str, Callable[[Cases], None]]] = [
     # (client, case, module that must be importable, run)
     ("instructor", "TOOLS", "instructor", lambda c: c.instructor("TOOLS")),
@@ -243,10 +352,11 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--only", nargs="*", default=(), help="run only these clients (e.g. litellm LangChain)")
+    parser.add_argument("--thinking", action="store_true", help="the thinking-model cases (reasoning and tool calls)")
     args = parser.parse_args()
-    cases = Cases(args.base_url, args.model, args.max_tokens)
+    cases = (ThinkingCases if args.thinking else Cases)(args.base_url, args.model, args.max_tokens)
     rows = []
-    for client, case, module, run in CASES:
+    for client, case, module, run in THINKING_CASES if args.thinking else CASES:
         if args.only and client not in args.only:
             continue
         verdict, detail, seconds = run_case(cases, module, run)

@@ -16,8 +16,11 @@ change: which tokens a turn reuses, and how many tokens a budget lets the thinki
    `chat_template_kwargs: {"preserve_thinking": true}` (keeps it). Each turn is also sent alone
    in a fresh session: "identical" counts the turns whose answer (reasoning included) equals
    that fresh prefill's.
-2. Budget: one DeepSeek-R1 turn with `max_tokens` 256 under thinking budgets 0, 16, 64 and
-   none: completion and reasoning tokens and the turn's wall time, each the median of 3.
+2. Budget: one DeepSeek-R1 turn answering a small JSON schema (its grammar starts after the
+   thinking), `max_tokens` 256, under thinking budgets 0, 16, 64, 192 and none: completion and
+   reasoning tokens, whether an answer came, and the turn's wall time (median of 3, budgets
+   interleaved). A random-weight model never ends its thinking by itself: unbudgeted, it
+   spends max_tokens thinking and never answers, as a real one can on a hard question.
 """
 
 from __future__ import annotations
@@ -38,10 +41,10 @@ from tests import thinking
 README_START, README_END = "<!-- bench.thinking:start -->", "<!-- bench.thinking:end -->"
 
 
-def save_family(base, family: str, root: Path) -> Path:
+def save_family(base, family: str, root: Path, name: str | None = None) -> Path:
     """tests/thinking.py's tiny model of `family`, saved where `kvserve serve --model` reads it."""
     loaded = thinking.tiny_model(thinking.family_tokenizer(base, family))
-    path = root / family
+    path = root / (name or family)
     loaded.model.save_pretrained(path)
     loaded.tokenizer.save_pretrained(path)
     return path
@@ -84,20 +87,30 @@ def sessions(client: OpenAI, model: str, turns: int, body: dict, grammar: bool) 
     return shares, identical
 
 
-def budget_costs(client: OpenAI, model: str) -> list[tuple[str, int, int, float]]:
-    rows = []
-    for budget in (0, 16, 64, None):
-        runs = []
-        for i in range(3):
+ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["answer"], "additionalProperties": False}}}
+
+
+def budget_costs(client: OpenAI, model: str, max_tokens: int) -> list[tuple[str, int, int, bool, float]]:
+    """Per budget: completion and reasoning tokens, whether a valid answer came, and the
+    turn's wall time (median of 3, budgets interleaved). The answer is a small JSON object (its
+    grammar starts after the thinking), so a turn ends once the thinking does."""
+    budgets = (0, 16, 64, 192, None)
+    runs: dict = {b: [] for b in budgets}
+    for i in range(3):
+        for budget in budgets:
             t0 = time.perf_counter()
             out = client.chat.completions.create(
-                model=model, messages=[question(0)], temperature=0, max_tokens=256,
+                model=model, messages=[question(0)], temperature=0, max_tokens=max_tokens, response_format=ANSWER,
                 extra_body={"max_reasoning_tokens": budget, "prompt_cache_key": f"budget-{budget}-{i}"})
-            runs.append((time.perf_counter() - t0, out.usage))
-        seconds = statistics.median(r[0] for r in runs)
-        usage = runs[0][1]
-        rows.append(("none" if budget is None else str(budget), usage.completion_tokens,
-                     usage.completion_tokens_details.reasoning_tokens, seconds))
+            runs[budget].append((time.perf_counter() - t0, out))
+    rows = []
+    for budget in budgets:
+        out = runs[budget][0][1]
+        answered = out.choices[0].finish_reason == "stop" and bool(out.choices[0].message.content)
+        rows.append(("none" if budget is None else str(budget), out.usage.completion_tokens,
+                     out.usage.completion_tokens_details.reasoning_tokens, answered, statistics.median(r[0] for r in runs[budget])))
     return rows
 
 
@@ -105,8 +118,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--readme", type=Path, help="write the tables into this README between the markers")
+    parser.add_argument("--save-model", nargs=2, metavar=("FAMILY", "DIR"), help="only save FAMILY's tiny model to DIR (for bench.clients --thinking)")
     args = parser.parse_args()
     base = load_model(None, cache_dir=default_cache_dir()).tokenizer
+    if args.save_model:
+        family, where = args.save_model
+        print(save_family(base, family, Path(where).parent, name=Path(where).name))
+        return
     lines = [f"Sessions, {args.turns} turns (share of each later turn's prompt served from cache):", "",
              "| template | turn 2 | turn 3 | turn 4 | answers identical to a fresh prefill |", "|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,7 +132,7 @@ def main() -> None:
         cases = [("deepseek_r1", "DeepSeek-R1 (drops earlier thinking)", {}, False),
                  ("qwen3", "Qwen3 (drops thinking before the last question)", {}, True),
                  ("qwen3", "Qwen3, `preserve_thinking: true` (keeps it)", {"chat_template_kwargs": {"preserve_thinking": True}}, True)]
-        paths = {family: save_family(base, family, root) for family in {c[0] for c in cases}}
+        paths = {family: save_family(base, family, root) for family in dict.fromkeys(c[0] for c in cases)}
         for family in paths:
             with launch(root, "--model", str(paths[family]), "--served-model-name", family) as server:
                 client = OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
@@ -123,10 +141,10 @@ def main() -> None:
                     cells = [f"{s:.0%}" for s in shares] + [""] * (3 - len(shares))
                     lines.append(f"| {label} | {' | '.join(cells[:3])} | {identical}/{args.turns} |")
                 if family == "deepseek_r1":
-                    budget_rows = budget_costs(client, family)
-    lines += ["", "Thinking budget, one DeepSeek-R1 turn with `max_tokens` 256 (median of 3):", "",
-              "| max_reasoning_tokens | completion tokens | reasoning tokens | seconds |", "|---|---|---|---|"]
-    lines += [f"| {b} | {c} | {r} | {s:.2f} |" for b, c, r, s in budget_rows]
+                    budget_rows = budget_costs(client, family, 256)
+    lines += ["", "Thinking budget, one DeepSeek-R1 turn answering a JSON schema, `max_tokens` 256 (median of 3):", "",
+              "| max_reasoning_tokens | completion tokens | reasoning tokens | answered | seconds |", "|---|---|---|---|---|"]
+    lines += [f"| {b} | {c} | {r} | {'yes' if a else 'no (max_tokens)'} | {s:.2f} |" for b, c, r, a, s in budget_rows]
     table = "\n".join(lines)
     print(table)
     if args.readme:

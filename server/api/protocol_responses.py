@@ -124,10 +124,13 @@ class ReasoningItem(OpenAIModel):
         return reasoning_item(self.id or item_id("rs"), self.text(), self.status or "completed")
 
 
-def reasoning_item(reasoning_id: str, text: str | None, status: str) -> dict:
-    """The wire form of a reasoning item (OpenAI's open-weight models: the text as content)."""
+def reasoning_item(reasoning_id: str, text: str | None, status: str, *, summary: bool = False) -> dict:
+    """The wire form of a reasoning item (as OpenAI's open-weight models: the text as content).
+    kvserve writes no summary of its own: asked for one (`reasoning.summary`), the summary is
+    the reasoning itself (clients such as LangChain read only summaries)."""
     content = [] if text is None else [{"type": "reasoning_text", "text": text}]
-    return {"id": reasoning_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+    summaries = [{"type": "summary_text", "text": text}] if summary and text else []
+    return {"id": reasoning_id, "type": "reasoning", "summary": summaries, "content": content, "status": status}
 
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")

@@ -100,6 +100,11 @@ class Turn:
     created_at: int
     arrived: float  # time.monotonic() when the request arrived (latency metrics)
 
+    @property
+    def summary(self) -> bool:
+        """The request asked for reasoning summaries (`reasoning.summary`)."""
+        return self.body.reasoning is not None and self.body.reasoning.summary is not None
+
     def response(self, status: str, output: list[dict], final: RequestOutput | None = None, error: dict | None = None) -> dict:
         """The response object (OpenAI's field order)."""
         body = self.body
@@ -121,7 +126,7 @@ class Turn:
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
             "prompt_cache_key": body.prompt_cache_key,
-            "reasoning": {"effort": body.reasoning.effort if body.reasoning is not None else None, "summary": None},
+            "reasoning": {"effort": body.reasoning.effort, "summary": body.reasoning.summary} if body.reasoning else {"effort": None, "summary": None},
             "service_tier": "default",
             "store": body.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
@@ -167,8 +172,9 @@ class Output:
     when its first part arrives. `feed` returns the stream's events for a chunk of parts;
     `items` are the finished items (the same ids), for the response object and the store."""
 
-    def __init__(self, ev: "Events | None" = None) -> None:
+    def __init__(self, ev: "Events | None" = None, *, summary: bool = False) -> None:
         self.ev = ev or Events()
+        self.summary = summary  # the reasoning is its own summary (`reasoning.summary` asked for one)
         self.order: list[str] = []  # item ids in output order
         self.kinds: dict[str, str] = {}
         self.reasoning_id: str | None = None
@@ -222,7 +228,8 @@ class Output:
             self.kinds[self.message_id] = "message"
         by_id = {}
         if self.reasoning_id is not None:
-            by_id[self.reasoning_id] = reasoning_item(self.reasoning_id, assembly.reasoning, "completed" if calls or assembly.content or status == "completed" else status)
+            by_id[self.reasoning_id] = reasoning_item(self.reasoning_id, assembly.reasoning, "completed" if calls or assembly.content or status == "completed" else status,
+                                                      summary=self.summary)
         if self.message_id is not None:
             by_id[self.message_id] = message_item(self.message_id, assembly.content, status)
         for index, call in calls.items():
@@ -260,9 +267,9 @@ class Output:
         return [ev("response.output_item.added", output_index=index, item=reasoning_item(item["id"], None, "in_progress"))]
 
 
-def output_items(assembly, final: RequestOutput) -> list[dict]:
+def output_items(assembly, final: RequestOutput, *, summary: bool = False) -> list[dict]:
     """The output of a finished turn, assembled whole (not streamed)."""
-    out = Output()
+    out = Output(summary=summary)
     out.feed(_everything(assembly))
     return out.items(assembly, final)
 
@@ -352,7 +359,7 @@ async def create(ctx: ServingContext, store: ResponseStore, body: ResponsesReque
     try:
         choice = (await serving.collect(ctx, request, handles, ROUTE, turn.submitted.assembly))[0]
         final = choice.final
-        response = turn.response(status_of(final), output_items(choice.assembly, final), final)
+        response = turn.response(status_of(final), output_items(choice.assembly, final, summary=turn.summary), final)
         remember(ctx, store, turn, response)
     finally:
         store.abandon(turn.id)  # a failed turn's record; a stored one stays
@@ -381,6 +388,12 @@ def closed_item(ev: Events, index: int, item: dict) -> list[dict]:
     elif item["type"] == "reasoning":
         part = item["content"][0]
         events += [ev("response.reasoning_text.done", **common, text=part["text"]), ev("response.content_part.done", **common, part=part)]
+        for i, summary in enumerate(item["summary"]):  # the reasoning as its own summary, sent whole
+            at = {"item_id": item["id"], "output_index": index, "summary_index": i}
+            events += [ev("response.reasoning_summary_part.added", **at, part={**summary, "text": ""}),
+                       ev("response.reasoning_summary_text.delta", **at, delta=summary["text"]),
+                       ev("response.reasoning_summary_text.done", **at, text=summary["text"]),
+                       ev("response.reasoning_summary_part.done", **at, part=summary)]
     else:
         events.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=item["arguments"]))
     return events + [ev("response.output_item.done", output_index=index, item=item)]
@@ -413,7 +426,7 @@ async def event_sequence(ctx: ServingContext, store: ResponseStore, turn: Turn, 
     yield ev("response.created", response=head)
     yield ev("response.in_progress", response=head)
     tracker = serving.Tracker(ctx.metrics, turn.arrived, handle)
-    assembly, out = turn.submitted.assembly(), Output(ev)
+    assembly, out = turn.submitted.assembly(), Output(ev, summary=turn.summary)
     final = None
     try:
         async for output in handle:

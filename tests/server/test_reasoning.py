@@ -294,3 +294,16 @@ async def test_responses_reasoning_items_events_and_a_continued_thinking_turn(se
                    {"role": "user", "content": "And 3 + 3?"}])
         assert [i.type for i in sent_back.output] == [i.type for i in second.output]
         assert sent_back.output[1].content[0].text == second.output[1].content[0].text
+
+
+async def test_responses_reasoning_summary_is_the_reasoning_itself_when_asked(serve):
+    async with serve("deepseek_r1") as (client, _):
+        ask = dict(model="tiny-deepseek_r1", input="What is 2 + 2?", temperature=0, max_output_tokens=16,
+                   reasoning={"effort": "high", "summary": "auto"}, extra_body={"max_reasoning_tokens": 4})
+        out = await client.responses.create(**ask)
+        assert out.output[0].summary[0].text == out.output[0].content[0].text and out.reasoning.summary == "auto"
+        events = [e async for e in await client.responses.create(stream=True, **ask)]
+        summary = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")
+        assert summary == out.output[0].content[0].text
+        plain = await client.responses.create(**{**ask, "reasoning": {"effort": "high"}})
+        assert plain.output[0].summary == []
