@@ -514,12 +514,10 @@ class Engine:
         asked for: a forced token has no logits of its own, and the model's logprob is reported.
         """
         reasoning = seq.reasoning
-        if reasoning is not None:
-            forced = reasoning.opening() or reasoning.forced()
-            if forced:
-                room = seq.params.max_tokens - len(seq.generated)
-                if self._emit(seq, handle, [TokenInfo(t) for t in forced[:room]]):
-                    return
+        while reasoning is not None and (forced := reasoning.opening() or reasoning.forced()):
+            room = seq.params.max_tokens - len(seq.generated)  # > 0: `_emit` finishes at max_tokens
+            if self._emit(seq, handle, [TokenInfo(t) for t in forced[:room]]):
+                return
         grammar = seq.grammar
         if grammar is None:
             return

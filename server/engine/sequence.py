@@ -144,7 +144,7 @@ class Sequence:
             return None
         return self.matcher
 
-    def append(self, token: TokenInfo) -> RequestOutput:
+    def append(self, token: TokenInfo) -> Appended:
         """A generated (sampled or forced) token: part of the output, pending until computed.
         Returns what it adds to the output, and whether a stop string ended the answer there;
         a thinking model's tokens whose side is not known yet (a marker's first tokens) come
@@ -166,7 +166,7 @@ class Sequence:
         out.reasoning += self.reasoning_text.flush()
         return out
 
-    def _route(self, routed: list[tuple[int, str]]) -> "Appended":
+    def _route(self, routed: list[tuple[int, str]]) -> Appended:
         out = RequestOutput()
         stopped = False
         for (token_id, kind), info in zip(routed, self._held):

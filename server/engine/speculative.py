@@ -388,7 +388,7 @@ class Speculator:
                 if seq.matcher is not None or reasoning.spec.banned_ids:  # its constraint changes at the answer
                     continue
                 if (left := reasoning.budget_left()) is not None:  # the thinking budget's end is forced
-                    k = min(k, left)
+                    k = min(k, left - 1)  # the token verification samples after the draft is one more
             while k > 0 and not kv.can_crop_after(seq.cache, row.n_tokens + k):
                 k -= 1
             if k <= 0:

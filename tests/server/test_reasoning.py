@@ -85,14 +85,29 @@ async def test_budget_cuts_the_thinking_at_exactly_n_tokens_and_the_answer_follo
             out = await client.chat.completions.create(
                 model="tiny-deepseek_r1", messages=ASK, temperature=0, max_tokens=20, logprobs=True,
                 extra_body={"max_reasoning_tokens": n})
-            rc, r, content = fields(out.choices[0].message)
-            tokens = [t.token for t in out.choices[0].logprobs.content]
-            assert len(tokens) == out.usage.completion_tokens
-            assert tokens[n] == "</think>" and "</think>" not in tokens[:n]
-            assert out.usage.completion_tokens_details.reasoning_tokens == n + 1
-            assert rc == r and (rc is None) == (n == 0)
-            for text in (rc or "", content or ""):
-                assert "<think>" not in text and "</think>" not in text
+            check_cut(out, n)
+
+
+async def test_budget_is_exact_with_speculative_decoding(serve):
+    """A draft never runs past the budget: the token sampled after an accepted draft counts too."""
+    async with serve("deepseek_r1", speculative="ngram") as (client, _):
+        for n in (1, 2, 5, 9, 14):
+            out = await client.chat.completions.create(
+                model="tiny-deepseek_r1", messages=[{"role": "user", "content": "one two one two one two one two"}],
+                temperature=0, max_tokens=24, logprobs=True, extra_body={"max_reasoning_tokens": n})
+            check_cut(out, n)
+
+
+def check_cut(out, n: int) -> None:
+    """The thinking of `out` stopped at exactly `n` tokens, the engine's `</think>` next."""
+    rc, r, content = fields(out.choices[0].message)
+    tokens = [t.token for t in out.choices[0].logprobs.content]
+    assert len(tokens) == out.usage.completion_tokens
+    assert tokens[n] == "</think>" and "</think>" not in tokens[:n]
+    assert out.usage.completion_tokens_details.reasoning_tokens == n + 1
+    assert rc == r and (rc is None) == (n == 0)
+    for text in (rc or "", content or ""):
+        assert "<think>" not in text and "</think>" not in text
 
 
 async def test_streamed_fields_equal_the_whole_ones(serve):
@@ -109,16 +124,16 @@ async def test_a_json_schema_after_thinking_is_valid_json_with_non_empty_reasoni
     """Qwen3 writes `<think>` itself: under a grammar the engine opens the thinking, which is
     free; the schema constrains only the answer after `</think>`."""
     async with serve("qwen3") as (client, _):
-        for seed in range(2):
+        for seed, budget in ((0, 5), (1, 5), (0, 0)):
             out = await client.chat.completions.create(
                 model="tiny-qwen3", messages=ASK, temperature=1, seed=seed, max_tokens=60,
                 response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
-                extra_body={"max_reasoning_tokens": 5})
+                extra_body={"max_reasoning_tokens": budget})
             rc, r, content = fields(out.choices[0].message)
-            assert rc and rc == r and "<think>" not in rc
+            assert rc == r and (bool(rc) == (budget > 0)) and "<think>" not in (rc or "")
             jsonschema.validate(json.loads(content), SCHEMA)
             assert out.choices[0].finish_reason == "stop"
-            assert out.usage.completion_tokens_details.reasoning_tokens == 5 + 2  # <think>, 5, </think>
+            assert out.usage.completion_tokens_details.reasoning_tokens == budget + 2  # <think>, budget, </think>
 
 
 async def test_a_forced_tool_call_after_thinking(serve):
@@ -307,3 +322,40 @@ async def test_responses_reasoning_summary_is_the_reasoning_itself_when_asked(se
         assert summary == out.output[0].content[0].text
         plain = await client.responses.create(**{**ask, "reasoning": {"effort": "high"}})
         assert plain.output[0].summary == []
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_r1", "glm45", "smollm3", "gpt_oss"])
+async def test_a_forced_tool_call_after_thinking_in_each_familys_format(tokenizer, models, serve, family):
+    """Each thinking family's tiny model thinks (the engine opens the thinking where the
+    template does not, the budget closes it), then calls in its own format: Hermes for Qwen3
+    and SmolLM3, DeepSeek's markers, GLM-4.5's arg tags, harmony's commentary channel. No
+    marker of either leaks into the fields, streamed or not."""
+    if family not in models:
+        models[family] = thinking.tiny_model(thinking.family_tokenizer(tokenizer, family))
+    from grammars import tool_format
+
+    fmt = tool_format(models[family].tokenizer)
+    assert fmt is not None and fmt.name == {"qwen3": "hermes", "smollm3": "hermes", "deepseek_r1": "deepseek", "glm45": "glm45", "gpt_oss": "harmony"}[family]
+    # NOTE: an enum: the XML formats' free-text values do not bound their length, and a
+    # random-weight model's greedy string never ends
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+    async with serve(family) as (client, _):
+        ask = dict(model=f"tiny-{family}", messages=ASK, tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                   temperature=0, max_tokens=80, extra_body={"max_reasoning_tokens": 4})
+        out = await client.chat.completions.create(**ask)
+        choice = out.choices[0]
+        rc, _, content = fields(choice.message)
+        assert rc and choice.finish_reason == "tool_calls" and not content
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        stream = await client.chat.completions.create(stream=True, **ask)
+        s_rc, args, names = "", "", []
+        async for chunk in stream:
+            for c in chunk.choices:
+                s_rc += (c.delta.model_extra or {}).get("reasoning_content") or ""
+                for t in c.delta.tool_calls or []:
+                    names += [t.function.name] if t.function.name else []
+                    args += t.function.arguments or ""
+        assert (s_rc, names, args) == (rc, [call.function.name], call.function.arguments)
