@@ -24,6 +24,15 @@ StopString = Annotated[str, Field(min_length=1, max_length=1024)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, lt=2**31)]], Field(min_length=1, max_length=MAX_TOKENS_LIMIT)]
 
 
+def not_empty(value, param: str):
+    """`value`, unless it is an empty list: OpenAI's `empty_array` error, naming `param`."""
+    if isinstance(value, list) and not value:
+        raise PydanticCustomError(
+            "empty_array", f"Invalid '{param}': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+        )
+    return value
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -208,11 +217,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("messages", mode="before")
     @classmethod
     def _messages_not_empty(cls, value):
-        if isinstance(value, list) and not value:
-            raise PydanticCustomError(
-                "empty_array", "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
-            )
-        return value
+        return not_empty(value, "messages")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

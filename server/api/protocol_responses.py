@@ -20,9 +20,8 @@ import uuid
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-from server.api.protocol import INT64, MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, OpenAIModel, StopString
+from server.api.protocol import INT64, MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, OpenAIModel, StopString, not_empty
 
 Text = Annotated[str, Field(max_length=10_000_000)]
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
@@ -322,11 +321,7 @@ class ResponsesRequest(OpenAIModel):
     @field_validator("input", mode="before")
     @classmethod
     def _input_not_empty(cls, value):
-        if isinstance(value, list) and not value:
-            raise PydanticCustomError(
-                "empty_array", "Invalid 'input': empty array. Expected an array with minimum length 1, but got an empty array instead.",
-            )
-        return value
+        return not_empty(value, "input")
 
     @field_validator("tool_choice", mode="before")
     @classmethod

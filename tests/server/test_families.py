@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from cache_manager import disk, kv
 from cache_manager.manager import CacheConfig, CacheManager

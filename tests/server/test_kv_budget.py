@@ -14,7 +14,7 @@ from server import kv_budget
 from server.api.app import create_app
 from server.cli import build_parser, settings_from_args
 from server.settings import Settings
-from tests.device import DTYPE, SETTINGS, needs_cuda
+from tests.device import SETTINGS, needs_cuda
 from tests.server.test_api import MODEL
 
 PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2 fp32

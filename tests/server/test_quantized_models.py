@@ -16,7 +16,7 @@ from cache_manager import kv
 from server.engine import cpu_linear
 from server.model_loader import QUANTIZATION_PACKAGES, ModelSourceError, load_model, quantization_method
 from server.engine.model_runner import forward
-from tests.device import DEVICE, DTYPE, DTYPE_NAME
+from tests.device import DEVICE, DTYPE_NAME
 
 torch.set_grad_enabled(False)
 

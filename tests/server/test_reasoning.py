@@ -9,16 +9,13 @@ thinking before a grammar), so nothing depends on a random model choosing to thi
 
 from __future__ import annotations
 
-import contextlib
 import json
 
-import anyio
-import httpx
 import jsonschema
 import pytest
-from openai import AsyncOpenAI
 
 from tests import thinking
+from tests.inprocess import openai_client
 
 pytestmark = pytest.mark.anyio
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -35,24 +32,8 @@ def models(tokenizer):
 
 @pytest.fixture
 def serve(models):
-    """`async with serve(family, **settings) as (client, http)`: the official client on an
-    in-process app serving that family's tiny model."""
-    from asgi_lifespan import LifespanManager
-
-    from server.api.app import create_app
-    from server.settings import Settings
-
-    @contextlib.asynccontextmanager
-    async def make(family, **settings):
-        app = create_app(Settings(**settings), loaded=models[family])
-        async with LifespanManager(app) as manager:
-            transport = httpx.ASGITransport(app=manager.app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://kvserve", timeout=120) as http:
-                while (await http.get("/ready")).status_code != 200:
-                    await anyio.sleep(0.05)
-                yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=http, max_retries=0), http
-
-    return make
+    """`serve(family, **settings)`: `openai_client` on an app serving that family's tiny model."""
+    return lambda family, **settings: openai_client(models[family], **settings)
 
 
 def fields(message) -> tuple[str | None, str | None, str | None]:

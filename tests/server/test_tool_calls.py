@@ -8,16 +8,14 @@ import contextlib
 import copy
 import json
 
-import anyio
-import httpx
 import jsonschema
 import pytest
 import torch
-from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from grammars import KVSERVE_FORMAT, tool_format
 from server.model_loader import LoadedModel
+from tests.inprocess import openai_client
 from server.api.protocol import ChatCompletionRequest
 from server.engine.sequence import RequestOutput, TokenInfo
 from server.api.serving_chat import render_prompt
@@ -178,20 +176,11 @@ def hermes_model(hermes_tokenizer):
 @pytest.fixture
 def sdk(hermes_model):
     """`async with sdk() as client`: the official AsyncOpenAI client on an in-process app."""
-    from asgi_lifespan import LifespanManager
-
-    from server.api.app import create_app
-    from server.settings import Settings
 
     @contextlib.asynccontextmanager
     async def make():
-        app = create_app(Settings(), loaded=hermes_model)
-        async with LifespanManager(app) as manager:
-            transport = httpx.ASGITransport(app=manager.app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://kvserve") as http:
-                while (await http.get("/ready")).status_code != 200:
-                    await anyio.sleep(0.05)
-                yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=http, max_retries=0)
+        async with openai_client(hermes_model) as (client, _):
+            yield client
 
     return make
 

@@ -13,18 +13,16 @@ import contextlib
 import copy
 import json
 
-import anyio
-import httpx
 import jsonschema
 import pytest
 import torch
-from openai import AsyncOpenAI
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from grammars import GrammarCompiler, tool_call_spec, tool_format
 from server.api.tool_calls import ToolCallParser
 from server.engine.sequence import RequestOutput, TokenInfo
 from server.model_loader import LoadedModel
+from tests.inprocess import openai_client
 
 _SYSTEM = """{%- if tools %}<|im_start|>system
 You may call these functions:
@@ -277,22 +275,12 @@ ASK = [{"role": "user", "content": "Look it up."}]
 @contextlib.asynccontextmanager
 async def sdk_for(tok):
     """The official AsyncOpenAI client on an in-process app serving a tiny random model."""
-    from asgi_lifespan import LifespanManager
-
-    from server.api.app import create_app
-    from server.settings import Settings
-
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=2), dtype=torch.float32).eval()
-    app = create_app(Settings(), loaded=LoadedModel(model, tok, "tiny", torch.device("cpu"), torch.float32, 2048))
-    async with LifespanManager(app) as manager:
-        transport = httpx.ASGITransport(app=manager.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvserve") as http:
-            while (await http.get("/ready")).status_code != 200:
-                await anyio.sleep(0.05)
-            yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=http, max_retries=0)
+    async with openai_client(LoadedModel(model, tok, "tiny", torch.device("cpu"), torch.float32, 2048)) as (client, _):
+        yield client
 
 
 @pytest.mark.anyio
