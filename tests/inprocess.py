@@ -9,6 +9,8 @@ import anyio
 import httpx
 from openai import AsyncOpenAI
 
+from tests.device import SETTINGS
+
 
 @contextlib.asynccontextmanager
 async def openai_client(loaded, **settings):
@@ -19,7 +21,7 @@ async def openai_client(loaded, **settings):
     from server.api.app import create_app
     from server.settings import Settings
 
-    app = create_app(Settings(**settings), loaded=loaded)
+    app = create_app(Settings(**{**SETTINGS, **settings}), loaded=loaded)
     async with LifespanManager(app) as manager:
         transport = httpx.ASGITransport(app=manager.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://kvserve", timeout=120) as http:

@@ -39,6 +39,7 @@ from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from server.model_loader import LoadedModel
+from tests.device import DEVICE, DTYPE
 
 QWEN3_TEMPLATE = r"""
 {%- set ns = namespace(last_query=messages|length - 1, searching=true) -%}
@@ -389,13 +390,13 @@ def end_of_turn_ids(tokenizer) -> list[int]:
 
 
 def tiny_model(tokenizer, seed: int = 0) -> LoadedModel:
-    """A random-weight 2-layer Llama (hidden 64) over `tokenizer`'s whole vocabulary, on CPU in
-    float32, whose config and generation config end a turn on the family's end tokens."""
+    """A random-weight 2-layer Llama (hidden 64) over `tokenizer`'s whole vocabulary, on the test
+    device (tests/device.py), whose config and generation config end a turn on the family's end tokens."""
     eos = end_of_turn_ids(tokenizer)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPE).eval().to(DEVICE)
     model.generation_config.eos_token_id = eos
-    return LoadedModel(model, tokenizer, tokenizer.name_or_path, torch.device("cpu"), torch.float32, 2048)
+    return LoadedModel(model, tokenizer, tokenizer.name_or_path, DEVICE, DTYPE, 2048)
