@@ -340,3 +340,17 @@ async def test_a_forced_tool_call_after_thinking_in_each_familys_format(tokenize
                     names += [t.function.name] if t.function.name else []
                     args += t.function.arguments or ""
         assert (s_rc, names, args) == (rc, [call.function.name], call.function.arguments)
+
+
+async def test_no_call_is_written_inside_the_thinking(serve, models):
+    """With tools offered, the tool format's markers are masked while the model thinks: pushed
+    up by a logit bias, `<tool_call>` still cannot appear in the thinking, and the call it starts
+    comes after it, where the tool grammar reads it (a call inside the thinking would be lost)."""
+    open_id = models["qwen3"].tokenizer.convert_tokens_to_ids("<tool_call>")
+    async with serve("qwen3") as (client, _):
+        out = await client.chat.completions.create(
+            model="tiny-qwen3", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80,
+            logit_bias={str(open_id): 100}, extra_body={"max_reasoning_tokens": 6})
+        rc, _, _ = fields(out.choices[0].message)
+        assert rc and "<tool_call>" not in rc and out.usage.completion_tokens_details.reasoning_tokens == 8
+        assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.tool_calls
