@@ -193,19 +193,6 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     })
 
 
-def assistant_message(
-    text: str, finish_reason: str, tool_mode: str | None, *, tokenizer=None, tokens: list[TokenInfo] | None = None,
-) -> tuple[dict, str]:
-    """A finished answer's message fields and finish reason, read from its text (and, with
-    the `tokenizer`, its `tokens`, so a model's marker tokens are seen): `Assembly` over one
-    output. Generated calls become `tool_calls` (arguments as the JSON text generated), with
-    finish reason "tool_calls", or "length" for a call max_tokens cut short."""
-    assembly = Assembly(tokenizer, tool_mode)
-    assembly.feed(RequestOutput(text=text, tokens=tokens or [], finish_reason=finish_reason))
-    assembly.finish(finish_reason)
-    return assembly.message(), assembly.finish_reason
-
-
 def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, assembly):
     """The two callbacks that turn engine outputs into chat.completion.chunk objects.
 

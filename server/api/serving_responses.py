@@ -1,8 +1,11 @@
 """POST /v1/responses and the stored-response routes: a Responses turn is a chat turn in a session.
 
 A turn's conversation is the stored one of `previous_response_id` (its earlier input and output
-items) followed by the new input; it is rendered through the chat side (`serving_chat`: template,
-tool prompt, tool-call parsing) and generated in a kvserve session of the caller's principal:
+items) followed by the new input. It becomes a chat request once (`protocol_responses.chat_messages`:
+items -> messages, a reasoning item as the next assistant turn's `reasoning_content`), is submitted
+through the chat side (`serving_chat.submit`: thinking controls, template, limits, grammar) and its
+output is assembled by the same `Assembly` chat renders (server/api/assembly.py), here as output
+items and their events (`Output`). It is generated in a kvserve session of the caller's principal:
 
 * `prompt_cache_key` when given, else the session of the previous response, else the
   `X-Session-ID` header, else (with `store`) the new response's own id. So a chain of
