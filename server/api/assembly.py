@@ -44,7 +44,6 @@ class Assembly:
         self._parser = tool_parser(tokenizer, mode, tools)
         self.thinking = thinking
         self.reasoning = ""
-        self.reasoning_tokens = 0
         self._content = ""
         self.finish_reason: str | None = None
 
@@ -64,8 +63,6 @@ class Assembly:
     def feed(self, output: RequestOutput) -> Parts:
         parts = Parts(reasoning=output.reasoning)
         self.reasoning += output.reasoning
-        if output.finished:
-            self.reasoning_tokens = output.reasoning_tokens
         answer = RequestOutput(text=output.text, tokens=output.tokens[output.n_reasoning:], finish_reason=output.finish_reason)
         if self._parser is None:
             parts.content = answer.text

@@ -179,40 +179,39 @@ class Output:
         self.ev = ev or Events()
         self.summary = summary  # the reasoning is its own summary (`reasoning.summary` asked for one)
         self.order: list[str] = []  # item ids in output order
-        self.kinds: dict[str, str] = {}
         self.reasoning_id: str | None = None
         self.message_id: str | None = None
         self.call_ids: dict[int, str] = {}  # call index -> item id
 
-    def _add(self, kind: str, prefix: str, item: dict) -> tuple[str, list[dict]]:
+    def _add(self, prefix: str, item: dict) -> tuple[str, list[dict]]:
         """Open an item (its `done` events come with the response, once its final text and
         status are known: `finish`)."""
         new_id = item["id"] = item_id(prefix)
         self.order.append(new_id)
-        self.kinds[new_id] = kind
         return new_id, [self.ev("response.output_item.added", output_index=len(self.order) - 1, item=item)]
 
     def _index(self, some_id: str) -> int:
         return self.order.index(some_id)
 
     def feed(self, parts) -> list[dict]:
+        """The events of a chunk of an `Assembly`'s parts (items opened as their first part comes)."""
         events = []
         if parts.reasoning:
             if self.reasoning_id is None:
-                self.reasoning_id, opened = self._add("reasoning", "rs", reasoning_item("", None, "in_progress"))
+                self.reasoning_id, opened = self._add("rs", reasoning_item("", None, "in_progress"))
                 events += opened
                 part = {"type": "reasoning_text", "text": ""}
                 events.append(self.ev("response.content_part.added", item_id=self.reasoning_id, output_index=self._index(self.reasoning_id), content_index=0, part=part))
             events.append(self.ev("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=self._index(self.reasoning_id), content_index=0, delta=parts.reasoning))
         if parts.content:
             if self.message_id is None:
-                self.message_id, opened = self._add("message", "msg", message_item("", None, "in_progress"))
+                self.message_id, opened = self._add("msg", message_item("", None, "in_progress"))
                 events += opened
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 events.append(self.ev("response.content_part.added", item_id=self.message_id, output_index=self._index(self.message_id), content_index=0, part=part))
             events.append(self.ev("response.output_text.delta", item_id=self.message_id, output_index=self._index(self.message_id), content_index=0, delta=parts.content, logprobs=[]))
         for call in parts.started:
-            new_id, opened = self._add("function_call", "fc", {**call_item("", call, "in_progress"), "arguments": ""})
+            new_id, opened = self._add("fc", {**call_item("", call, "in_progress"), "arguments": ""})
             self.call_ids[call.index] = new_id
             events += opened
         for index, text in parts.arguments.items():
@@ -228,7 +227,6 @@ class Output:
         if self.message_id is None and not calls:
             self.message_id = item_id("msg")
             self.order.append(self.message_id)
-            self.kinds[self.message_id] = "message"
         by_id = {}
         if self.reasoning_id is not None:
             by_id[self.reasoning_id] = reasoning_item(self.reasoning_id, assembly.reasoning, "completed" if calls or assembly.content or status == "completed" else status,
@@ -239,7 +237,6 @@ class Output:
             if index not in self.call_ids:  # released whole at the end (a held-back call)
                 self.call_ids[index] = item_id("fc")
                 self.order.append(self.call_ids[index])
-                self.kinds[self.call_ids[index]] = "function_call"
             by_id[self.call_ids[index]] = call_item(self.call_ids[index], call)
         self.order = [i for i in self.order if i in by_id]  # a call the parser dropped (a repeat)
         return [by_id[i] for i in self.order]
