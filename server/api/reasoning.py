@@ -150,11 +150,15 @@ def starts_inside(fmt: ReasoningFormat, prompt_ids) -> bool:
     """The prompt opened the thinking: it ends with the start marker, maybe followed by
     whitespace-only tokens (then the output starts thinking, with no start marker of its own).
     A prompt ending with a closed block (`<think>\\n\\n</think>\\n\\n`) is not inside."""
-    tail = list(prompt_ids)
-    while tail and tail[-1] in fmt.blank_ids:
-        tail.pop()
-    n = len(fmt.start_ids)
-    return len(tail) >= n and tuple(tail[-n:]) == fmt.start_ids
+    return _ends_with(fmt, prompt_ids, fmt.start_ids)
+
+
+def _ends_with(fmt: ReasoningFormat, prompt_ids, marker: tuple[int, ...]) -> bool:
+    """The prompt ends with `marker`, maybe followed by whitespace-only tokens."""
+    end = len(prompt_ids)
+    while end and prompt_ids[end - 1] in fmt.blank_ids:
+        end -= 1
+    return end >= len(marker) and tuple(prompt_ids[end - len(marker):end]) == marker
 
 
 def template_kwargs(
@@ -237,11 +241,7 @@ def spec(ctx, prompt_ids: list[int], budget: int | None, tool_mode: str | None) 
 def switched_off(fmt, prompt_ids: list[int]) -> bool:
     """The template closed an empty thinking block at the end of the prompt (Qwen3 with
     `enable_thinking` false: `<think>\\n\\n</think>\\n\\n`): the model answers at once."""
-    tail = list(prompt_ids)
-    while tail and tail[-1] in fmt.blank_ids:
-        tail.pop()
-    n = len(fmt.end_ids)
-    return len(tail) >= n and tuple(tail[-n:]) == fmt.end_ids
+    return _ends_with(fmt, prompt_ids, fmt.end_ids)
 
 
 def template_source(tokenizer) -> str:
