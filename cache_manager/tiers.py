@@ -231,6 +231,22 @@ class DiskTier:
         self.flush(timeout_s)
         self._writer.shutdown(wait=False, cancel_futures=True)
 
+    def disk_usage(self) -> tuple[int, int]:
+        """(bytes the tier's files take on the medium now, their temp files included; bytes
+        free on its file system). What the files take is what the file system allocated
+        (blocks), which the budget's count of file sizes can differ from. Safe from any thread."""
+        used = 0
+        with contextlib.suppress(OSError), os.scandir(self.directory) as found:
+            for item in found:
+                if item.name.endswith((disk.SUFFIX, disk.TMP_SUFFIX)):
+                    with contextlib.suppress(OSError):  # a file may vanish while it is summed
+                        used += item.stat(follow_symlinks=False).st_blocks * 512
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            free = 0
+        return used, free
+
     # -- internals -----------------------------------------------------------------------------
 
     def _write(self, key: SessionKey, parked: Parked, header: disk.Header, tokens: list[int], tensors) -> None:
@@ -324,7 +340,17 @@ def _background_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
 
 
-def budget_from_free_space(directory: Path, share: float = 0.5) -> int:
-    """Default disk budget: a share of the free space of the directory's file system."""
+DEFAULT_DISK_BYTES = 8 * 2**30
+
+
+def budget_from_free_space(directory: Path, share: float = 0.5, cap: int = DEFAULT_DISK_BYTES) -> int:
+    """Default disk budget: `cap` bytes, or less where `share` of the free space of the
+    directory's file system is less.
+
+    NOTE: a fixed cap, not a share alone: on a node's shared disk (container image layers,
+    logs, an emptyDir counted against the pod's ephemeral storage) a share of the free space
+    grows with the disk and gets the pod evicted; 8 GiB is what a pod can ask for without a
+    dedicated volume. Set --kv-disk-bytes for a volume of the tier's own.
+    """
     Path(directory).mkdir(parents=True, exist_ok=True)
-    return max(1, math.floor(shutil.disk_usage(directory).free * share))
+    return max(1, min(cap, math.floor(shutil.disk_usage(directory).free * share)))

@@ -36,6 +36,11 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "lark", "
 
 _ANY_OBJECT = '{"type":"object"}'
 _MAX_MESSAGE = 300
+# What a compiled grammar counts against the cache's byte bound: llguidance reports no sizes.
+# NOTE: on SmolLM2's vocabulary a compiled grammar holds 0.1-0.25 MB of RSS plus 30-150 bytes
+# per byte of its text (its lexer grows as masks are computed): counted as its upper end.
+GRAMMAR_BASE_BYTES = 128 * 1024
+GRAMMAR_BYTES_PER_BYTE = 128
 
 
 class GrammarError(ValueError):
@@ -231,8 +236,12 @@ class GrammarCompiler:
 
     `compile` is thread-safe and blocking: call it off the event loop. Concurrent compiles of an
     equal spec run once. Deterministic rejections are cached like grammars, timeouts are not.
-    Counters for metrics: `hits`, `misses`, `rejected`, `timeouts`, `compile_seconds_total`;
-    `on_compile(seconds)` is called after every real compilation.
+    The cache holds at most `cache_size` entries and `cache_bytes` of their estimated size
+    (`estimated_bytes`); past either bound the least recently used entries (compiled or looked
+    up longest ago) are evicted first, and an entry larger than `cache_bytes` alone is returned
+    but not kept. Counters for metrics: `hits`, `misses`, `rejected`, `timeouts`, `evictions`,
+    `compile_seconds_total`, and `nbytes`; `on_compile(seconds)` is called after every real
+    compilation.
     """
 
     def __init__(
@@ -242,6 +251,7 @@ class GrammarCompiler:
         *,
         eos_token_ids: Sequence[int] | None = None,
         cache_size: int = 256,
+        cache_bytes: int = 256 << 20,
         compile_timeout_s: float = 5.0,
         flexible_whitespace: bool = False,
         lenient: bool = False,
@@ -250,8 +260,8 @@ class GrammarCompiler:
         limits: Mapping[str, int | bool] | None = None,
         on_compile: Callable[[float], None] | None = None,
     ) -> None:
-        if cache_size < 1 or compile_timeout_s <= 0 or max_concurrent_compiles < 1:
-            raise ValueError("cache_size, compile_timeout_s, max_concurrent_compiles must be > 0")
+        if cache_size < 1 or cache_bytes < 1 or compile_timeout_s <= 0 or max_concurrent_compiles < 1:
+            raise ValueError("cache_size, cache_bytes, compile_timeout_s, max_concurrent_compiles must be > 0")
         eos = list(eos_token_ids) if eos_token_ids else [tokenizer.eos_token_id]
         n_vocab = max(vocab_size, len(tokenizer))
         self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
@@ -259,6 +269,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos)
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self.compile_timeout_s = compile_timeout_s
         self.flexible_whitespace = flexible_whitespace
         self.lenient = lenient
@@ -266,10 +277,12 @@ class GrammarCompiler:
         # NOTE: verbose_errors=False keeps parser state and grammar text out of error messages.
         self.limits = llguidance.LLParserLimits(**{**(limits or {}), "verbose_errors": False})
         self.on_compile = on_compile
-        self.hits = self.misses = self.rejected = self.timeouts = 0
+        self.hits = self.misses = self.rejected = self.timeouts = self.evictions = 0
         self.compile_seconds_total = 0.0
+        self.nbytes = 0  # estimated bytes of the cached entries
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, CompiledGrammar | str] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}
         self._inflight: dict[tuple, Future] = {}
         # NOTE: a compile that outlives its timeout cannot be interrupted (it runs in Rust); it
         # keeps its slot until it ends, so runaway compiles never use more than these threads.
@@ -334,14 +347,26 @@ class GrammarCompiler:
             if not cacheable:
                 self.timeouts += 1
             else:
-                self._cache[key] = entry
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+                self._store(key, entry)
             del self._inflight[key]
         pending.set_result(entry)
         if self.on_compile is not None:
             self.on_compile(dt)
         return entry
+
+    def _store(self, key: tuple, entry: CompiledGrammar | str) -> None:
+        """Cache `entry`, then evict the least recently used entries past either bound (under
+        the lock). An entry larger than the byte bound alone is not kept."""
+        size = estimated_bytes(key, entry)
+        if size > self.cache_bytes:
+            return
+        self._cache[key] = entry
+        self._sizes[key] = size
+        self.nbytes += size
+        while len(self._cache) > self.cache_size or self.nbytes > self.cache_bytes:
+            old, _ = self._cache.popitem(last=False)
+            self.nbytes -= self._sizes.pop(old)
+            self.evictions += 1
 
     def _timeout_message(self) -> str:
         return f"grammar compilation exceeded the {self.compile_timeout_s:g} s time limit"
@@ -419,6 +444,18 @@ class GrammarCompiler:
         if spec.kind == "lark":
             return LLMatcher.grammar_from_lark(spec.payload)
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+
+def estimated_bytes(key: tuple, entry: CompiledGrammar | str) -> int:
+    """What a cache entry counts against the byte bound: a compiled grammar, GRAMMAR_BASE_BYTES
+    plus GRAMMAR_BYTES_PER_BYTE per byte of its spec's text; a cached rejection, its spec's
+    text and its message."""
+    payload = key[1]
+    parts = payload if isinstance(payload, tuple) else (payload or "",)
+    text = sum(len(p.encode("utf-8", "surrogatepass")) for p in parts)
+    if isinstance(entry, str):
+        return text + len(entry)
+    return GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_BYTE * text
 
 
 # ---------------------------------------------------------------- error messages

@@ -3,13 +3,17 @@
 Every Settings field is a flag of the same name (`max_queue` -> `--max-queue`), documented by the
 field's description; a flag wins over its `KVSERVE_*` env var.
 
-`serve` drains on SIGTERM (and Ctrl+C) before it exits 0; see `DrainingServer`.
+`serve` drains on SIGTERM (and Ctrl+C) before it exits 0; see `DrainingServer`. An error no
+request can fix (the model cannot load or run, the engine died) ends it with one line and its
+status (server/exits.py). `serve --check` starts everything but HTTP, prints what it would
+serve with, and exits 0 or 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -18,6 +22,7 @@ import typing
 import uvicorn
 from pydantic import ValidationError
 
+from server import exits
 from server.settings import Settings
 
 log = logging.getLogger("kvserve.shutdown")
@@ -32,8 +37,12 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         origin = typing.get_origin(field.annotation)
         args = typing.get_args(field.annotation)
         help_text = _help(name, field)
+        negated = (field.json_schema_extra or {}).get("negated")
         if field.annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif negated is not None:  # a mode with a --no- form (--cuda-graphs MODE, --no-cuda-graphs)
+            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+            parser.add_argument("--no-" + flag[2:], dest=name, action="store_const", const=negated, help=f"= {flag} {negated}")
         elif origin is list or (args and typing.get_origin(args[0]) is list):
             parser.add_argument(flag, dest=name, action="append", default=None, metavar="VALUE", help=help_text + " Repeatable.")
         else:
@@ -56,7 +65,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="OpenAI-compatible server for one transformers model.")
     commands = parser.add_subparsers(dest="command", required=True)
-    _add_setting_flags(commands.add_parser("serve", help="serve the model over HTTP"))
+    serve_parser = commands.add_parser("serve", help="serve the model over HTTP")
+    serve_parser.add_argument(
+        "--check", action="store_true",
+        help="load the model, size the KV budget, run the start-up forward pass and warm-up, print the "
+        "capacity and the paths it would use as JSON, and exit 0 (or 1, with the reason): no HTTP",
+    )
+    _add_setting_flags(serve_parser)
     _add_setting_flags(commands.add_parser("prepare", help="load (and convert) the model into the cache dir, then exit"))
     return parser
 
@@ -89,7 +104,11 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
-        """Every 0.1 s: while draining, exit once the engine is idle or the grace is over."""
+        """Every 0.1 s: exit once the server cannot serve (nothing is left to drain: the
+        engine failed its requests); while draining, once the engine is idle or the grace is
+        over."""
+        if self.state.fatal is not None and not self.should_exit:
+            self.should_exit = True
         if self.drain_started is not None and not self.should_exit:
             self.should_exit = self._drain_done()
         return await super().on_tick(counter)
@@ -131,9 +150,30 @@ def serve(settings: Settings) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=FLUSH_S,
     )
-    server = DrainingServer(config, app.state.kv, settings.shutdown_grace_s)
+    state = app.state.kv
+    server = DrainingServer(config, state, settings.shutdown_grace_s)
     server.run()
-    return 0 if server.started else 3  # 3: uvicorn's STARTUP_FAILURE
+    if not server.started:
+        return exits.BIND  # uvicorn's STARTUP_FAILURE
+    if state.fatal is not None:
+        status, reason = state.fatal
+        print(f"kvserve: exiting with status {status} ({exits.STATUSES[status]}): {reason}", file=sys.stderr)
+        return status
+    return exits.OK
+
+
+def check(settings: Settings) -> int:
+    """`serve --check`: start everything but HTTP, print what it would serve with as JSON
+    (stdout), then exit 0; 1 with the reason (stderr) when the server would not start."""
+    from server.api.app import startup_check
+
+    summary, failure = asyncio.run(startup_check(settings))
+    if failure is not None:
+        status, reason = failure
+        print(f"kvserve: check failed: {reason} (serve would exit with status {status}: {exits.STATUSES[status]})", file=sys.stderr)
+        return exits.FAILED
+    print(json.dumps(summary, indent=2))
+    return exits.OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,14 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ValidationError as exc:
         print(f"kvserve: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
+        return exits.SETTINGS
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "prepare":
         from server.model_loader import load_model
 
         loaded = load_model(settings.model, cache_dir=settings.cache_dir, device="cpu", dtype="float32", trust_remote_code=settings.trust_remote_code)
         print(f"prepared {loaded.model_id} in {settings.cache_dir}")
-        return 0
+        return exits.OK
+    if args.check:
+        return check(settings)
     return serve(settings)
 
 

@@ -15,6 +15,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -34,6 +35,10 @@ MISS_REASONS = (*PREFIX_MISS_REASONS, NO_SESSION, *TIER_MISS_REASONS)
 TIERS = ("device", "host", "disk")
 LOWER_TIERS = ("host", "disk")
 DISK_WRITE_RESULTS = ("ok", "failed", "skipped")
+# server/engine/core.py's faults: a row failed alone in a forward pass (`forward`) or when its
+# token was chosen (`sampling`); a step shrank after running out of memory (`oom_shrink`) or a
+# row could not run even alone (`oom_row`); the model failed a known-good check (`engine_dead`)
+ENGINE_FAULTS = ("forward", "sampling", "oom_shrink", "oom_row", "engine_dead")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
@@ -45,7 +50,18 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # NOTE: the default registry has these; an app's own does not (process_resident_memory_bytes).
+        ProcessCollector(registry=r)
         self.info = Info("kvserve", "Model, dtype, device and kvserve version.", registry=r)
+        self.engine_paths = Info(
+            "kvserve_engine_paths",
+            "How each fast path runs (attention, cuda_graphs, cpu_linear, exact, speculative) and "
+            "`fallbacks`: the paths running slower than asked (none: \"\").",
+            registry=r,
+        )
+        self.engine_faults = Counter(
+            "kvserve_engine_faults", "Faults inside the engine, by kind (see ENGINE_FAULTS).", ["kind"], registry=r
+        )
         self.requests = Counter(
             "kvserve_http_requests", "HTTP requests by route and status.",
             ["route", "method", "status"], registry=r,
@@ -216,6 +232,7 @@ class Metrics:
             (self.cache_evictions, EVICTION_REASONS),
             (self.structured_requests, STRUCTURED_KINDS),
             (self.cache_misses, MISS_REASONS),
+            (self.engine_faults, ENGINE_FAULTS),
         ):
             for value in values:
                 counter.labels(value)
@@ -249,10 +266,14 @@ class _GrammarCacheCollector:
         self.compiler = compiler
 
     def collect(self):
-        for name, value in (("hits", self.compiler.hits), ("misses", self.compiler.misses)):
+        c = self.compiler
+        for name, value in (("hits", c.hits), ("misses", c.misses), ("evictions", c.evictions)):
             family = CounterMetricFamily(f"kvserve_grammar_cache_{name}", f"Compiled-grammar cache {name}.")
             family.add_metric([], value)
             yield family
+        yield GaugeMetricFamily(
+            "kvserve_grammar_cache_bytes", "Estimated bytes of the cached compiled grammars (--grammar-cache-bytes).", value=c.nbytes
+        )
 
 
 class _ResponseStoreCollector:
@@ -295,6 +316,14 @@ class _TierCollector:
             families["budget"].add_metric([tier], budget)
             families["sessions"].add_metric([tier], sessions)
         yield from families.values()
+        disk = getattr(self.cache_manager, "disk", None)
+        files, free = disk.disk_usage() if disk is not None else (0, 0)
+        yield GaugeMetricFamily(
+            "kvserve_kv_disk_file_bytes",
+            "Bytes the disk tier's session files take on the medium (allocated blocks, writes in progress included; 0: off).",
+            value=files,
+        )
+        yield GaugeMetricFamily("kvserve_kv_disk_free_bytes", "Free bytes of the disk tier's file system (0: off).", value=free)
 
 
 def _value(gauge: Gauge) -> float:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,11 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelSourceError(ValueError):
     """The --model value names nothing loadable (message is safe to show the operator)."""
+
+
+class UnknownArchitecture(ValueError):
+    """transformers cannot build a causal LM from the model's config (an architecture it does
+    not know, code of its own, or not a causal LM)."""
 
 
 # quant_method of a checkpoint's quantization_config -> (module to import, pip package) it needs
@@ -212,7 +218,15 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     except OSError as exc:
         raise ModelSourceError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    except ModelSourceError:
+        raise
     except (ImportError, RuntimeError, ValueError) as exc:
+        if method is None and isinstance(exc, ValueError):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UnknownArchitecture(
+                f"transformers {transformers.__version__} cannot build a causal LM from {name_or_path!r}: {first} "
+                "(a newer transformers may know it; --trust-remote-code runs a model's own code)"
+            ) from exc
         if method is None and not isinstance(exc, ImportError):
             raise
         what = f"a {method}-quantized checkpoint" if method else "the model"

@@ -70,7 +70,14 @@ class Settings(BaseSettings):
         "its whole prompt in one pass.",
     )
     max_tokens_default: int = Field(
-        512, ge=1, description="max_tokens when a request sets none (capped by the context)."
+        512, ge=1,
+        description="max_tokens when a request sets none (capped by the context and --max-request-tokens).",
+    )
+    max_request_tokens: int | None = Field(
+        None, ge=1,
+        description="Most work one request may ask for: prompts x n x max_tokens, each token counted "
+        "1 + top_logprobs times (its logprob entries); more is a 400 naming the field to lower. "
+        "Unset = 8 x the context (--max-model-len).",
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request still running after this many seconds is ended (504)."
@@ -127,8 +134,9 @@ class Settings(BaseSettings):
     )
     kv_disk_bytes: int | None = Field(
         None, ge=1,
-        description="Byte bound of the disk KV tier; unset = half the free space of its file "
-        "system at start.",
+        description="Byte bound of the disk KV tier (its files, writes in progress included; the "
+        "least recently used sessions' files are deleted to stay within); unset = 8 GiB, or half "
+        "the free space of its file system at start where that is less.",
     )
     kv_persist_interval_s: float = Field(
         60.0, gt=0,
@@ -151,10 +159,13 @@ class Settings(BaseSettings):
         "(faster at every batch size, but the linear weights are held twice); off: the dense "
         "weights only.",
     )
-    cuda_graphs: bool = Field(
-        True,
+    cuda_graphs: Literal["auto", "off", "require"] = Field(
+        "auto",
         description="On CUDA, capture decode steps as CUDA graphs at start-up (one per batch and "
-        "context bucket) and replay them; off (--no-cuda-graphs): every step runs eagerly.",
+        "context bucket) and replay them: auto = try (a failed capture logs a WARNING and runs "
+        "eagerly), require = refuse to start without them (exit status 8), off "
+        "(--no-cuda-graphs) = every step runs eagerly.",
+        json_schema_extra={"negated": "off"},
     )
     deterministic: bool = Field(
         False,
@@ -181,6 +192,12 @@ class Settings(BaseSettings):
         5.0, gt=0, description="A grammar that takes longer to compile is rejected (400)."
     )
     grammar_cache_size: int = Field(256, ge=1, description="Compiled grammars kept (LRU).")
+    grammar_cache_bytes: int = Field(
+        256 * 2**20, ge=1,
+        description="Estimated bytes of the compiled grammars kept (LRU, beside --grammar-cache-size): "
+        "each counts 128 KiB plus 128 bytes per byte of its schema or grammar text; one larger than "
+        "the bound is used but not kept.",
+    )
     speculative: Literal["off", "ngram", "draft"] = Field(
         "off",
         description="Speculative decoding: draft tokens, verify them in the step's one forward pass, "
@@ -212,6 +229,14 @@ class Settings(BaseSettings):
         30.0, ge=0, description="On SIGTERM, how long in-flight requests may run before exit."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _graphs_as_bool(cls, value: object) -> object:
+        """true/on (the flag's old boolean form) = auto; false = off."""
+        if isinstance(value, bool) or str(value).lower() in ("true", "false", "on", "1", "0"):
+            return "auto" if str(value).lower() in ("true", "on", "1") else "off"
+        return value
 
     @field_validator("anonymous_reuse", mode="wrap")
     @classmethod

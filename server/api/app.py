@@ -1,8 +1,10 @@
 """create_app(settings) -> FastAPI.
 
 The lifespan starts loading the model in the background, so the process answers /health at once
-and /ready turns 200 only after the model is loaded and one warm-up generation step has run.
-Routes that need the model answer 503 `model_loading` until then.
+and /ready turns 200 only after the model is loaded, its start-up forward pass (prefill and
+decode, on the engine's own paths) has run and warm-up requests have been generated. Routes
+that need the model answer 503 `model_loading` until then. A start-up error no request can fix
+sets `AppState.exit_status` (server/exits.py), and `kvserve serve` exits with it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from server.engine import exact, families
 from server.engine.core import Engine, EngineConfig
 from server.api import reasoning
 from server.api.errors import APIError, install_handlers
-from server import kv_budget
+from server import exits, kv_budget
 from server.metrics import Metrics
 from server.api.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.model_loader import LoadedModel, load_model
@@ -53,11 +55,22 @@ class AppState:
         self.responses = response_store(settings)
         self.ctx: ServingContext | None = None
         self.load_error: str | None = None  # for the log and the process, never sent to clients
+        self.exit_status: int | None = None  # set with load_error: the status `serve` exits with
         self.draining = False
 
     @property
     def ready(self) -> bool:
-        return self.ctx is not None and not self.draining
+        return self.ctx is not None and not self.draining and self.ctx.engine.dead is None
+
+    @property
+    def fatal(self) -> tuple[int, str] | None:
+        """(exit status, reason) once the process cannot serve any more: the model failed to
+        start, or the engine died while serving; None while it can (or still may)."""
+        if self.exit_status is not None:
+            return self.exit_status, self.load_error or ""
+        if self.ctx is not None and self.ctx.engine.dead is not None:
+            return exits.ENGINE_DEAD, f"the engine died: {self.ctx.engine.dead}"
+        return None
 
     def drain(self) -> bool:
         """Refuse new requests (503 `shutting_down`, /ready 503); admitted ones run on.
@@ -84,6 +97,8 @@ class AppState:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
         if self.ctx is None and self.load_error is not None:
             raise APIError(503, "the model failed to load; see the server log", code="model_unavailable")
+        if self.ctx is not None and self.ctx.engine.dead is not None:
+            raise APIError(503, "the model stopped running; the server is exiting to be restarted (see its log)", code="model_unavailable")
         if self.ctx is None:
             raise APIError(503, "the model is still loading", code="model_loading", headers={"Retry-After": "5"})
         return self.ctx
@@ -183,7 +198,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
             reject_busy_sessions=settings.reject_busy_sessions,
             speculative=SpeculativeConfig(max_draft=settings.speculative_max_draft),
             cpu_packed_weights=settings.cpu_packed_weights,
-            cuda_graphs=settings.cuda_graphs,
+            cuda_graphs=settings.cuda_graphs != "off",
             deterministic=settings.deterministic,
         ),
         cache_manager,
@@ -195,6 +210,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         loaded.model.config.get_text_config(decoder=True).vocab_size,
         eos_token_ids=sorted(engine.eos_ids),
         cache_size=settings.grammar_cache_size,
+        cache_bytes=settings.grammar_cache_bytes,
         compile_timeout_s=settings.grammar_compile_timeout_s,
         flexible_whitespace=settings.json_whitespace_flexible,
         on_compile=metrics.grammar_compile_seconds.observe,
@@ -220,20 +236,27 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         deterministic=settings.deterministic,
         reasoning=reasoning.reasoning_format(loaded.tokenizer, None if settings.reasoning_parser == "auto" else settings.reasoning_parser),
         max_reasoning_tokens=settings.max_reasoning_tokens,
+        max_request_tokens=settings.max_request_tokens,
     )
 
 
 async def warm_up(ctx: ServingContext) -> None:
     """Real generation steps through the engine, plain and grammar-constrained, so the first
-    request pays for no lazy initialisation (mask buffers, worker threads, kernels)."""
+    request pays for no lazy initialisation (mask buffers, worker threads, kernels). Raises
+    StartupError when one fails: a server whose requests fail is never reported ready.
+
+    NOTE: the prompt's ids are taken modulo the model's vocabulary: a tiny test model may have
+    fewer embeddings than its tokenizer has tokens."""
     grammar = await asyncio.to_thread(ctx.compiler.compile, GrammarSpec("json_object"))
+    prompt = [t % ctx.vocab_size for t in ctx.tokenizer("Hello")["input_ids"]] or [0]
     for g in (None, grammar):
         request = GenerationRequest(
-            "warmup", ctx.tokenizer("Hello")["input_ids"], SamplingParams(max_tokens=2, temperature=0.0),
-            use_session=False, grammar=g,
+            "warmup", prompt, SamplingParams(max_tokens=2, temperature=0.0), use_session=False, grammar=g,
         )
-        async for _ in ctx.engine.submit(request, asyncio.get_running_loop()):
-            pass
+        async for output in ctx.engine.submit(request, asyncio.get_running_loop()):
+            if output.error is not None:
+                what = "grammar-constrained " if g is not None else ""
+                raise exits.StartupError(exits.MODEL_CANNOT_RUN, f"a {what}warm-up request failed ({output.error}); the server log says why")
 
 
 async def _in_own_thread(fn, /, *args, **kwargs):
@@ -251,6 +274,7 @@ async def _in_own_thread(fn, /, *args, **kwargs):
 
 async def _load(state: AppState, loaded: LoadedModel | None) -> None:
     s = state.settings
+    ctx = None
     try:
         if loaded is None:
             loaded = await _in_own_thread(
@@ -264,16 +288,66 @@ async def _load(state: AppState, loaded: LoadedModel | None) -> None:
                 trust_remote_code=s.trust_remote_code,
             )
         ctx = build_context(s, loaded, state.metrics, draft)
-        await asyncio.to_thread(ctx.engine.start)  # waits for the engine thread to prepare the models
+        await asyncio.to_thread(ctx.engine.start)  # the models prepared, the start-up forward pass run
+        report_paths(ctx, state.metrics, s)
         await warm_up(ctx)
         state.ctx = ctx
         log.info("ready: %s on %s (%s)", ctx.model_id, loaded.device, loaded.dtype)
-    except kv_budget.KVBudgetError as exc:  # the operator's to fix: the message says how
+    except Exception as exc:  # no request can fix it: `serve` exits with its status
         state.load_error = str(exc)
-        log.error("cannot start: %s", exc)
-    except Exception as exc:  # surfaced on /ready; the process stays up for inspection
-        state.load_error = str(exc)
-        log.exception("model load failed")
+        state.exit_status = exits.status_of(exc)
+        if state.exit_status == exits.FAILED:
+            log.exception("cannot start")
+        else:
+            log.error("cannot start: %s", exc)
+        if ctx is not None:
+            await asyncio.to_thread(ctx.engine.stop)
+
+
+async def startup_check(settings: Settings) -> tuple[dict | None, tuple[int, str] | None]:
+    """`kvserve serve --check`: load and start as `serve` would (the KV budget sized, the
+    start-up forward pass and the warm-up run), then stop. Returns (what it would serve with,
+    None) or (None, (exit status, reason))."""
+    state = AppState(settings, Metrics())
+    await _load(state, None)
+    if state.ctx is None:
+        return None, state.fatal
+    ctx = state.ctx
+    try:
+        manager, pool = ctx.cache_manager, ctx.cache_manager.pool
+        tiers = manager.tier_usage()
+        return {
+            "model": ctx.model_id,
+            "device": str(pool.device),
+            "dtype": str(pool.dtype).removeprefix("torch."),
+            "max_model_len": ctx.max_context,
+            "kv_cache": {
+                "dtype": manager.config.kv_dtype,
+                "budget_bytes": manager.store.budget_bytes,
+                "capacity_tokens": manager.capacity_tokens(),
+                "sequences_at_max_model_len": manager.capacity_tokens() // ctx.max_context,
+                "host_tier_bytes": tiers["host"][1],
+                "disk_tier_bytes": tiers["disk"][1],
+                "disk_tier_dir": str(settings.kv_disk_dir) if settings.kv_disk_dir is not None else None,
+            },
+            "engine": ctx.engine_paths,
+            "max_running": settings.max_running,
+            "max_batch_tokens": settings.max_batch_tokens,
+        }, None
+    finally:
+        await asyncio.to_thread(state.abort_in_flight)
+
+
+def report_paths(ctx: ServingContext, metrics: Metrics, settings: Settings) -> None:
+    """Show how the engine runs (/metrics' kvserve_engine_paths, /v1/models' `engine` block);
+    refuse a required path that is not in use."""
+    runner = ctx.engine.runner
+    paths = {**runner.paths, "speculative": settings.speculative}
+    metrics.engine_paths.info({**paths, "fallbacks": ",".join(sorted(runner.fallbacks))})
+    ctx.engine_paths = {**paths, "fallbacks": dict(runner.fallbacks)}
+    if settings.cuda_graphs == "require" and paths.get("cuda_graphs") != "captured":
+        why = runner.fallbacks.get("cuda_graphs") or f"they need CUDA and the paged path (this device: {runner.device.type})"
+        raise exits.StartupError(exits.REQUIRED_PATH, f"--cuda-graphs=require, but no CUDA graph was captured: {why}")
 
 
 def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI:

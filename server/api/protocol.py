@@ -7,6 +7,7 @@ request converts itself to the engine's `SamplingParams`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -18,6 +19,12 @@ MAX_N = 16
 MAX_STOP = 4
 MAX_PROMPTS = 64
 MAX_TOKENS_LIMIT = 1_000_000
+MAX_TOOLS = 128
+# Bytes of compact JSON (text: UTF-8): a request's whole tool list, and each output constraint
+# (response_format, structured_outputs, guided_*). Both are compiled into a grammar before the
+# request is queued; the largest JSONSchemaBench schema is 37 KB.
+MAX_TOOLS_BYTES = 512 * 1024
+MAX_CONSTRAINT_BYTES = 256 * 1024
 INT64 = 2**63
 
 StopString = Annotated[str, Field(min_length=1, max_length=1024)]
@@ -30,6 +37,22 @@ def not_empty(value, param: str):
         raise PydanticCustomError(
             "empty_array", f"Invalid '{param}': empty array. Expected an array with minimum length 1, but got an empty array instead.",
         )
+    return value
+
+
+def within_bytes(value, limit: int, what: str):
+    """`value`, unless its compact JSON is larger than `limit` bytes: a ValueError saying both
+    sizes (the 400 names the field). Runs before the field's own validation."""
+    if value is None:
+        return value
+    try:
+        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
+    except RecursionError:
+        raise ValueError(f"{what} nests too deeply") from None
+    except ValueError:  # a circular container (only from Python callers)
+        raise ValueError(f"{what} is not JSON") from None
+    if size > limit:
+        raise ValueError(f"{what} is {size} bytes of JSON; at most {limit} are accepted")
     return value
 
 
@@ -152,6 +175,12 @@ class SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
     speculative: bool = True  # kvserve: false = no speculative decoding for this request
 
+    @field_validator("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", mode="before")
+    @classmethod
+    def _constraint_size(cls, value):
+        return within_bytes(value, MAX_CONSTRAINT_BYTES, "the output constraint")
+
     @field_validator("stop", mode="before")
     @classmethod
     def _at_most_max_stop(cls, value):
@@ -207,7 +236,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
     parallel_tool_calls: bool = True  # OpenAI's default: "required" and "auto" may make several calls
     tool_choice: str | dict[str, Any] | None = None
-    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # extensions (vLLM's spelling): the template's thinking switches; kvserve: the thinking budget
@@ -218,6 +247,11 @@ class ChatCompletionRequest(SamplingFields):
     @classmethod
     def _messages_not_empty(cls, value):
         return not_empty(value, "messages")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_size(cls, value):
+        return within_bytes(value, MAX_TOOLS_BYTES, "the tool list")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

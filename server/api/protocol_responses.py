@@ -21,7 +21,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from server.api.protocol import INT64, MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, OpenAIModel, StopString, not_empty
+from server.api.protocol import (
+    INT64, MAX_CONSTRAINT_BYTES, MAX_STOP, MAX_TOKENS_LIMIT, MAX_TOOLS, MAX_TOOLS_BYTES, ChatCompletionRequest, OpenAIModel,
+    StopString, not_empty, within_bytes,
+)
 
 Text = Annotated[str, Field(max_length=10_000_000)]
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
@@ -197,6 +200,11 @@ class TextFormat(OpenAIModel):
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _schema_size(cls, value):
+        return within_bytes(value, MAX_CONSTRAINT_BYTES, "the output constraint")
+
     @model_validator(mode="after")
     def _schema_for_json_schema(self):
         if self.type == "json_schema" and self.schema_ is None:
@@ -289,7 +297,7 @@ class ResponsesRequest(OpenAIModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     text: TextConfig | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None  # logprobs are not returned here
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -322,6 +330,11 @@ class ResponsesRequest(OpenAIModel):
     @classmethod
     def _input_not_empty(cls, value):
         return not_empty(value, "input")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_size(cls, value):
+        return within_bytes(value, MAX_TOOLS_BYTES, "the tool list")
 
     @field_validator("tool_choice", mode="before")
     @classmethod

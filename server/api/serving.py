@@ -30,7 +30,9 @@ from grammars import (
     tool_call_spec,
     tool_format,
 )
+from server.engine import faults
 from server.engine.core import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
+from server.api import limits
 from server.api.errors import APIError
 from server.metrics import Metrics
 from server.engine.reasoning import ReasoningSpec
@@ -57,8 +59,15 @@ class ServingContext:
     request_timeout_s: float
     fingerprint: str
     deterministic: bool = False  # exact mode (--deterministic), reported by /v1/models
+    engine_paths: dict = field(default_factory=dict)  # how the engine runs: /v1/models' `engine` (app.report_paths)
     reasoning: object | None = None  # the model's reasoning.ReasoningFormat (None: no thinking model)
     max_reasoning_tokens: int | None = None  # the server's default thinking budget
+    max_request_tokens: int | None = None  # --max-request-tokens (None: limits.work_limit's default)
+
+    @property
+    def work_limit(self) -> int:
+        """The most work one request may ask for (server/api/limits.py)."""
+        return limits.work_limit(self.max_request_tokens, self.max_context)
 
     def check_model(self, model: str) -> None:
         if model != self.model_id and model not in self.model_aliases:
@@ -233,7 +242,7 @@ def generation_requests(
             out.append(GenerationRequest(
                 f"{request_id}-{index}", prompt_ids, sampling, timeout_s=timeout_s,
                 principal=principal, session_id=session, use_session=index == 0, grammar=grammar,
-                speculative=body.speculative, reasoning=reasoning,
+                speculative=body.speculative, reasoning=reasoning, fault=faults.request_fault(request.headers),
             ))
     return out
 
@@ -285,7 +294,13 @@ def engine_error(output: RequestOutput, timeout_s: float) -> APIError:
     if output.finish_reason == "abort":
         return APIError(503, "the request was aborted before it finished (the server is shutting down)", code="aborted", headers={"Retry-After": RETRY_AFTER_S})
     if output.error == "out_of_memory":
-        return APIError(503, "out of memory for this request; retry later", code="out_of_memory", headers={"Retry-After": RETRY_AFTER_S})
+        return APIError(
+            503, "out of device memory: this request could not run even alone in a step (one token at a time); "
+            "retry later, or ask the operator to lower --max-batch-tokens or --gpu-memory-utilization",
+            code="out_of_memory", headers={"Retry-After": RETRY_AFTER_S},
+        )
+    if output.error == "engine_dead":
+        return APIError(503, "the model stopped running; the server is exiting to be restarted (see its log)", code="engine_dead", headers={"Retry-After": RETRY_AFTER_S})
     return APIError(500, "internal error while generating", code="internal_error")
 
 

@@ -13,7 +13,7 @@ from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
 from grammars import output_format, tool_format
-from server.api import reasoning, serving
+from server.api import limits, reasoning, serving
 from server.api.assembly import Assembly
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest
@@ -102,9 +102,12 @@ def template_messages(tokenizer, body: ChatCompletionRequest) -> list[dict]:
     return messages
 
 
-def render_prompt(tokenizer, body: ChatCompletionRequest, template_kwargs: dict | None = None) -> list[int]:
+def render_prompt(tokenizer, body: ChatCompletionRequest, template_kwargs: dict | None = None, *,
+                  max_context: int | None = None, prompt_param: str = "messages") -> list[int]:
     """Chat template -> token ids (runs off the event loop: templates and tokenizers are slow).
-    `template_kwargs`: the thinking switches (`reasoning.controls`)."""
+    `template_kwargs`: the thinking switches (`reasoning.controls`). With `max_context`, a
+    conversation far longer than the context is refused early, naming `prompt_param`
+    (`limits.prompt_ids`)."""
     try:
         messages = template_messages(tokenizer, body)
         text = tokenizer.apply_chat_template(
@@ -112,7 +115,9 @@ def render_prompt(tokenizer, body: ChatCompletionRequest, template_kwargs: dict 
         )
     except (TemplateError, ValueError, TypeError) as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}", code="invalid_value", param="messages", rejection="bad_request") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if max_context is None:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return limits.prompt_ids(tokenizer, text, max_context, prompt_param, add_special_tokens=False)
 
 
 def logprobs_entry(ctx: ServingContext, token: TokenInfo) -> dict:
@@ -147,8 +152,13 @@ async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     converts its turn to a chat request first): the thinking controls, the chat template, the
     token limit, sampling, the grammar, the reasoning spec; then its sequences are queued."""
     template_kwargs, budget = reasoning.controls(ctx, body.reasoning_effort, body.chat_template_kwargs, body.max_reasoning_tokens)
-    prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body, template_kwargs)
+    prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body, template_kwargs,
+                                         max_context=ctx.max_context, prompt_param=prompt_param)
     max_tokens = ctx.resolve_max_tokens(len(prompt_ids), requested_max_tokens, max_tokens_param, prompt_param)
+    work = limits.Work(1, body.n, (body.top_logprobs or 0) if body.logprobs else 0, max_tokens_param)
+    if requested_max_tokens is None:
+        max_tokens = work.default_max_tokens(ctx.work_limit, max_tokens)
+    work.check(ctx.work_limit, max_tokens)
     params = serving.choice_params(ctx, body, max_tokens)
     grammar, tool_mode = await serving.compile_grammar(ctx, body, body.tools, body.tool_choice)
     thinking = reasoning.spec(ctx, prompt_ids, budget, tool_mode)
@@ -160,7 +170,9 @@ async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
 async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
     ctx.check_model(body.model)
     request_id = serving.new_id("chatcmpl")
-    turn = await submit(ctx, body, request, request_id, requested_max_tokens=body.requested_max_tokens())
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    turn = await submit(ctx, body, request, request_id, requested_max_tokens=body.requested_max_tokens(),
+                        max_tokens_param=max_tokens_param)
     handles = turn.handles
     created = int(time.time())
     head = {

@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from server.api import serving
+from server.api import limits, serving
 from server.api.errors import APIError
 from server.api.protocol import CompletionRequest
 from server.engine.sequence import RequestOutput, TokenInfo
@@ -21,8 +21,10 @@ from server.api.serving import ServingContext
 ROUTE = "/v1/completions"
 
 
-def tokenize_prompts(tokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
-    return [p if isinstance(p, list) else tokenizer(p)["input_ids"] for p in prompts]
+def tokenize_prompts(tokenizer, prompts: list[str | list[int]], max_context: int) -> list[list[int]]:
+    """Each prompt's token ids; a text far longer than the context is refused early, naming
+    `prompt` (`limits.prompt_ids`), before the prompts after it are tokenized."""
+    return [p if isinstance(p, list) else limits.prompt_ids(tokenizer, p, max_context, "prompt") for p in prompts]
 
 
 def logprobs_block(ctx: ServingContext, tokens: list[TokenInfo], offset: int) -> dict:
@@ -42,12 +44,13 @@ def logprobs_block(ctx: ServingContext, tokens: list[TokenInfo], offset: int) ->
 
 async def create(ctx: ServingContext, body: CompletionRequest, request: Request):
     ctx.check_model(body.model)
-    prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompts())
+    prompts = await asyncio.to_thread(tokenize_prompts, ctx.tokenizer, body.prompts(), ctx.max_context)
     for prompt_ids in prompts:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", code="invalid_value", param="prompt", rejection="bad_request")
         ctx.check_token_ids(prompt_ids, "prompt")
-        ctx.resolve_max_tokens(len(prompt_ids), body.max_tokens, "max_tokens")
+        ctx.resolve_max_tokens(len(prompt_ids), body.max_tokens, "max_tokens", "prompt")
+    limits.Work(len(prompts), body.n, body.logprobs or 0, logprobs_param="logprobs").check(ctx.work_limit, body.max_tokens)
     params = serving.choice_params(ctx, body, body.max_tokens)
     grammar, _ = await serving.compile_grammar(ctx, body)
     request_id = serving.new_id("cmpl")

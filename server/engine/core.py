@@ -25,9 +25,10 @@ from cache_manager import kv
 from cache_manager.manager import CacheManager, NoRoom
 from cache_manager.prefix import ROPE_SWITCH
 from grammars.matcher import start_masks
-from server.engine import families, sampler
+from server import memory
+from server.engine import faults, families, sampler
 from server.engine.model_runner import ModelRunner
-from server.engine.scheduler import Plan, Scheduler
+from server.engine.scheduler import Plan, ScheduledRow, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
 from server.engine.speculative import NoSpeculation, SpeculativeConfig, Speculator
 
@@ -44,6 +45,13 @@ class EngineStopped(Exception):
 
 class SessionBusy(Exception):
     """The session already has a request in flight and the engine is set to refuse (409)."""
+
+
+class StartupCheckFailed(RuntimeError):
+    """The model failed its start-up forward pass (`ModelRunner.check`): it cannot serve."""
+
+
+OOM_RELAX_STEPS = 64  # steps without an out-of-memory before the shrunk token budget doubles again
 
 
 @dataclass(slots=True)
@@ -169,6 +177,12 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
         self._prepared: Future[None] = Future()  # settled by the thread once the models are ready
         self._outbox: list[tuple[RequestHandle, RequestOutput]] = []  # engine thread only: `_flush`
+        self._faults = faults.Faults.from_env()  # None unless a test switched faults on
+        if self._faults is not None:
+            self._faults.install(model)
+        self._calm_steps = 0  # steps since the last out-of-memory (`_relax`)
+        self.dead: str | None = None  # why the model cannot run any more (`_die`); None: alive
+        self.trimmer = memory.Trimmer()  # freed heap back to the system once idle (`_maybe_expire`)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -207,6 +221,8 @@ class Engine:
         seq = Sequence(request, self.tokenizer, self.runner.device)
         handle = RequestHandle(seq, self, loop)
         with self._cond:
+            if self.dead is not None:
+                raise EngineStopped("the model cannot run; the server is stopping (see its log)")
             if not self._accepting:
                 raise EngineStopped("the server is shutting down")
             if len(self._waiting) >= self.config.max_queue:
@@ -300,6 +316,11 @@ class Engine:
             families.check(self.model)  # the probe (once per model): the server's load has run it already
             self.runner.prepare()  # kvserve's attention, packed CPU weights, CUDA graphs
             self.speculator.prepare()
+            try:
+                with torch.inference_mode():
+                    self.runner.check()
+            except Exception as exc:
+                raise StartupCheckFailed(f"the model cannot run: its start-up forward pass failed ({type(exc).__name__}: {exc})") from exc
         except BaseException as exc:
             with self._cond:
                 self._accepting = False
@@ -349,6 +370,10 @@ class Engine:
             self._last_expiry = now
             self.cache_manager.expire()
             self.cache_manager.persist()  # to the disk tier, at most once per its interval
+            # NOTE: glibc keeps a burst's freed heap (server/memory.py): handed back once nothing
+            # runs, a few ms once per growth of RSS, never between a running request's steps
+            if not self._running and not self._waiting and self.trimmer.due():
+                self.trimmer.trim()
 
     def step(self) -> None:
         """One forward pass for every running sequence: schedule -> run -> postprocess; the
@@ -374,22 +399,11 @@ class Engine:
         plan = self.scheduler.schedule([seq for seq, _ in self._running])
         if not plan.rows:
             return
-        self.speculator.draft(plan, self.config.max_batch_tokens)  # decode rows may carry drafts
+        self.speculator.draft(plan, self.scheduler.max_batch_tokens)  # decode rows may carry drafts (under a shrunk budget too)
         prefill_tokens = sum(r.n_tokens for r in plan.rows if r.seq.status is Status.PREFILL)
         start_masks([r.seq.grammar for r in plan.rows if r.completes and r.seq.grammar is not None])
-        try:
-            t_run = time.perf_counter()
-            logits = self.runner.run(plan)
-            self.runner.synchronize()  # the step's cost, not its launch's (sampling waits anyway)
-            self.speculator.observe(plan.num_tokens, time.perf_counter() - t_run)
-        except torch.OutOfMemoryError:
-            log.warning("out of memory in a step of %d rows", len(plan.rows))
-            self._fail(plan, "out_of_memory")
-        except Exception:
-            log.exception("a step of %d rows failed", len(plan.rows))
-            self._fail(plan, "internal")
-        else:
-            self._postprocess(plan, logits)
+        self._execute(plan)
+        self._relax()
         if prefill_tokens >= max(64, plan.num_tokens // 2):  # a prefill step: its speed weighs restores
             self.cache_manager.observe_prefill(plan.num_tokens, time.perf_counter() - t0)
         if self.metrics is not None:
@@ -435,14 +449,10 @@ class Engine:
             return
         if drafted:
             logits = logits[plain]
-        try:
-            tokens = sampler.choose(completed, logits)
-        except Exception:
-            log.exception("sampling failed in a step of %d rows", len(completed))
-            for seq in completed:
+        for seq, token in self._choose(completed, logits):
+            if token is None:
                 self._finish(seq, handles[seq], "error", error="internal")
-            return
-        for seq, token in zip(completed, tokens):
+                continue
             seq.status = Status.DECODE
             if seq.grammar is not None and self.metrics is not None:
                 self.metrics.grammar_mask_seconds.observe(seq.grammar.last_mask_s)
@@ -451,6 +461,25 @@ class Engine:
             except Exception:
                 log.exception("request %s failed", seq.request_id)
                 self._finish(seq, handles[seq], "error", error="internal")
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, TokenInfo | None]]:
+        """`sampler.choose` for the rows; when it raises, each row is chosen alone and only
+        the ones that raise again get None.
+
+        NOTE: a row retried alone sees its logits as the failed call left them: a constraint
+        mask added twice allows the same tokens, but penalties applied before the failure
+        apply twice (no retry is exact for a row with penalties)."""
+        try:
+            if self._faults is not None:
+                self._faults.before_sampling(seqs)
+            return list(zip(seqs, sampler.choose(seqs, logits)))
+        except Exception:
+            if len(seqs) == 1:
+                log.exception("choosing the token of %s failed", seqs[0].request_id)
+                self._fault("sampling")
+                return [(seqs[0], None)]
+            log.warning("choosing the tokens of %d rows failed: choosing each alone", len(seqs), exc_info=True)
+        return [pair for i, seq in enumerate(seqs) for pair in self._choose([seq], logits[i : i + 1])]
 
     def _verify(self, seq: Sequence, handle: RequestHandle, draft, logits: torch.Tensor) -> None:
         """Take a drafted row's tokens as `_take` would have taken them one step at a time: the
@@ -479,10 +508,127 @@ class Engine:
             log.exception("request %s failed", seq.request_id)
             self._finish(seq, handle, "error", error="internal")
 
-    def _fail(self, plan: Plan, error: str) -> None:
-        handles = dict(self._running)
-        for row in plan.rows:
-            self._finish(row.seq, handles[row.seq], "error", error=error)
+    # -- faults -------------------------------------------------------------------------------
+
+    def _execute(self, plan: Plan) -> None:
+        """Run the plan's forward pass and postprocess it. When the pass raises, the step is
+        split until the row that caused it is alone: that row fails ("internal"), the others
+        run on in smaller passes, their tokens what the whole step would have given them (up
+        to the rounding of another batch shape: the near-tie rule). Out of memory shrinks the
+        step instead (`_shrink`): fewer rows a pass, then a smaller prefill chunk; only a row
+        that cannot run even alone with one token fails ("out_of_memory"). A row that failed
+        alone while nothing of the step had run yet is checked against a known-good pass
+        (`_alive`): when that fails too the model itself is broken, and every row fails as
+        the engine dies."""
+        parts = [plan]
+        ran, checked, failed = False, False, []
+        while parts:
+            part = parts.pop(0)
+            try:
+                t_run = time.perf_counter()
+                if self._faults is not None:
+                    self._faults.before_forward(part)
+                logits = self.runner.run(part)
+                self.runner.synchronize()  # the step's cost, not its launch's (sampling waits anyway)
+                self.speculator.observe(part.num_tokens, time.perf_counter() - t_run)
+            except torch.OutOfMemoryError:
+                self.runner.release_memory()
+                smaller = self._shrink(part)
+                if smaller:
+                    parts[:0] = smaller
+                    continue
+                row = part.rows[0]
+                log.warning("out of memory: %s cannot run even alone with one token", row.seq.request_id)
+                self._fault("oom_row")
+                self._finish(row.seq, self._handle(row.seq), "error", error="out_of_memory")
+            except Exception:
+                if len(part.rows) > 1:
+                    log.warning("a step of %d rows failed: retrying it in halves to find the row that fails", len(part.rows), exc_info=True)
+                    half = len(part.rows) // 2
+                    parts[:0] = [Plan(part.rows[:half]), Plan(part.rows[half:])]
+                    continue
+                row = part.rows[0]
+                log.exception("the forward pass of %s failed (alone)", row.seq.request_id)
+                if not (ran or checked):
+                    checked = True
+                    if not self._alive():
+                        return
+                self._fault("forward")
+                failed.append(row.seq)
+            else:
+                ran = True
+                self._postprocess(part, logits)
+        for seq in failed:
+            self._finish(seq, self._handle(seq), "error", error="internal")
+
+    def _shrink(self, part: Plan) -> list[Plan]:
+        """A part that ran out of memory, as smaller parts to run in its place (in order): its
+        rows in two halves; a row alone without its draft, then with half its tokens (the rest
+        of a prefill waits for the next steps, its KV so far kept). Empty when it cannot shrink.
+        Later steps prefill under half the token budget that failed (`_relax` restores it)."""
+        self._fault("oom_shrink")
+        self._calm_steps = 0
+        self.scheduler.max_batch_tokens = max(1, min(self.scheduler.max_batch_tokens, part.num_tokens // 2))
+        log.warning("out of memory in a step of %d rows and %d tokens: shrinking it (token budget now %d)",
+                    len(part.rows), part.num_tokens, self.scheduler.max_batch_tokens)
+        if len(part.rows) > 1:
+            half = len(part.rows) // 2
+            return [Plan(part.rows[:half]), Plan(part.rows[half:])]
+        row = part.rows[0]
+        if row.draft is not None:
+            self.speculator.discard(row)
+            return [Plan([ScheduledRow(row.seq, row.n_tokens)])]
+        if row.n_tokens > 1:
+            return [Plan([ScheduledRow(row.seq, row.n_tokens // 2)])]
+        return []
+
+    def _relax(self) -> None:
+        """After `OOM_RELAX_STEPS` steps without running out of memory, double a shrunk token
+        budget again (up to the configured one)."""
+        if self.scheduler.max_batch_tokens >= self.config.max_batch_tokens:
+            return
+        self._calm_steps += 1
+        if self._calm_steps >= OOM_RELAX_STEPS:
+            self._calm_steps = 0
+            self.scheduler.max_batch_tokens = min(self.config.max_batch_tokens, 2 * self.scheduler.max_batch_tokens)
+
+    def _alive(self) -> bool:
+        """After a row failed alone: a known-good pass on a scratch sequence (the start-up
+        check). If it fails too the fault is the model's, not the row's: the engine dies
+        (`_die`) and this is False. Inconclusive (True) when the pool has no block for it or
+        the device no memory."""
+        try:
+            self.runner.check()
+        except (kv.NoBlocks, torch.OutOfMemoryError) as exc:
+            log.warning("the check after a failed step could not run (%s): assuming the model still runs", type(exc).__name__)
+        except Exception as exc:
+            self._die(f"a known-good forward pass fails too ({type(exc).__name__}: {exc})")
+            return False
+        return True
+
+    def _die(self, reason: str) -> None:
+        """The model cannot run: fail every request with "engine_dead", take no more, end the
+        loop. The server sees `dead`, turns /health and /ready 503 and exits non-zero, so the
+        orchestrator restarts it."""
+        log.critical("the engine is dead: %s", reason)
+        self._fault("engine_dead")
+        with self._cond:
+            self.dead = reason
+            self._accepting = False
+            self._stop = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for seq, handle in list(self._running):
+            self._finish(seq, handle, "error", error="engine_dead")
+        for seq, handle in waiting:
+            handle._put(seq.final_output("error", error="engine_dead"))
+        self._update_gauges()
+
+    def _fault(self, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.engine_faults.labels(kind).inc()
+
+    def _handle(self, seq: Sequence) -> RequestHandle:
+        return next(handle for s, handle in self._running if s is seq)
 
     def _take(self, seq: Sequence, handle: RequestHandle, token: TokenInfo) -> None:
         """Append the sampled token (and what is forced after it), or finish."""

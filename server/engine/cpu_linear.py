@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from server.engine import exact
 
 
-def pack_model(model, packed: bool = True) -> None:
+def pack_model(model, packed: bool = True) -> tuple[int, int]:
     """On CPU, run every `nn.Linear` of `model` on a packed weight (`_pack`), or on the
     transposed product (`_cpu_linear`) where this build cannot pack or `packed` is False (the
     dense weights only: half the memory of the linear layers, slower). Nothing on other
@@ -19,12 +19,20 @@ def pack_model(model, packed: bool = True) -> None:
 
     NOTE: call it on the thread that will run the model (the server's engine thread): packing
     runs multi-threaded, and a second thread that runs multi-threaded torch ops slows every
-    step down (docs/architecture.md, "One OpenMP team")."""
+    step down (docs/architecture.md, "One OpenMP team").
+
+    Returns how many layers it switched: (on a packed weight, on the transposed product)."""
     if model.device.type != "cpu":
-        return
+        return 0, 0
+    counts = [0, 0]
     for module in model.modules():
-        if _dense(module) and "forward" not in vars(module) and not (packed and _pack(module)):
-            module.forward = _cpu_linear.__get__(module)
+        if _dense(module) and "forward" not in vars(module):
+            if packed and _pack(module):
+                counts[0] += 1
+            else:
+                module.forward = _cpu_linear.__get__(module)
+                counts[1] += 1
+    return counts[0], counts[1]
 
 
 def _dense(module) -> bool:

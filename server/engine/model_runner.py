@@ -26,7 +26,7 @@ import time
 import torch
 
 from cache_manager import kv
-from server.engine import attention, cpu_linear, rope
+from server.engine import attention, cpu_linear, faults, rope
 from server.engine import exact as exact_mode
 from server.engine.attention import Batch, Row, Step
 from server.engine.scheduler import Plan
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_GRAPH_BLOCKS = 16  # the smallest block count a graph reads (x BLOCK_SIZE = 256 tokens)
 MAX_GRAPH_TOKENS = 1 << 20  # rows x read length of the largest graph (its gather's size)
+CHECK_TOKENS = 8  # the prompt of `check`'s scratch sequence
 
 
 def bucket(n: int, buckets=BUCKETS) -> int:
@@ -66,7 +67,10 @@ class ModelRunner:
         self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
         text_config = model.config.get_text_config(decoder=True)
         self.groups = text_config.num_attention_heads // pool.layout.kv_heads  # query heads per KV head
-        self.use_graphs = cuda_graphs and self.device.type == "cuda" and self.paged
+        # NOTE: faults' `capture` switch attempts (and fails) a capture off a GPU too
+        self.use_graphs = cuda_graphs and ((self.device.type == "cuda" and self.paged) or faults.switched_on("capture"))
+        self.paths: dict[str, str] = {}  # how each fast path runs (`describe_paths`), once prepared
+        self.fallbacks: dict[str, str] = {}  # path -> why it runs slower than it should (each logged once)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # NOTE: transformers builds no mask when handed a 4D one; ours are built per row/batch.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -83,17 +87,38 @@ class ModelRunner:
         self._enable()
         if self.use_graphs and not self.graphs:
             self._capture_all()
+        self.paths["cuda_graphs"] = (
+            "captured" if self.graphs else "eager" if "cuda_graphs" in self.fallbacks else
+            "off" if self.device.type == "cuda" and self.paged else "n/a"
+        )
+
+    def _fall_back(self, path: str, reason: str) -> None:
+        """Record (and log once, as a WARNING) that `path` runs slower than asked, and why."""
+        self.fallbacks[path] = reason
+        log.warning("fallback: %s: %s", path, reason)
 
     def _enable(self) -> None:
         if self._enabled:
             return
         attention.enable(self.model)
         self.rope = rope.install(self.model, self.pool.layout.rope_switch)
+        self.paths["attention"] = "paged" if self.paged else "rows"
+        self.paths["cpu_linear"] = "n/a" if self.device.type != "cpu" else "off"
         if self.packed is not None:
-            cpu_linear.pack_model(self.model, self.packed)
+            packed, transposed = cpu_linear.pack_model(self.model, self.packed)
+            if self.device.type == "cpu":
+                self.paths["cpu_linear"] = "packed" if self.packed and not transposed else "transposed" if not packed else "partly packed"
+            if self.packed and transposed:
+                self._fall_back("cpu_linear", f"{transposed} of {packed + transposed} linear layers cannot be packed "
+                                "for oneDNN by this torch build or dtype; they run the slower transposed product")
+        self.paths["exact"] = "off"
         if self.exact:
             exact_mode.pin_backends(self.device, self.pool.dtype)
             exact_mode.enable(self.model)
+            self.paths["exact"] = "kernels" if self.device.type in exact_mode.KERNELS else "torch"
+            if self.device.type == "cuda" and self.device.type not in exact_mode.KERNELS:
+                self._fall_back("exact", "the Triton kernels are unusable here (the log above says why); "
+                                "exact mode runs the torch formulation, slower")
         if self.paged:
             self._meta = torch.zeros(self.max_rows * (3 + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
@@ -281,13 +306,32 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def release_memory(self) -> None:
+        """After an out-of-memory step: hand the allocator's cached blocks back (CUDA), so the
+        smaller retry has them."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def check(self) -> None:
+        """One real prefill and one decode step of a scratch sequence on the paths requests take
+        (the decode step replays a captured graph where there is one); raises when either
+        fails or gives logits that are not finite. Takes a block of the pool while it runs
+        (kv.NoBlocks when it has none)."""
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        ids = [t % vocab for t in range(1, CHECK_TOKENS + 1)]
+        cache = self.pool.allocate(CHECK_TOKENS + 1)
+        try:
+            logits = _finite(self.forward([Row(cache, len(ids))], ids, [0]), "prefill")
+            _finite(self.forward([Row(cache, 1)], [int(logits[0].argmax())], [0]), "decode")
+        finally:
+            kv.free(cache)
+
     # -- CUDA graphs ---------------------------------------------------------------------------
 
     def _capture_all(self) -> None:
         """Capture one decode graph per (rows bucket, blocks bucket), largest first so the
         smaller ones reuse its memory. A failure logs and leaves eager decoding."""
         t0 = time.perf_counter()
-        free_before = torch.cuda.mem_get_info(self.device)[0]
         block_buckets, b = [], MIN_GRAPH_BLOCKS
         while True:
             block_buckets.append(min(b, self.max_blocks))
@@ -296,11 +340,16 @@ class ModelRunner:
             b *= 2
         pairs = [(s, nb) for s in BUCKETS if s <= self.max_rows for nb in block_buckets if s * nb * self.pool.block_size <= MAX_GRAPH_TOKENS]
         try:
+            if faults.switched_on("capture"):
+                raise faults.InjectedFault("injected: graph capture fails")
+            free_before = torch.cuda.mem_get_info(self.device)[0]
             self._graph_pool = torch.cuda.graph_pool_handle()
             for size, blocks in sorted(pairs, reverse=True):
                 self.graphs[(size, blocks)] = self._capture(size, blocks)
-        except Exception:
-            log.exception("capturing CUDA graphs failed: decode steps run eagerly")
+        except Exception as exc:
+            log.debug("capturing CUDA graphs failed", exc_info=True)
+            self._fall_back("cuda_graphs", f"capturing the decode graphs failed ({type(exc).__name__}: {exc}); "
+                            "decode steps run eagerly, several times slower on a GPU")
             self.graphs.clear()
             self.use_graphs = False
             self._graph_pool = self._logits = None
@@ -323,6 +372,12 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._graph_pool):
             self._logits[:size].copy_(self._forward(ids, pos, Step([], [batch], self.exact), None))
         return graph, self._logits[:size]
+
+
+def _finite(logits: torch.Tensor, what: str) -> torch.Tensor:
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError(f"the model's {what} logits are not finite (NaN or inf)")
+    return logits
 
 
 def _width_bucket(n: int) -> int:

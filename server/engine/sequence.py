@@ -31,6 +31,7 @@ class GenerationRequest:
     grammar: object | None = None  # a grammars.CompiledGrammar; each sequence gets a matcher
     speculative: bool = True  # False: never draft for this request (when the server speculates)
     reasoning: ReasoningSpec | None = None  # a thinking model's markers and budget (server/engine/reasoning.py)
+    fault: str | None = None  # a fault to inject into its rows (server/engine/faults.py; tests only)
 
     @property
     def session_key(self) -> tuple[str, str] | None:

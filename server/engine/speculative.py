@@ -351,6 +351,9 @@ class NoSpeculation:
     def finish(self, seq, committed: bool) -> None:
         pass
 
+    def discard(self, row) -> None:
+        row.draft = None
+
 
 class Speculator:
     """Drafting before the forward pass and verification after it, for one engine."""
@@ -449,6 +452,19 @@ class Speculator:
     def observe(self, n_tokens: int, seconds: float) -> None:
         """A forward pass of `n_tokens` took `seconds` (feeds the draft-length choice)."""
         self.cost.observe(n_tokens, seconds)
+
+    def discard(self, row) -> None:
+        """Take a row's draft back before its forward pass (the engine shrinks a step that ran
+        out of memory): the proposer forgets the drafted tokens, and the grammar's draft masks
+        started for them are collected unused."""
+        seq = row.seq
+        row.draft = None
+        self.proposer.rewind(seq, len(seq.all_ids))
+        if seq.matcher is not None:
+            try:
+                seq.matcher.draft_masks()
+            except RuntimeError:  # none were started (the draft needed no mask)
+                pass
 
     # -- after it ------------------------------------------------------------------------------
 

@@ -9,12 +9,13 @@ import sys
 import textwrap
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import LlamaConfig
 
-from cache_manager import disk, kv
+from cache_manager import disk, kv, tiers
 from cache_manager.tiers import DiskTier
 
 FP = "fingerprint-a"
@@ -192,3 +193,43 @@ def test_a_full_medium_fails_the_write_and_shrinks_the_budget_without_hanging(tm
         assert sorted(p.name for p in directory.iterdir()) == [disk.file_name("ph", "small")]
     """)
     subprocess.run([sys.executable, "-c", script], cwd=str(sys.path[0]), check=True, timeout=60)
+
+
+def test_the_default_budget_is_8_gib_or_half_the_free_space_where_that_is_less(tmp_path, monkeypatch):
+    free = {"bytes": 100 * 2**30}
+    monkeypatch.setattr(tiers.shutil, "disk_usage", lambda _: SimpleNamespace(free=free["bytes"]))
+    assert tiers.budget_from_free_space(tmp_path / "kv") == tiers.DEFAULT_DISK_BYTES == 8 * 2**30
+    free["bytes"] = 10 * 2**30
+    assert tiers.budget_from_free_space(tmp_path / "kv") == 5 * 2**30
+    assert (tmp_path / "kv").is_dir()
+
+
+def test_disk_usage_counts_the_tiers_files_as_allocated(tmp_path):
+    tier = DiskTier(tmp_path, 2**40, 60.0, FP)
+    assert tier.disk_usage()[0] == 0 and tier.disk_usage()[1] > 0
+    (tmp_path / "responses").mkdir()
+    (tmp_path / "responses" / "r.json").write_bytes(b"x" * 10_000)  # not the tier's
+    assert tier.park(("ph", "s"), list(range(200)), kv.export(session_kv(200)))
+    tier.flush()
+    files = list(tmp_path.glob("*.kv"))
+    assert tier.disk_usage()[0] == sum(p.stat().st_blocks * 512 for p in files) >= du(tmp_path) - 4096
+
+
+def test_the_disk_tier_evicts_least_recently_used_files_to_stay_within_its_budget(tmp_path):
+    """A park reserves its file's size plus a header margin; once written, the file's size counts.
+    The budget holds three files, not three files and a fourth's reservation."""
+    reserve = sum(t.numel() * t.element_size() for t in kv.export(session_kv(200)).values()) + 200 * 8 + 64 * 1024
+    probe = DiskTier(tmp_path / "probe", 2**40, 60.0, FP)
+    probe.park(("ph", "p"), list(range(200)), kv.export(session_kv(200)))
+    probe.flush()
+    size = probe.store.used_bytes
+    budget = 2 * size + reserve + size // 2
+    tier = DiskTier(tmp_path / "kv", budget, 60.0, FP)
+    for i in range(3):
+        assert tier.park(("ph", f"s{i}"), list(range(200)), kv.export(session_kv(200)))
+        tier.flush()
+    assert tier.take(("ph", "s0")) is not None  # s0 used: s1 is now the least recently used
+    assert tier.park(("ph", "s3"), list(range(200)), kv.export(session_kv(200)))
+    tier.flush()
+    assert sorted(e.session_id for e in tier.store.entries()) == ["s0", "s2", "s3"]
+    assert len(list((tmp_path / "kv").glob("*.kv"))) == 3 and tier.store.used_bytes <= budget

@@ -72,7 +72,7 @@ def concrete(expr: str) -> str:
 def exposed_names() -> set[str]:
     """Every sample name kvserve's registry can expose (counters get `_total`, etc.)."""
     metrics = Metrics()
-    metrics.watch_grammar_cache(SimpleNamespace(hits=0, misses=0))  # as build_context does
+    metrics.watch_grammar_cache(SimpleNamespace(hits=0, misses=0, evictions=0, nbytes=0))  # as build_context does
     metrics.watch_tiers(SimpleNamespace(tier_usage=lambda: {t: (0, 0, 0) for t in ("device", "host", "disk")}))
     metrics.watch_response_store(ResponseStore(0))  # as create_app does
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"], "info": ["_info"]}
@@ -111,7 +111,7 @@ def test_dashboard_answers_the_operators_questions() -> None:
     titles = [p["title"] for p in dashboard()["panels"] if p["type"] == "row"]
     assert titles == ["Traffic and latency", "Is the queue growing?", "Batching: is the GPU kept busy?",
                       "Is reuse working?", "Are sessions being evicted?", "Structured output", "Speculative decoding",
-                      "Where do sessions live?", "Stored responses (/v1/responses)"]
+                      "Where do sessions live?", "Stored responses (/v1/responses)", "Engine health"]
     exprs = "\n".join(expr for _, expr in queries())
     for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):

@@ -215,4 +215,6 @@ async def test_a_failed_load_is_503_without_paths(tmp_path):
             assert ready.status_code == 503 and "failed to load" in ready.text
             assert str(tmp_path) not in ready.text
             assert_error_shape(await client.post("/v1/chat/completions", json={"model": MODEL, "messages": HELLO}), 503, "model_unavailable")
-            assert (await client.get("/health")).status_code == 200
+            health = await client.get("/health")  # the process cannot serve: `serve` exits with status 4
+            assert health.status_code == 503 and str(tmp_path) not in health.text
+            assert app.state.kv.exit_status == 4

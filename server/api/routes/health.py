@@ -9,9 +9,12 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health() -> dict:
-    """200 while the process is alive (even while the model loads)."""
-    return {"status": "ok"}
+async def health(request: Request) -> JSONResponse:
+    """200 while the process can serve (even while the model loads); 503 once it cannot (the
+    model failed to start, or the engine died) until the process exits."""
+    if request.app.state.kv.fatal is not None:
+        return _unavailable("the server cannot serve: the model failed to start or stopped running; it is exiting")
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/ready")
@@ -22,10 +25,14 @@ async def ready(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ready", "model": state.ctx.model_id})
     if state.draining:
         reason = "shutting down"
-    elif state.load_error:
-        reason = "the model failed to load; the server log says why"  # no paths in responses
+    elif state.fatal is not None:
+        reason = "the model failed to load or stopped running; the server log says why"  # no paths in responses
     else:
         reason = "loading"
+    return _unavailable(reason)
+
+
+def _unavailable(reason: str) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": reason, "type": "service_unavailable", "param": None, "code": "not_ready"}},
         status_code=503,
