@@ -107,3 +107,11 @@ def launch_with_metrics_port(log_dir: Path, *flags: str, env: dict | None = None
     with launch(log_dir, *flags, "--metrics-port", str(metrics_port), env=env) as server:
         server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield server
+
+
+def write_readme_block(readme: Path, start: str, end: str, text: str) -> None:
+    """Replace what lies between the markers `start` and `end` in `readme` with `text` (a
+    benchmark's `--readme`: the README's table is the last run's)."""
+    content = readme.read_text()
+    at, stop = content.index(start) + len(start), content.index(end)
+    readme.write_text(content[:at] + "\n" + text + "\n" + content[stop:])

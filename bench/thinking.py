@@ -33,7 +33,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from bench.common import launch
+from bench.common import launch, write_readme_block
 from server.model_loader import load_model
 from server.settings import default_cache_dir
 from tests import thinking
@@ -148,9 +148,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.readme:
-        text = args.readme.read_text()
-        start, end = text.index(README_START) + len(README_START), text.index(README_END)
-        args.readme.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+        write_readme_block(args.readme, README_START, README_END, table)
 
 
 if __name__ == "__main__":
