@@ -544,8 +544,7 @@ class Engine:
             except Exception:
                 if len(part.rows) > 1:
                     log.warning("a step of %d rows failed: retrying it in halves to find the row that fails", len(part.rows), exc_info=True)
-                    half = len(part.rows) // 2
-                    parts[:0] = [Plan(part.rows[:half]), Plan(part.rows[half:])]
+                    parts[:0] = _halves(part)
                     continue
                 row = part.rows[0]
                 log.exception("the forward pass of %s failed (alone)", row.seq.request_id)
@@ -572,8 +571,7 @@ class Engine:
         log.warning("out of memory in a step of %d rows and %d tokens: shrinking it (token budget now %d)",
                     len(part.rows), part.num_tokens, self.scheduler.max_batch_tokens)
         if len(part.rows) > 1:
-            half = len(part.rows) // 2
-            return [Plan(part.rows[:half]), Plan(part.rows[half:])]
+            return _halves(part)
         row = part.rows[0]
         if row.draft is not None:
             self.speculator.discard(row)
@@ -723,6 +721,12 @@ class Engine:
         # NOTE: the gauges are updated before the client hears the end, so a client that reads
         # /metrics right after its response sees its request gone.
         handle._put(seq.final_output(reason, error=error, rest=rest))
+
+
+def _halves(plan: Plan) -> list[Plan]:
+    """The plan's rows as two plans, in order (a step retried smaller: `Engine._execute`)."""
+    half = len(plan.rows) // 2
+    return [Plan(plan.rows[:half]), Plan(plan.rows[half:])]
 
 
 def _extend(output: RequestOutput, more: RequestOutput) -> None:
