@@ -178,8 +178,7 @@ class Engine:
         self._prepared: Future[None] = Future()  # settled by the thread once the models are ready
         self._outbox: list[tuple[RequestHandle, RequestOutput]] = []  # engine thread only: `_flush`
         self._faults = faults.Faults.from_env()  # None unless a test switched faults on
-        if self._faults is not None:
-            self._faults.install(model)
+        self._fault_hooks = self._faults.install(model) if self._faults is not None else []
         self._calm_steps = 0  # steps since the last out-of-memory (`_relax`)
         self.dead: str | None = None  # why the model cannot run any more (`_die`); None: alive
         self.trimmer = memory.Trimmer()  # freed heap back to the system once idle (`_maybe_expire`)
@@ -199,6 +198,8 @@ class Engine:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        for hook in self._fault_hooks:
+            hook.remove()
 
     def drain(self) -> None:
         """Refuse new requests; the ones already admitted run to completion."""

@@ -56,10 +56,10 @@ class Faults:
             return None
         return cls(switched_on("model"))
 
-    def install(self, model) -> None:
-        """With `model` on: every forward pass of `model` raises (the start-up check's too)."""
-        if self.model:
-            model.register_forward_pre_hook(_broken)
+    def install(self, model) -> list:
+        """With `model` on: every forward pass of `model` raises (the start-up check's too).
+        Returns the hooks, for the engine to remove when it stops (tests share one model)."""
+        return [model.register_forward_pre_hook(_broken)] if self.model else []
 
     def before_forward(self, plan) -> None:
         """Raise what the plan's rows asked for, before the forward pass computes them."""

@@ -36,6 +36,7 @@ def make_engine(smollm2, monkeypatch):
         e.start()
         return e
 
+    make.engines = engines
     yield make
     for e in engines:
         e.stop()
@@ -147,6 +148,9 @@ def test_a_model_that_breaks_while_serving_kills_the_engine(make_engine, smollm2
         asyncio.run(submit())
 
 
-def test_a_model_that_cannot_run_fails_the_start_up_check(make_engine):
+def test_a_model_that_cannot_run_fails_the_start_up_check(make_engine, smollm2, prompts):
     with pytest.raises(StartupCheckFailed, match="start-up forward pass failed"):
         make_engine(switch="model")
+    make_engine.engines.pop().stop()  # the switch's hook leaves with its engine: the model runs again
+    [(tokens, _, final)] = run_all(make_engine(), prompts[:1])
+    assert final.error is None and tokens
