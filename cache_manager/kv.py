@@ -321,6 +321,12 @@ class Pool:
         self._zeroed = bytearray([self.device.type == "cuda"]) * (num_blocks + 1)
         self._zero([self.trash_block])
 
+    def release(self) -> None:
+        """Drop the storage (at shutdown, once nothing reads it): the device memory goes back
+        even while something still refers to the pool (a logged traceback's frames, say), so a
+        model loaded after it in the same process measures its own budget."""
+        self.keys, self.values, self.key_scales, self.value_scales = [], [], [], []
+
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks

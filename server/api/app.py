@@ -88,9 +88,9 @@ class AppState:
         engine thread has stopped (at most one prefill chunk or decode step)."""
         self.draining = True
         if self.ctx is not None:
-            self.ctx.engine.stop()
+            ended = self.ctx.engine.stop()
             # Sessions outlive the process: written to the disk tier, if there is one.
-            self.ctx.cache_manager.close(timeout_s=max(5.0, self.settings.shutdown_grace_s))
+            self.ctx.cache_manager.close(timeout_s=max(5.0, self.settings.shutdown_grace_s), release=ended)
 
     def require_ctx(self) -> ServingContext:
         if self.draining:

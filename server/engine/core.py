@@ -191,8 +191,9 @@ class Engine:
         self._thread.start()
         self._prepared.result()
 
-    def stop(self) -> None:
-        """Abort everything still running and end the thread."""
+    def stop(self) -> bool:
+        """Abort everything still running and end the thread; False when it has not ended
+        within 30 s (stuck in a step: its tensors must then stay)."""
         with self._cond:
             self._accepting = False
             self._stop = True
@@ -200,6 +201,7 @@ class Engine:
         self._thread.join(timeout=30)
         for hook in self._fault_hooks:
             hook.remove()
+        return not self._thread.is_alive()
 
     def drain(self) -> None:
         """Refuse new requests; the ones already admitted run to completion."""

@@ -139,7 +139,12 @@ def test_the_byte_bound_holds_while_sessions_are_written(tmp_path):
         watcher.join()
     assert 0 < peak[0] <= budget
     assert du(tmp_path) <= budget
-    assert len(tier.store) == len(list(tmp_path.glob("*.kv"))) == 2  # the two most recent fit
+    # The most recent sessions stay, as many as fit: two while the writer lags (an old file and
+    # its new version are both counted until the rename), three once every write has landed
+    # (an H200 machine's disk).
+    kept = len(tier.store)
+    assert kept == len(list(tmp_path.glob("*.kv"))) and kept in (2, 3)
+    assert all(tier.store.get(("ph", f"s{i % 5}")) is not None for i in range(12 - kept, 12))
 
 
 def test_indexing_keeps_good_files_and_deletes_the_rest(tmp_path):
