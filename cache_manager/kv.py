@@ -37,10 +37,17 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from cache_manager import state as recurrent
 from cache_manager.blocks import BlockAllocator, NoBlocks
 
 BLOCK_SIZE = 16
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
+# Layers that keep a recurrent state (cache_manager/state.py) and no KV ("hybrid": both)
+_STATE_ONLY = ("linear_attention", "conv")
+_STATE_AND_KV = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+# A recurrent state may take this share of the budget; the KV blocks the rest (`Pool`)
+STATE_SHARE = 0.5
+MAX_STATE_SLOTS = 1024
 
 __all__ = ["BLOCK_SIZE", "KV_DTYPES", "Layout", "NoBlocks", "Pool", "SequenceKV", "UnsupportedLayers", "kv_format", "layout"]
 
@@ -172,13 +179,21 @@ class Layout:
     # KV shared across layers (Gemma 3n): layer i attends over the keys and values of layer
     # sources[i], which computed the same ones; None: every layer its own
     sources: tuple[int, ...] | None = None
+    # Layers that keep no keys and values (a hybrid model's recurrent layers, its MLP-only ones)
+    no_kv: tuple[int, ...] = ()
 
     @property
     def owners(self) -> tuple[int, ...]:
-        """The layers whose keys and values the pool stores (the others read an owner's)."""
+        """The layers whose keys and values the pool stores (the others read an owner's, or
+        keep none)."""
         if self.sources is None:
-            return tuple(range(len(self.windows)))
+            return tuple(i for i in range(len(self.windows)) if i not in self.no_kv)
         return tuple(i for i, source in enumerate(self.sources) if source == i)
+
+    @property
+    def attending(self) -> tuple[int, ...]:
+        """The layers that attend (once each per forward pass)."""
+        return tuple(i for i in range(len(self.windows)) if i not in self.no_kv)
 
     def rope_long(self, length: int) -> bool:
         """Whether a cache of `length` computed tokens holds long-factor keys: a sequence is
@@ -214,6 +229,12 @@ def layout(config: PretrainedConfig) -> Layout:
     text_config = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
     layer_types, sources = _shared_layers(text_config, layer_types)
+    no_kv: tuple[int, ...] = ()
+    if any(t in recurrent.RECURRENT_TYPES for t in layer_types) and sources is None:
+        # a hybrid: its recurrent layers (and "dummy" MLP-only ones) keep no KV
+        no_kv = tuple(i for i, t in enumerate(layer_types) if t in _STATE_ONLY or t == "dummy")
+        layer_types = [_STATE_AND_KV.get(t, t) for t in layer_types]
+        layer_types = ["full_attention" if i in no_kv else t for i, t in enumerate(layer_types)]
     unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYERS))
     if unsupported:
         raise UnsupportedLayers(unsupported)
@@ -225,7 +246,7 @@ def layout(config: PretrainedConfig) -> Layout:
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     key_dim = getattr(text_config, "qk_head_dim", None) or head_dim
     value_dim = getattr(text_config, "v_head_dim", None) or head_dim
-    return Layout(windows, heads, key_dim, value_dim, rope_switch(text_config), sources)
+    return Layout(windows, heads, key_dim, value_dim, rope_switch(text_config), sources, no_kv)
 
 
 def _shared_layers(text_config: PretrainedConfig, layer_types: list[str]) -> tuple[list[str], tuple[int, ...] | None]:
@@ -261,13 +282,25 @@ def rope_switch(text_config: PretrainedConfig) -> int | None:
 
 
 
+def state_slots(spec: "recurrent.Spec", budget_bytes: int, spare_bytes: int) -> int:
+    """How many sequences' recurrent states a budget of `budget_bytes` holds: up to
+    `STATE_SHARE` of it (at most `MAX_STATE_SLOTS`), within the `spare_bytes` one full-context
+    sequence's KV leaves, at least one."""
+    share = int(budget_bytes * STATE_SHARE) // max(spec.nbytes, 1)
+    return max(1, min(share, max(spare_bytes, 0) // max(spec.nbytes, 1), MAX_STATE_SLOTS))
+
+
 def blocks_for(n_tokens: int, block_size: int = BLOCK_SIZE) -> int:
     return -(-n_tokens // block_size)
 
 
-def bytes_for(config: PretrainedConfig, capacity: int, dtype: torch.dtype, kv_dtype: str = "auto") -> int:
-    """Bytes of a cache with room for `capacity` tokens (whole blocks), stored as `kv_dtype`."""
-    return blocks_for(capacity) * BLOCK_SIZE * layout(config).bytes_per_token(dtype, kv_dtype)
+def bytes_for(config: PretrainedConfig, capacity: int, dtype: torch.dtype, kv_dtype: str = "auto", *, sequences: int = 0) -> int:
+    """Bytes of a cache with room for `capacity` tokens (whole blocks), stored as `kv_dtype`;
+    with `sequences`, a pool's budget for that many such caches' recurrent states beside
+    (hybrids: cache_manager/state.py)."""
+    spec = recurrent.spec(config, dtype) if sequences else None
+    states = sequences * spec.nbytes if spec is not None else 0
+    return blocks_for(capacity) * BLOCK_SIZE * layout(config).bytes_per_token(dtype, kv_dtype) + states
 
 
 # -- the pool ----------------------------------------------------------------------------------
@@ -283,11 +316,20 @@ class Pool:
     only.
     """
 
-    def __init__(self, config: PretrainedConfig, budget_bytes: int, device: torch.device, dtype: torch.dtype, block_size: int = BLOCK_SIZE, kv_dtype: str = "auto") -> None:
+    def __init__(self, config: PretrainedConfig, budget_bytes: int, device: torch.device, dtype: torch.dtype, block_size: int = BLOCK_SIZE,
+                 kv_dtype: str = "auto", *, reserve_tokens: int = 0) -> None:
         self.layout = layout(config)
         self.format = kv_format(kv_dtype)
         self.device, self.dtype, self.block_size = torch.device(device), dtype, block_size
         self.block_bytes = block_size * self.layout.bytes_per_token(dtype, kv_dtype)
+        # A hybrid's recurrent states come out of the same budget (`state_slots`)
+        spec = recurrent.spec(config, dtype)
+        self.states: recurrent.Slots | None = None
+        if spec is not None:
+            slots = state_slots(spec, budget_bytes, budget_bytes - reserve_tokens * self.block_bytes // block_size)
+            budget_bytes -= slots * spec.nbytes
+            self.states = recurrent.Slots(spec, slots, self.device)
+        self.budget_bytes = budget_bytes  # the KV blocks' (the budget less the states')
         num_blocks = budget_bytes // self.block_bytes
         self.allocator = BlockAllocator(num_blocks)
         self.trash_block = num_blocks
@@ -316,8 +358,8 @@ class Pool:
         # per layer, the owner's storage (a layer sharing another's KV writes the same values
         # there again and reads them)
         sources = self.layout.sources or range(len(self.layout.windows))
-        self.keys, self.values = [keys[s] for s in sources], [values[s] for s in sources]
-        self.key_scales, self.value_scales = [key_scales[s] for s in sources], [value_scales[s] for s in sources]
+        self.keys, self.values = [keys.get(s) for s in sources], [values.get(s) for s in sources]
+        self.key_scales, self.value_scales = [key_scales.get(s) for s in sources], [value_scales.get(s) for s in sources]
         self._zeroed = bytearray([self.device.type == "cuda"]) * (num_blocks + 1)
         self._zero([self.trash_block])
 
@@ -326,6 +368,8 @@ class Pool:
         even while something still refers to the pool (a logged traceback's frames, say), so a
         model loaded after it in the same process measures its own budget."""
         self.keys, self.values, self.key_scales, self.value_scales = [], [], [], []
+        if self.states is not None:
+            self.states.release()
 
     @property
     def num_blocks(self) -> int:
@@ -341,9 +385,16 @@ class Pool:
         return self.allocator.num_free * self.block_bytes
 
     def allocate(self, capacity: int) -> "SequenceKV":
-        """An empty cache with room for `capacity` tokens; raises NoBlocks."""
+        """An empty cache with room for `capacity` tokens (and a recurrent-state slot on a
+        hybrid); raises NoBlocks (`state.NoSlots` is one)."""
         cache = SequenceKV(self)
-        grow(cache, capacity)
+        if self.states is not None:
+            cache.state = self.states.take()
+        try:
+            grow(cache, capacity)
+        except NoBlocks:
+            free(cache)
+            raise
         return cache
 
     def take_blocks(self, n: int, after: int | None = None) -> list[int]:
@@ -432,13 +483,14 @@ class SequenceKV:
     """One sequence's block table into `pool` and the `length` tokens written so far
     (positions 0..length-1). Only this module and server/engine/attention.py read the storage."""
 
-    __slots__ = ("pool", "blocks", "length", "base")
+    __slots__ = ("pool", "blocks", "length", "base", "state")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.blocks: list[int] = []
         self.length = 0
         self.base: int | None = None  # first slot when the blocks are consecutive, else None
+        self.state: int | None = None  # a hybrid's recurrent-state slot: the state after `length` tokens
 
     def _set_blocks(self, blocks: list[int]) -> None:
         self.blocks = blocks
@@ -453,7 +505,8 @@ class SequenceKV:
 def allocate(config: PretrainedConfig, capacity: int, device: torch.device, dtype: torch.dtype, kv_dtype: str = "auto") -> SequenceKV:
     """An empty cache for up to `capacity` tokens in a pool of its own (tests, benchmarks and
     one-off forwards; the server allocates from its one pool)."""
-    return Pool(config, bytes_for(config, capacity, dtype, kv_dtype), device, dtype, kv_dtype=kv_dtype).allocate(capacity)
+    return Pool(config, bytes_for(config, capacity, dtype, kv_dtype, sequences=1), device, dtype, kv_dtype=kv_dtype,
+                reserve_tokens=capacity).allocate(capacity)
 
 
 def length(cache: SequenceKV) -> int:
@@ -471,9 +524,10 @@ def nbytes(cache: SequenceKV) -> int:
 
 
 def can_crop(cache: SequenceKV) -> bool:
-    """Whether the cache can be cut back to any shorter length: always, every layer keeps
-    every position (a sliding window is applied when attending)."""
-    return True
+    """Whether the cache can be cut back to any shorter length: yes when every layer keeps
+    every position (a sliding window is applied when attending); no with a recurrent state,
+    which is the state after all `length` tokens (it can only be emptied: `crop(cache, 0)`)."""
+    return cache.state is None
 
 
 def can_crop_after(cache: SequenceKV, n: int) -> bool:
@@ -493,6 +547,8 @@ def crop(cache: SequenceKV, n: int) -> None:
     (`trim` gives them back)."""
     if not 0 <= n <= cache.length:
         raise ValueError(f"cannot crop a cache of {cache.length} tokens to {n}")
+    if n not in (0, cache.length) and not can_crop(cache):
+        raise ValueError(f"a recurrent state of {cache.length} tokens cannot be cut back to {n}")
     cache.length = n
 
 
@@ -520,6 +576,9 @@ def free(cache: SequenceKV) -> None:
         cache.pool.give_back(cache.blocks)
     cache._set_blocks([])
     cache.length = 0
+    if cache.state is not None:
+        cache.pool.states.give_back(cache.state)
+        cache.state = None
 
 
 def read(cache: SequenceKV, layer: int, start: int, end: int, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -568,6 +627,8 @@ def export(cache: SequenceKV) -> dict[str, torch.Tensor]:
     for i in cache.pool.layout.owners:
         for name, t in cache.pool.stored(i, index).items():
             tensors[f"{name}.{i}"] = t[None]
+    if cache.state is not None:  # a hybrid's recurrent state after `length` tokens: "state.<name>"
+        tensors.update(cache.pool.states.export(cache.state))
     return tensors
 
 
@@ -589,7 +650,9 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
     lay, wire = pool.layout, pool.format.wire_dtype(pool.dtype)
     kinds = ("k", "v", "k_scale", "v_scale") if pool.format.quantized else ("k", "v")
     expected = {f"{kind}.{i}" for i in lay.owners for kind in kinds}
-    if set(tensors) != expected:
+    states = {name: t for name, t in tensors.items() if name.startswith("state.")}
+    tensors = {name: t for name, t in tensors.items() if name not in states}
+    if set(tensors) != expected or bool(states) != (pool.states is not None):
         raise ValueError(f"the tensors do not match this model's layers in the {pool.format.name} KV format")
     widths = lay.widths()
     for name, src in tensors.items():
@@ -598,6 +661,12 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
         if src.dtype != dtype or tuple(src.shape) != shape:
             raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {length} positions of {dtype}")
     cache = pool.allocate(capacity)
+    if cache.state is not None:
+        try:
+            pool.states.load(cache.state, {k: t.to(pool.device) for k, t in states.items()})
+        except ValueError:
+            free(cache)
+            raise
     index = _index(cache, 0, length, None)  # once for all layers
     for i in lay.owners:
         layer = {kind: tensors[f"{kind}.{i}"][0] for kind in kinds}

@@ -33,7 +33,7 @@ import threading
 import torch
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
-from cache_manager import kv
+from cache_manager import kv, state
 from server.engine import rope
 
 
@@ -105,11 +105,10 @@ def _static(model, config) -> kv.Layout:
         named = [k for k in exc.kinds if k != "dummy"]  # "dummy": transformers' layers without attention
         raise UnsupportedModel(f"layers-{named[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
                                "(recurrent, linear-attention or chunked layers are not served yet)") from None
-    recurrent = sorted({type(m).__name__ for m in model.modules() if _RECURRENT.search(type(m).__name__) or hasattr(m, "A_log")})
-    if recurrent:
-        raise UnsupportedModel("recurrent-layers", f"its layers {', '.join(recurrent)} keep a recurrent state per sequence, "
-                               "which kvserve does not store yet")
-    if getattr(model, "_supports_attention_backend", True) is False:
+    _check_recurrent(model, layout)
+    # NOTE: transformers leaves the flag unset on hybrids whose attention does go through its
+    # interface (Qwen3-Next); the probe checks that every attending layer calls kvserve's
+    if getattr(model, "_supports_attention_backend", True) is False and state.spec(model.config, model.dtype) is None:
         raise UnsupportedModel("attention-backend", f"{type(model).__name__} computes attention in its own modeling code, "
                                "not through transformers' attention interface, where kvserve's attention and KV pool plug in")
     for module in model.modules():
@@ -129,6 +128,29 @@ def _static(model, config) -> kv.Layout:
     return layout
 
 
+def _check_recurrent(model, layout: kv.Layout) -> None:
+    """A hybrid is served when every layer its cache gives a recurrent state to is a module
+    that keeps it through transformers' cache interface (server/engine/recurrent.py wraps
+    those) and some layers attend; recurrent modules anywhere else are refused."""
+    spec = state.spec(model.config, model.dtype)
+    if spec is None:
+        named = sorted({type(m).__name__ for m in model.modules() if _RECURRENT.search(type(m).__name__) or hasattr(m, "A_log")})
+        if named:
+            raise UnsupportedModel("recurrent-layers", f"its layers {', '.join(named)} keep a recurrent state per sequence "
+                                   "in layers its config calls attention")
+        return
+    if not spec.shapes:
+        raise UnsupportedModel("recurrent-cache", "its recurrent layers keep their state in a cache of their own, outside "
+                               "transformers' cache interface, where kvserve's state slots plug in")
+    wrapped = {module.layer_idx for module, _ in state.recurrent_modules(model)}
+    if wrapped != set(spec.layers):
+        raise UnsupportedModel("recurrent-layers", f"its layers {sorted(set(spec.layers) ^ wrapped)} keep a recurrent state "
+                               "kvserve cannot find the module of")
+    if not layout.attending:
+        raise UnsupportedModel("recurrent-only", "none of its layers attends (a pure state-space model): kvserve's "
+                               "pool and steps are built around attention layers")
+
+
 def _probe(model, layout: kv.Layout) -> None:
     """One packed step against transformers' own forward (see the module docstring)."""
     from server.engine.attention import Row
@@ -141,7 +163,8 @@ def _probe(model, layout: kv.Layout) -> None:
     with torch.inference_mode():
         reference = model(input_ids=torch.tensor([whole], device=model.device), use_cache=False).logits[0, _PROBE_PREFIX:].float()
         capacity = 2 * kv.BLOCK_SIZE * kv.blocks_for(len(whole))
-        pool = kv.Pool(model.config, kv.bytes_for(model.config, capacity, model.dtype), model.device, model.dtype)
+        pool = kv.Pool(model.config, kv.bytes_for(model.config, 2 * capacity, model.dtype, sequences=2), model.device, model.dtype,
+                       reserve_tokens=2 * capacity)
         # NOTE: packed=None: packing CPU weights is the serving runner's, on its own thread
         runner = ModelRunner(model, pool, paged=False, cuda_graphs=False, packed=None)
         first, second = pool.allocate(len(whole)), pool.allocate(len(other))
@@ -173,6 +196,6 @@ def _observed(layer: int, key: torch.Tensor, value: torch.Tensor, layout: kv.Lay
 
 def _check_layers(seen: list[int], layout: kv.Layout) -> None:
     """Every layer of the layout attended exactly once in a pass."""
-    if sorted(seen) != list(range(len(layout.windows))):
+    if sorted(seen) != list(layout.attending):
         raise UnsupportedModel("kv-layers", f"its attention ran in layers {sorted(seen)} of a pass, where its config "
-                               f"gives {len(layout.windows)} attention layers (KV shared or skipped)")
+                               f"gives attention layers {list(layout.attending)} (KV shared or skipped)")

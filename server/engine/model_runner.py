@@ -26,7 +26,7 @@ import time
 import torch
 
 from cache_manager import kv
-from server.engine import attention, cpu_linear, faults, rope
+from server.engine import attention, cpu_linear, faults, recurrent, rope
 from server.engine import exact as exact_mode
 from server.engine.attention import Batch, Row, Step
 from server.engine.scheduler import Plan
@@ -71,6 +71,11 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and ((self.device.type == "cuda" and self.paged) or faults.switched_on("capture"))
         self.paths: dict[str, str] = {}  # how each fast path runs (`describe_paths`), once prepared
         self.fallbacks: dict[str, str] = {}  # path -> why it runs slower than it should (each logged once)
+        if pool.states is not None and self.use_graphs:
+            # NOTE: the recurrent layers' per-row calls are not captured yet: decode runs eagerly
+            self.use_graphs = False
+            if self.device.type == "cuda":
+                self._fall_back("cuda_graphs", "a hybrid model's recurrent layers are not captured in CUDA graphs yet")
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # NOTE: transformers builds no mask when handed a 4D one; ours are built per row/batch.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -101,6 +106,8 @@ class ModelRunner:
         if self._enabled:
             return
         attention.enable(self.model)
+        if self.pool.states is not None:
+            self.paths["recurrent"] = f"{recurrent.enable(self.model)} layers, state slots"
         self.rope = rope.install(self.model, self.pool.layout.rope_switch)
         self.paths["attention"] = "paged" if self.paged else "rows"
         self.paths["cpu_linear"] = "n/a" if self.device.type != "cpu" else "off"
@@ -195,10 +202,19 @@ class ModelRunner:
             batches.append(build(tensors[at : at + len(lists)]))
             at += len(lists)
         step = Step([rows[i] for i in others], batches, self.exact, observe=self.observe)
-        logits = self._forward(ids[None], pos[None], step, keep_t, long_t)
+        states = self._step_rows([(r.offset, r.n, r.kv.state, r.kv.length > 0) for r in rows])
+        with recurrent.running(states):
+            logits = self._forward(ids[None], pos[None], step, keep_t, long_t)
         for row in rows:
             row.kv.length += row.n
         return logits
+
+    def _step_rows(self, segments: list[tuple[int, int, int | None, bool]]) -> recurrent.StepRows | None:
+        """The recurrent layers' view of a step (hybrids; None otherwise): per row its offset
+        in the flattened tokens, its tokens, its state slot and whether it has a state."""
+        if self.pool.states is None:
+            return None
+        return recurrent.step_rows(self.pool.states, segments, self.device)
 
     def _long_tokens(self, rows: list[Row], long_rows: list[bool] | None) -> list[bool] | None:
         """Per row, whether its tokens take LongRoPE's long factors where their positions
@@ -226,7 +242,10 @@ class ModelRunner:
             graph[0].replay()
             logits = graph[1][:n]
         else:
-            logits = self._forward(ids, pos, Step([], [batch], self.exact), None)[:n]
+            trash = self.pool.states.trash if self.pool.states is not None else None
+            states = self._step_rows([(i, 1, r.kv.state, True) for i, r in enumerate(rows)] + [(i, 1, trash, True) for i in range(n, size)])
+            with recurrent.running(states):
+                logits = self._forward(ids, pos, Step([], [batch], self.exact), None)[:n]
         for row in rows:
             row.kv.length += 1
         return logits

@@ -218,9 +218,9 @@ def test_bfloat16_batches_like_float32():
 
 
 def test_layer_kinds_it_cannot_batch_are_refused():
-    config = MistralConfig(num_hidden_layers=2, sliding_window=16)
-    config.layer_types = ["full_attention", "linear_attention"]
-    with pytest.raises(ValueError, match="linear_attention"):
+    config = MistralConfig(num_hidden_layers=2, sliding_window=16, attention_chunk_size=8)
+    config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
         kv.layout(config)
 
 

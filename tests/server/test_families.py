@@ -133,7 +133,7 @@ def test_logits_that_differ_from_transformers_are_refused():
 
 @pytest.mark.parametrize("model_type,config,feature", [
     ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "dynamic-rope"),
-    ("qwen3_next", dict(head_dim=16, layer_types=["linear_attention", "full_attention"]), "layers-linear_attention"),
+    ("mamba", dict(num_hidden_layers=2), "recurrent-only"),
 ])
 def test_features_without_a_path_are_refused_by_name(model_type, config, feature):
     with pytest.raises(families.UnsupportedModel) as refused:
@@ -297,8 +297,8 @@ def test_the_server_refuses_an_unsupported_family_at_load_naming_the_feature(tok
     from server.settings import Settings
     from tests.device import SETTINGS
 
-    model = tiny("qwen3_next", head_dim=16, layer_types=["linear_attention", "full_attention"])
-    loaded = LoadedModel(model=model, tokenizer=tokenizer, model_id="tiny-qwen3-next", device=DEVICE, dtype=DTYPE, max_context=2048)
+    model = tiny(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, model_id="tiny-dynamic-rope", device=DEVICE, dtype=DTYPE, max_context=2048)
     app = create_app(Settings(**SETTINGS), loaded=loaded)
 
     async def ready_once_loaded():
@@ -311,5 +311,5 @@ def test_the_server_refuses_an_unsupported_family_at_load_naming_the_feature(tok
                 return await client.get("/ready")
 
     ready = asyncio.run(ready_once_loaded())
-    assert "[layers-linear_attention]" in app.state.kv.load_error and "linear_attention" in app.state.kv.load_error
+    assert "[dynamic-rope]" in app.state.kv.load_error and "dynamic NTK" in app.state.kv.load_error
     assert ready.status_code == 503 and "failed to load" in ready.json()["error"]["message"]

@@ -1,0 +1,179 @@
+"""Recurrent state beside the KV pool, for hybrid models (Qwen3-Next, Granite 4.0-H, Falcon-H1,
+LFM2, Jamba...): layers of linear attention, Mamba or short convolutions keep a fixed-size state
+per sequence instead of keys and values that grow with it.
+
+* `Spec`: what one sequence's state is, found by running the model's own code once on the meta
+  device with transformers' cache (no memory, no weights): per layer and state index a conv
+  state and/or a recurrent state, each with its shape and dtype (fp32 where the model keeps it
+  so). None for a model without such layers.
+* `Slots`: the states of `num_slots` sequences, allocated once on the pool's device, one tensor
+  per named state with the slot first: [num_slots + 1, ...]. The last slot is the trash slot
+  that padding rows of a bucket read and write (zeroed again after each step). A sequence holds
+  one slot while it lives (`kv.SequenceKV.state`); a slot's contents are the state after the
+  sequence's `length` tokens and nothing else: a recurrent state cannot be cut back, so a cache
+  holding one can only be kept whole or recomputed (`kv.can_crop`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["NoSlots", "Slots", "Spec", "spec"]
+
+
+class NoSlots(RuntimeError):
+    """Every state slot is taken."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Per named state ("conv.<layer>.<index>", "rec.<layer>.<index>"): one sequence's shape
+    and dtype. `layers`: the model layers that keep state."""
+
+    shapes: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted({int(name.split(".")[1]) for name, _, _ in self.shapes}))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one sequence's state."""
+        return sum(_numel(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in self.shapes)
+
+    def describe(self) -> str:
+        return f"{len(self.layers)} recurrent layers, {self.nbytes} bytes per sequence"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def spec(config, dtype: torch.dtype) -> Spec | None:
+    """The recurrent state of a model of `config` computing in `dtype` (None without recurrent
+    layers). Runs the model's own code once on the meta device; cached per config."""
+    key = (config.to_json_string(use_diff=False), dtype)
+    if key not in _SPECS:
+        _SPECS[key] = _spec(config, dtype)
+    return _SPECS[key]
+
+
+_SPECS: dict[tuple[str, torch.dtype], Spec | None] = {}
+
+
+def _spec(config, dtype: torch.dtype) -> Spec | None:
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    if not any(t in RECURRENT_TYPES for t in get_layer_types_and_kwargs(text)[0]):
+        return None
+    # NOTE: the recurrent modules alone, on three tokens of zeros: the rest of the model (an
+    # MoE's grouped products, say) need not run on the meta device
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        cache = DynamicCache(config=text)
+        hidden = torch.zeros(1, 3, text.hidden_size, dtype=dtype, device="meta")
+        with torch.inference_mode():
+            for module, keyword in recurrent_modules(model):
+                module(hidden, **{keyword: cache})
+    except Exception:  # noqa: BLE001 - a cache of its own (MiniMax): no state kvserve can hold
+        return Spec(())
+    shapes = []
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            continue
+        for s in range(layer.number_of_states):
+            for kind, t in (("conv", layer.conv_states[s]), ("rec", layer.recurrent_states[s])):
+                if t is not None:
+                    shapes.append((f"{kind}.{i}.{s}", tuple(t.shape[1:]), t.dtype))
+    return Spec(tuple(shapes))
+
+
+_STATE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", "update_recurrent_state(")
+
+
+def recurrent_modules(model) -> list[tuple[torch.nn.Module, str]]:
+    """The modules that keep a recurrent state through transformers' cache interface (their
+    code calls it), with the keyword their cache comes in (`cache_params`, `past_key_values`)."""
+    import inspect
+
+    found = []
+    for module in model.modules():
+        if not hasattr(module, "layer_idx"):
+            continue
+        forward = inspect.unwrap(type(module).forward)
+        try:
+            source = inspect.getsource(forward)
+        except (OSError, TypeError):
+            continue
+        if not any(call in source for call in _STATE_CALLS):
+            continue
+        params = inspect.signature(forward).parameters
+        keyword = next((p for p in ("cache_params", "past_key_values") if p in params), None)
+        if keyword is not None:
+            found.append((module, keyword))
+    return found
+
+
+# transformers' layer types that keep a recurrent state ("hybrid": attention and state in one layer)
+RECURRENT_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding")
+
+
+class Slots:
+    """The states of up to `num_slots` sequences on `device` (see the module docstring).
+    Engine thread only."""
+
+    def __init__(self, spec: Spec, num_slots: int, device: torch.device) -> None:
+        self.spec, self.num_slots, self.device = spec, num_slots, torch.device(device)
+        self.trash = num_slots
+        self.tensors = {name: torch.zeros((num_slots + 1, *shape), dtype=dtype, device=self.device)
+                        for name, shape, dtype in spec.shapes}
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        """A free slot, zeroed lazily (its state counts from the sequence's first token)."""
+        if not self._free:
+            raise NoSlots(f"all {self.num_slots} recurrent-state slots are taken")
+        return self._free.pop()
+
+    def give_back(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def get(self, name: str, index: torch.Tensor) -> torch.Tensor:
+        """The named state of the slots `index` [B] (a copy): [B, ...]."""
+        return self.tensors[name].index_select(0, index)
+
+    def put(self, name: str, index: torch.Tensor, values: torch.Tensor) -> None:
+        self.tensors[name].index_copy_(0, index, values.to(self.tensors[name].dtype))
+
+    def clear_trash(self) -> None:
+        for t in self.tensors.values():
+            t[self.trash].zero_()
+
+    def export(self, slot: int) -> dict[str, torch.Tensor]:
+        """A copy of one slot's state, named "state.<name>" [1, ...] (for a tier below)."""
+        return {f"state.{name}": t[slot : slot + 1].clone() for name, t in self.tensors.items()}
+
+    def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Put `export`'s tensors back into `slot`; ValueError when they do not fit the spec."""
+        for name, _, dtype in self.spec.shapes:
+            src = tensors.get(f"state.{name}")
+            target = self.tensors[name][slot : slot + 1]
+            if src is None or src.dtype != dtype or tuple(src.shape) != tuple(target.shape):
+                raise ValueError(f"the state {name} does not fit this model's recurrent layers")
+        for name in self.tensors:
+            self.tensors[name][slot : slot + 1].copy_(tensors[f"state.{name}"])
+
+    def release(self) -> None:
+        self.tensors = {}

@@ -1,0 +1,181 @@
+"""A hybrid model's recurrent layers (linear attention, Mamba, short convolutions) under kvserve's
+step: each sequence's state lives in the pool's state slots (cache_manager/state.py), and the
+layer runs transformers' own code per sequence.
+
+kvserve packs a step's rows into one flattened batch of tokens [1, N] (server/engine/attention.py);
+attention keeps the rows apart by its block tables, but a recurrent layer would run one state
+through every row's tokens. So `enable` wraps each recurrent module's forward: during a step it
+cuts the flattened tokens back into rows and calls the module's own forward
+
+* once for all decode rows together ([B, 1, D]: one token each, each continuing its state),
+* once per multi-token row ([1, n, D]: a prompt or a chunk of one, from its state or from none),
+
+each time with `_RowStates` as the module's cache: transformers' cache interface
+(`get_conv_state`, `update_conv_state`, `get_recurrent_state`, `update_recurrent_state`,
+`has_previous_state`, `is_recording_past`) over those rows' slots, with the same semantics as
+transformers' `LinearAttentionLayer`; what the module wrote goes back to the slots afterwards.
+Outside a step (transformers' own `generate`, the families probe's reference) the module runs
+as it was. Padding rows of a decode bucket use the trash slot, zeroed after the step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cache_manager import state
+from cache_manager.state import Slots
+
+_current = threading.local()
+
+
+@dataclass
+class StepRows:
+    """A step's rows as the recurrent layers see them: the decode rows' token offsets and slots
+    ([B] on the device), and per other row (offset, tokens, slot [1], whether it has a state)."""
+
+    slots: Slots
+    decode_offsets: torch.Tensor | None
+    decode_slots: torch.Tensor | None
+    others: list[tuple[int, int, torch.Tensor, bool]]
+    contiguous: bool  # the decode rows are tokens 0..B-1 (a pure decode step)
+
+
+def step_rows(slots: Slots, segments: list[tuple[int, int, int, bool]], device: torch.device) -> StepRows:
+    """`segments`: per row (offset in the flattened tokens, tokens, slot, has a state)."""
+    decode = [(off, slot) for off, n, slot, prev in segments if n == 1 and prev]
+    others = [(off, n, slot, prev) for off, n, slot, prev in segments if not (n == 1 and prev)]
+    host = torch.tensor([off for off, _ in decode] + [slot for _, slot in decode] + [slot for _, _, slot, _ in others], dtype=torch.long)
+    flat = host.to(device, non_blocking=False)
+    b = len(decode)
+    return StepRows(
+        slots,
+        flat[:b] if b else None,
+        flat[b : 2 * b] if b else None,
+        [(off, n, flat[2 * b + j : 2 * b + j + 1], prev) for j, (off, n, _, prev) in enumerate(others)],
+        contiguous=[off for off, _ in decode] == list(range(b)),
+    )
+
+
+class running:
+    """`with running(rows):` the recurrent layers of this thread's forward passes use `rows`."""
+
+    def __init__(self, rows: StepRows | None) -> None:
+        self.rows = rows
+
+    def __enter__(self) -> None:
+        self._before = getattr(_current, "rows", None)
+        _current.rows = self.rows
+
+    def __exit__(self, *exc) -> None:
+        _current.rows = self._before
+        if self.rows is not None:
+            self.rows.slots.clear_trash()
+
+
+def enable(model) -> int:
+    """Wrap every recurrent module's forward (once); returns how many there are."""
+    modules = state.recurrent_modules(model)
+    for module, keyword in modules:
+        if not getattr(module, "_kvserve_recurrent", False):
+            module.forward = _wrapped(module, module.forward, keyword)
+            module._kvserve_recurrent = True
+    return len(modules)
+
+
+def _wrapped(module, original, keyword: str):
+    named = [p.name for p in inspect.signature(original).parameters.values()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    first = named[0]
+
+    def forward(*args, **kwargs):
+        rows: StepRows | None = getattr(_current, "rows", None)
+        if rows is None:
+            return original(*args, **kwargs)
+        hidden = args[0] if args else kwargs.pop(first)
+        # NOTE: only the module's own parameters: the step's keywords (kvserve_step, the
+        # mask) are not its business, and no row is padded.
+        extra = {k: v for k, v in kwargs.items() if k in named and k not in (keyword, "attention_mask", first)}
+        layer = module.layer_idx
+        out = None
+        if rows.decode_offsets is not None:
+            x = hidden[0, : len(rows.decode_offsets)] if rows.contiguous else hidden[0].index_select(0, rows.decode_offsets)
+            states = _RowStates(rows.slots, rows.decode_slots, True)
+            y = original(x[:, None], **extra, **{keyword: states})
+            states.write_back(layer)
+            out = hidden.new_empty((1, hidden.shape[1], y.shape[-1]))
+            if rows.contiguous:
+                out[0, : y.shape[0]] = y[:, 0]
+            else:
+                out[0].index_copy_(0, rows.decode_offsets, y[:, 0])
+        for offset, n, slot, prev in rows.others:
+            states = _RowStates(rows.slots, slot, prev)
+            y = original(hidden[:, offset : offset + n], **extra, **{keyword: states})
+            states.write_back(layer)
+            if out is None:
+                out = hidden.new_empty((1, hidden.shape[1], y.shape[-1]))
+            out[:, offset : offset + n] = y
+        return out
+
+    return forward
+
+
+class _RowStates:
+    """transformers' cache interface for a recurrent layer over some rows' state slots (the
+    module docstring): reads gather the slots, writes stay here until `write_back`."""
+
+    def __init__(self, slots: Slots, index: torch.Tensor, previous: bool) -> None:
+        self.slots, self.index, self.previous = slots, index, previous
+        self._read: dict[str, torch.Tensor] = {}
+        self._written: dict[str, torch.Tensor] = {}
+
+    def _name(self, kind: str, layer_idx: int, state_idx: int) -> str:
+        return f"{kind}.{layer_idx}.{state_idx}"
+
+    def _get(self, name: str) -> torch.Tensor:
+        if name in self._written:
+            return self._written[name]
+        if name not in self._read:
+            self._read[name] = self.slots.get(name, self.index)
+        return self._read[name]
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.previous
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return False
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._get(self._name("conv", layer_idx, state_idx)) if self.previous else None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._get(self._name("rec", layer_idx, state_idx)) if self.previous else None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        """The new inputs after the kept ones (none on a first chunk, left-padded to the
+        kernel when shorter); keeps the last kernel-width of them."""
+        name = self._name("conv", layer_idx, state_idx)
+        width = self.slots.tensors[name].shape[-1]
+        if self.previous:
+            full = torch.cat([self._get(name), conv_states], dim=-1)
+        else:
+            full = conv_states
+            if full.shape[-1] < width:
+                full = F.pad(full, (width - full.shape[-1], 0), value=0)
+        self._written[name] = full[..., -width:].to(self.slots.tensors[name].dtype)
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        name = self._name("rec", layer_idx, state_idx)
+        self._written[name] = recurrent_states.to(self.slots.tensors[name].dtype)
+        return self._written[name]
+
+    def write_back(self, layer_idx: int) -> None:
+        """Store what the layer left: written states, and read ones it updated in place (a
+        decode step's conv kernel does)."""
+        for name, t in {**self._read, **self._written}.items():
+            self.slots.put(name, self.index, t)
