@@ -48,6 +48,7 @@ _STATE_AND_KV = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attentio
 # A recurrent state may take this share of the budget; the KV blocks the rest (`Pool`)
 STATE_SHARE = 0.5
 MAX_STATE_SLOTS = 1024
+MAX_CHECKPOINTS = 4  # kept recurrent states per sequence, besides its current one (`checkpoint`)
 
 __all__ = ["BLOCK_SIZE", "KV_DTYPES", "Layout", "NoBlocks", "Pool", "SequenceKV", "UnsupportedLayers", "kv_format", "layout"]
 
@@ -483,7 +484,7 @@ class SequenceKV:
     """One sequence's block table into `pool` and the `length` tokens written so far
     (positions 0..length-1). Only this module and server/engine/attention.py read the storage."""
 
-    __slots__ = ("pool", "blocks", "length", "base", "state")
+    __slots__ = ("pool", "blocks", "length", "base", "state", "checkpoints")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
@@ -491,6 +492,7 @@ class SequenceKV:
         self.length = 0
         self.base: int | None = None  # first slot when the blocks are consecutive, else None
         self.state: int | None = None  # a hybrid's recurrent-state slot: the state after `length` tokens
+        self.checkpoints: list[tuple[int, int]] = []  # (length, slot): earlier states kept, by length
 
     def _set_blocks(self, blocks: list[int]) -> None:
         self.blocks = blocks
@@ -579,6 +581,46 @@ def free(cache: SequenceKV) -> None:
     if cache.state is not None:
         cache.pool.states.give_back(cache.state)
         cache.state = None
+    for _, slot in cache.checkpoints:
+        cache.pool.states.give_back(slot)
+    cache.checkpoints = []
+
+
+def checkpoint(cache: SequenceKV) -> bool:
+    """Keep the recurrent state after the cache's `length` tokens (a hybrid's), so that a
+    later `resume` can go back to it: in a free state slot, the oldest of `MAX_CHECKPOINTS`
+    given up for it. False (nothing kept) without a state, at length 0, with one kept at this
+    length already, or with no slot free (checkpoints never evict anything)."""
+    states = cache.pool.states
+    if cache.state is None or cache.length == 0 or any(n == cache.length for n, _ in cache.checkpoints):
+        return False
+    if len(cache.checkpoints) >= MAX_CHECKPOINTS:
+        states.give_back(cache.checkpoints.pop(0)[1])
+    if states.num_free == 0:
+        return False
+    slot = states.take()
+    states.copy(cache.state, slot)
+    cache.checkpoints = sorted(cache.checkpoints + [(cache.length, slot)])
+    return True
+
+
+def resume(cache: SequenceKV, n: int) -> int:
+    """Cut the cache back to at most `n` tokens and return its new length: `n` when it can be
+    cropped (or is no longer), else (a recurrent state) the latest checkpoint at or before `n`,
+    whose state it takes back, or 0 (an empty state) without one. Checkpoints past the new
+    length are given up."""
+    if n >= cache.length or can_crop(cache):
+        crop(cache, min(n, cache.length))
+        return cache.length
+    states = cache.pool.states
+    kept = [(m, slot) for m, slot in cache.checkpoints if m <= n]
+    for _, slot in cache.checkpoints[len(kept):]:
+        states.give_back(slot)
+    cache.checkpoints = kept
+    if kept:
+        states.copy(kept[-1][1], cache.state)
+    cache.length = kept[-1][0] if kept else 0
+    return cache.length
 
 
 def read(cache: SequenceKV, layer: int, start: int, end: int, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

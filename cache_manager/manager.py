@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import disk, kv
-from cache_manager.prefix import ReuseDecision, common_prefix_len, decide_reuse
+from cache_manager.prefix import NOT_CROPPABLE, RECURRENT_CHECKPOINT, ReuseDecision, common_prefix_len, decide_reuse
 from cache_manager.tiers import RestoreCosts
 from cache_manager.sessions import (
     Entry,
@@ -106,9 +106,10 @@ class CacheManager:
         self.config = config
         self.metrics = metrics
         # NOTE: the pool is the budget's blocks, and the store counts whole blocks: whatever
-        # the store makes room for, the pool has the blocks of.
-        self.pool = kv.Pool(model_config, config.budget_bytes, device, dtype, kv_dtype=config.kv_dtype)
-        self.store = SessionStore(config.budget_bytes, config.ttl_s, on_drop=self._dropped)
+        # the store makes room for, the pool has the blocks of. A hybrid's recurrent-state
+        # slots take their share first (kv.state_slots), counted apart (`_state_slot`).
+        self.pool = kv.Pool(model_config, config.budget_bytes, device, dtype, kv_dtype=config.kv_dtype, reserve_tokens=max_context)
+        self.store = SessionStore(self.pool.budget_bytes, config.ttl_s, on_drop=self._dropped)
         self._private_bytes = 0  # caches of requests without a session (not in the store)
         self._lock = threading.Lock()
         self.host, self.disk = host, disk
@@ -183,8 +184,8 @@ class CacheManager:
         cache = lease.cache
         drop = True
         try:
-            if keep > 0 and (kv.length(cache) == keep or kv.can_crop(cache)):
-                kv.crop(cache, keep)
+            keep = kv.resume(cache, keep) if keep > 0 else 0  # a recurrent state: to a kept one
+            if keep > 0:
                 kv.trim(cache)
                 self.store.update(lease.key, lease.base_tokens[:keep], cache, kv.nbytes(cache))
                 drop = False
@@ -271,6 +272,7 @@ class CacheManager:
                 if taken is None:
                     continue
                 tokens, tensors = taken
+                self._state_slot()
                 cache = kv.load(self.pool, tensors, len(tokens), capacity)
             except disk.BadFile as exc:
                 self._restore_failed(tier.name, exc.reason)
@@ -394,17 +396,22 @@ class CacheManager:
 
     def _reuse(self, entry: Entry, prompt: list[int], bucket: int) -> Lease:
         cache = entry.kv
-        decision: ReuseDecision = decide_reuse(entry.tokens, prompt, can_crop=kv.can_crop(cache), block=self._block(entry.key),
+        recurrent = cache.state is not None  # cut back by `kv.resume`, to a kept state
+        decision: ReuseDecision = decide_reuse(entry.tokens, prompt, can_crop=recurrent or kv.can_crop(cache), block=self._block(entry.key),
                                                rope_switch=self.pool.layout.rope_switch, computed=kv.length(cache))
-        n = decision.n_reused
-        kv.crop(cache, n)
+        n = kv.resume(cache, decision.n_reused)
+        reason = decision.miss_reason
+        if n < decision.n_reused:
+            reason = RECURRENT_CHECKPOINT if n else NOT_CROPPABLE
+        if recurrent and n:
+            kv.checkpoint(cache)  # this turn's starting state: an edit after it resumes here
         # NOTE: recorded at once, so a failure below (NoRoom while growing) leaves the entry's
         # tokens matching what its cache holds.
         self.store.update(entry.key, entry.tokens[:n], cache, kv.nbytes(cache))
         if kv.capacity(cache) < bucket:
             self._grow(entry, cache, bucket)
-        self._observe(len(prompt), n, decision.miss_reason)
-        return Lease(entry.key, cache, n, decision.miss_reason, list(entry.tokens))
+        self._observe(len(prompt), n, reason)
+        return Lease(entry.key, cache, n, reason, list(entry.tokens))
 
     def _grow(self, entry: Entry, cache, bucket: int) -> None:
         """Give the session's cache room for `bucket` tokens: blocks appended, nothing copied."""
@@ -420,7 +427,16 @@ class CacheManager:
         need = self._bytes_for(bucket)
         if not self.store.make_room(need + self._private_bytes):
             raise NoRoom(f"a cache of {bucket} tokens needs {need} bytes")
+        self._state_slot()
         return self.pool.allocate(bucket)
+
+    def _state_slot(self) -> None:
+        """A hybrid model: a free recurrent-state slot for a new cache, idle sessions evicted
+        (least recently used first) until there is one. Each sequence holds one slot."""
+        states = self.pool.states
+        while states is not None and states.num_free == 0:
+            if not self.store.evict_one():
+                raise NoRoom(f"all {states.num_slots} recurrent-state slots are held by running sequences")
 
     def _private(self, prompt: list[int], bucket: int) -> Lease:
         cache = self._allocate(bucket)

@@ -21,6 +21,7 @@ __all__ = [
     "MissReason",
     "NEW_SESSION",
     "NOT_CROPPABLE",
+    "RECURRENT_CHECKPOINT",
     "ROPE_SWITCH",
     "TOO_SHORT",
     "ReuseDecision",
@@ -28,7 +29,8 @@ __all__ = [
     "decide_reuse",
 ]
 
-MissReason = Literal["new_session", "evicted", "expired", "diverged", "not_croppable", "too_short", "rope_switch"]
+MissReason = Literal["new_session", "evicted", "expired", "diverged", "not_croppable", "too_short", "rope_switch",
+                     "recurrent_checkpoint"]
 """Why a request reused no cached token (the `X-Cache-Miss-Reason` header and a metric label).
 
 * ``new_session``: no entry for the key and none was dropped recently (first turn).
@@ -45,6 +47,10 @@ MissReason = Literal["new_session", "evicted", "expired", "diverged", "not_cropp
   rope factors up to its switch length and with long ones past it; the cached keys were
   computed with the other factors than the prompt needs (or would be cut back below the
   switch), so the prompt is recomputed, as transformers' `generate` does.
+* ``recurrent_checkpoint``: a hybrid model's recurrent state cannot be cut back to where the
+  prompt leaves the entry (an edited or regenerated history): the request resumed from the
+  latest state kept at or before that point (`kv.checkpoint`), so fewer tokens were reused
+  than match; `cached_tokens` says how many (with none kept: ``not_croppable``).
 
 `decide_reuse` only sees token lists, so it returns ``new_session`` for an empty cache;
 the caller replaces it with `SessionStore.lookup_miss_reason` (``evicted``/``expired``).
@@ -57,6 +63,7 @@ DIVERGED: Final = "diverged"
 NOT_CROPPABLE: Final = "not_croppable"
 TOO_SHORT: Final = "too_short"
 ROPE_SWITCH: Final = "rope_switch"
+RECURRENT_CHECKPOINT: Final = "recurrent_checkpoint"
 MISS_REASONS: Final[tuple[str, ...]] = (
     NEW_SESSION,
     EVICTED,
@@ -65,6 +72,7 @@ MISS_REASONS: Final[tuple[str, ...]] = (
     NOT_CROPPABLE,
     TOO_SHORT,
     ROPE_SWITCH,
+    RECURRENT_CHECKPOINT,
 )
 
 # NOTE: comparing slices runs in C; only the first differing chunk is scanned in Python.

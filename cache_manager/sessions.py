@@ -347,6 +347,18 @@ class SessionStore:
         self._notify(dropped)
         return ok
 
+    def evict_one(self) -> bool:
+        """Evict the least recently used idle entry, for a resource other than bytes (a hybrid
+        model's state slots); False when none is idle."""
+        with self._lock:
+            dropped = self._expire_locked()
+            victim = next((e for e in self._entries.values() if e.idle), None)
+            if victim is not None:
+                self._remove_locked(victim, EVICTED)
+                dropped.append((victim, EVICTED))
+        self._notify(dropped)
+        return bool(dropped)
+
     def expire(self) -> list[Entry]:
         """Drop idle entries unused for more than `ttl_s` (reason ``expired``); returns them."""
         with self._lock:

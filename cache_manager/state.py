@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from cache_manager.blocks import NoBlocks
+
 __all__ = ["NoSlots", "Slots", "Spec", "spec"]
 
 
-class NoSlots(RuntimeError):
+class NoSlots(NoBlocks):
     """Every state slot is taken."""
 
 
@@ -156,6 +158,11 @@ class Slots:
 
     def put(self, name: str, index: torch.Tensor, values: torch.Tensor) -> None:
         self.tensors[name].index_copy_(0, index, values.to(self.tensors[name].dtype))
+
+    def copy(self, source: int, target: int) -> None:
+        """Slot `target` takes slot `source`'s state (a checkpoint kept or resumed)."""
+        for t in self.tensors.values():
+            t[target].copy_(t[source])
 
     def clear_trash(self) -> None:
         for t in self.tensors.values():

@@ -120,7 +120,7 @@ def check(budget: Budget, pool_bytes: int, model_config, dtype: torch.dtype, kv_
     per_token = kv.layout(model_config).bytes_per_token(dtype, kv_dtype)
     block_bytes = kv.BLOCK_SIZE * per_token
     tokens = max(pool_bytes, 0) // block_bytes * kv.BLOCK_SIZE
-    need = kv.bytes_for(model_config, max_context, dtype, kv_dtype)
+    need = kv.bytes_for(model_config, max_context, dtype, kv_dtype, sequences=1)  # a hybrid's state too
     if pool_bytes < need:
         raise KVBudgetError(
             f"the KV budget of {_size(pool_bytes)} ({budget.how}) holds {tokens} tokens of {kv_dtype} KV "

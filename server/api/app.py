@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from prometheus_client import start_http_server
 
 from cache_manager import disk as disk_files
+from cache_manager import state
 from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
@@ -156,6 +157,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     families.check(loaded.model)
     if draft is not None:
         families.check(draft.model)
+        if state.spec(draft.model.config, draft.dtype) is not None:
+            families.check_hybrid_modes(speculative=False, exact=False, draft=True)
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
     mode = numerics(settings, loaded)
     host, disk = kv_tiers(settings, loaded, metrics, mode)

@@ -157,6 +157,8 @@ class Engine:
             NoSpeculation() if proposer is None else Speculator(proposer, self.eos_ids, config.speculative, metrics)
         )
         families.check_config(model)  # refuse what the config says the engine cannot model now, not on its thread
+        if cache_manager.pool.states is not None:
+            families.check_hybrid_modes(speculative=proposer is not None, exact=config.deterministic)
         self._rope_switch = cache_manager.pool.layout.rope_switch  # LongRoPE: `_cross_rope_switch`
         self.runner = ModelRunner(
             model,
@@ -406,6 +408,7 @@ class Engine:
         prefill_tokens = sum(r.n_tokens for r in plan.rows if r.seq.status is Status.PREFILL)
         start_masks([r.seq.grammar for r in plan.rows if r.completes and r.seq.grammar is not None])
         self._execute(plan)
+        self._checkpoint(plan)
         self._relax()
         if prefill_tokens >= max(64, plan.num_tokens // 2):  # a prefill step: its speed weighs restores
             self.cache_manager.observe_prefill(plan.num_tokens, time.perf_counter() - t0)
@@ -413,6 +416,15 @@ class Engine:
             self.metrics.batch_rows.observe(len(plan.rows))
             self.metrics.batch_tokens.observe(plan.num_tokens)
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    def _checkpoint(self, plan: Plan) -> None:
+        """A hybrid model: keep the recurrent state of each prompt computed up to one token
+        short of its end (the scheduler paused it there: `Sequence.chunk_limit`), where a
+        regenerated reply or an edit of the reply resumes (`kv.resume`)."""
+        for row in plan.rows:
+            seq = row.seq
+            if seq.cache is not None and seq.cache.state is not None and seq.n_computed == len(seq.prompt_ids) - 1:
+                kv.checkpoint(seq.cache)
 
     def _cross_rope_switch(self, seq: Sequence) -> None:
         """LongRoPE (server/engine/rope.py): a sequence whose keys were computed with the short

@@ -151,6 +151,20 @@ def _check_recurrent(model, layout: kv.Layout) -> None:
                                "pool and steps are built around attention layers")
 
 
+def check_hybrid_modes(*, speculative: bool, exact: bool, draft: bool = False) -> None:
+    """Refuse the modes a hybrid model's recurrent state is not modelled in (at start-up)."""
+    if speculative:
+        raise UnsupportedModel("recurrent-speculative", "speculative decoding on a model with recurrent layers: a rejected "
+                               "draft would have to be taken back out of the recurrent state, which kvserve does not "
+                               "snapshot per draft position; serve it with --speculative off")
+    if draft:
+        raise UnsupportedModel("recurrent-draft", "a draft model with recurrent layers: its state cannot be cut back to "
+                               "the accepted tokens; choose an attention-only draft model")
+    if exact:
+        raise UnsupportedModel("recurrent-exact", "exact mode (--deterministic) on a model with recurrent layers: their "
+                               "kernels are not batch-invariant in kvserve yet; serve it without --deterministic")
+
+
 def _probe(model, layout: kv.Layout) -> None:
     """One packed step against transformers' own forward (see the module docstring)."""
     from server.engine.attention import Row

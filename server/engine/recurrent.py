@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ class StepRows:
     decode_slots: torch.Tensor | None
     others: list[tuple[int, int, torch.Tensor, bool]]
     contiguous: bool  # the decode rows are tokens 0..B-1 (a pure decode step)
+    # what the layers wrote, stored once the whole forward pass has run: a pass that fails
+    # half-way (retried smaller by the engine) leaves every state as it was
+    written: list = field(default_factory=list)
 
 
 def step_rows(slots: Slots, segments: list[tuple[int, int, int, bool]], device: torch.device) -> StepRows:
@@ -71,10 +74,15 @@ class running:
         self._before = getattr(_current, "rows", None)
         _current.rows = self.rows
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         _current.rows = self._before
-        if self.rows is not None:
-            self.rows.slots.clear_trash()
+        if self.rows is None:
+            return
+        if exc_type is None:
+            for name, index, values in self.rows.written:
+                self.rows.slots.put(name, index, values)
+        self.rows.written.clear()
+        self.rows.slots.clear_trash()
 
 
 def enable(model) -> int:
@@ -100,13 +108,12 @@ def _wrapped(module, original, keyword: str):
         # NOTE: only the module's own parameters: the step's keywords (kvserve_step, the
         # mask) are not its business, and no row is padded.
         extra = {k: v for k, v in kwargs.items() if k in named and k not in (keyword, "attention_mask", first)}
-        layer = module.layer_idx
         out = None
         if rows.decode_offsets is not None:
             x = hidden[0, : len(rows.decode_offsets)] if rows.contiguous else hidden[0].index_select(0, rows.decode_offsets)
             states = _RowStates(rows.slots, rows.decode_slots, True)
             y = original(x[:, None], **extra, **{keyword: states})
-            states.write_back(layer)
+            rows.written += states.written()
             out = hidden.new_empty((1, hidden.shape[1], y.shape[-1]))
             if rows.contiguous:
                 out[0, : y.shape[0]] = y[:, 0]
@@ -115,7 +122,7 @@ def _wrapped(module, original, keyword: str):
         for offset, n, slot, prev in rows.others:
             states = _RowStates(rows.slots, slot, prev)
             y = original(hidden[:, offset : offset + n], **extra, **{keyword: states})
-            states.write_back(layer)
+            rows.written += states.written()
             if out is None:
                 out = hidden.new_empty((1, hidden.shape[1], y.shape[-1]))
             out[:, offset : offset + n] = y
@@ -174,8 +181,7 @@ class _RowStates:
         self._written[name] = recurrent_states.to(self.slots.tensors[name].dtype)
         return self._written[name]
 
-    def write_back(self, layer_idx: int) -> None:
-        """Store what the layer left: written states, and read ones it updated in place (a
-        decode step's conv kernel does)."""
-        for name, t in {**self._read, **self._written}.items():
-            self.slots.put(name, self.index, t)
+    def written(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """What the layer left, to store in the slots: written states, and read ones it may
+        have updated in place (a decode step's conv kernel does)."""
+        return [(name, self.index, t) for name, t in {**self._read, **self._written}.items()]

@@ -120,13 +120,19 @@ class Scheduler:
         """Rows for the next step; `running` is in admission order."""
         prefilling = [s for s in running if s.status is Status.PREFILL and s.num_pending > 0]
         if len(running) == 1 and prefilling and not self.chunk_alone:
-            return Plan([ScheduledRow(prefilling[0], prefilling[0].num_pending)])
+            return Plan([ScheduledRow(prefilling[0], _chunk_limit(prefilling[0]))])
         rows = [ScheduledRow(s, s.num_pending) for s in running if s.status is Status.DECODE and s.num_pending > 0]
         budget = self.max_batch_tokens - sum(r.n_tokens for r in rows)
         for i, seq in enumerate(prefilling):
-            n = min(seq.num_pending, max(budget, 1 if i == 0 else 0))
+            n = min(_chunk_limit(seq), max(budget, 1 if i == 0 else 0))
             if n <= 0:
                 break
             rows.append(ScheduledRow(seq, n))
             budget -= n
         return Plan(rows)
+
+
+def _chunk_limit(seq: Schedulable) -> int:
+    """A prefilling sequence's pending tokens, or fewer where it must pause (`chunk_limit`: a
+    hybrid model keeps its state one token before its prompt's end)."""
+    return getattr(seq, "chunk_limit", seq.num_pending)

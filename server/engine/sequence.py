@@ -190,6 +190,16 @@ class Sequence:
         """Tokens not yet in the KV cache (the prompt suffix, or the last sampled or forced ones)."""
         return len(self.all_ids) - self.n_computed
 
+    @property
+    def chunk_limit(self) -> int:
+        """The most tokens its next forward pass may compute: every pending one, except that a
+        hybrid model's prompt stops one token short of its end first, where its recurrent
+        state is kept (`kv.checkpoint`: a regenerated reply resumes there)."""
+        stop = len(self.prompt_ids) - 1
+        if self.cache is not None and self.cache.state is not None and self.n_computed < stop:
+            return min(self.num_pending, stop - self.n_computed)
+        return self.num_pending
+
     def pending_ids(self, n: int) -> list[int]:
         """The next `n` tokens to compute."""
         return self.all_ids[self.n_computed : self.n_computed + n]

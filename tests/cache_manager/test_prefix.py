@@ -86,6 +86,7 @@ def test_miss_reasons_are_the_documented_set():
         "not_croppable",
         "too_short",
         "rope_switch",
+        "recurrent_checkpoint",
     )
 
 
