@@ -416,7 +416,9 @@ class Result:
     layer_types: tuple[str, ...] = ()
 
     def failed(self) -> list[str]:
-        return [f"{name}: {result}" for name, result in self.checks.items() if not result.startswith("ok")]
+        """Checks that neither passed nor were refused at start-up by name (a mode a family is
+        not served in: a hybrid's speculation, say)."""
+        return [f"{name}: {result}" for name, result in self.checks.items() if not result.startswith(("ok", "refused"))]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -592,7 +594,8 @@ def run_family(name: str, tok, device: torch.device | str = "cpu", dtype: torch.
                     result.feature = getattr(exc, "feature", None)
                     result.message = f"{'' if result.status == 'refused' else 'engine start: '}{_first_line(exc)}"
                     break
-                result.checks.update((c, f"ERROR at start: {_first_line(exc)}") for c in names)
+                outcome = f"refused [{exc.feature}]" if isinstance(exc, UnsupportedModel) else f"ERROR at start: {_first_line(exc)}"
+                result.checks.update((c, outcome) for c in names)
                 continue
             try:
                 if case is None:
@@ -638,10 +641,13 @@ def _summary(outcomes: list[str], logged: list[str]) -> str:
 def _cell(result: str) -> str:
     if result.startswith("ok"):
         return "ok" + (" (tie)" if "near-tie" in result else "")
+    if result.startswith("refused"):
+        return result
     return result.split(":")[0].split(" at ")[0].split(" (")[0].strip()
 
 
-_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked", "linear_attention": "linear"}
+_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked", "linear_attention": "linear",
+          "dummy": "MLP only"}
 
 
 def table(results: list[Result]) -> str:

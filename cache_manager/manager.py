@@ -318,6 +318,16 @@ class CacheManager:
         """Tokens the device budget holds (whole blocks, every sequence's together)."""
         return self.store.budget_bytes // self.pool.block_bytes * self.pool.block_size
 
+    def recurrent_state(self) -> dict | None:
+        """A hybrid model's recurrent state (/v1/models): its layers, the bytes one sequence's
+        takes, the slots the budget gave them (each running or kept sequence holds one, each
+        kept checkpoint another) and how many are free; None for other models."""
+        states = self.pool.states
+        if states is None:
+            return None
+        return {"layers": len(states.spec.layers), "bytes_per_sequence": states.spec.nbytes, "slots": states.num_slots,
+                "free_slots": states.num_free, "checkpoints_per_sequence": kv.MAX_CHECKPOINTS}
+
     def used_tokens(self) -> int:
         """Token slots of the blocks sessions and private caches hold now."""
         return (self.store.used_bytes + self._private_bytes) // self.pool.block_bytes * self.pool.block_size

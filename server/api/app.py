@@ -329,6 +329,7 @@ async def startup_check(settings: Settings) -> tuple[dict | None, tuple[int, str
                 "budget_bytes": manager.store.budget_bytes,
                 "capacity_tokens": manager.capacity_tokens(),
                 "sequences_at_max_model_len": manager.capacity_tokens() // ctx.max_context,
+                "recurrent_state": manager.recurrent_state(),
                 "host_tier_bytes": tiers["host"][1],
                 "disk_tier_bytes": tiers["disk"][1],
                 "disk_tier_dir": str(settings.kv_disk_dir) if settings.kv_disk_dir is not None else None,

@@ -10,14 +10,16 @@ router = APIRouter()
 def _card(model_id: str, ctx) -> dict:
     """OpenAI's model object, plus kvserve's extensions: the context length (vLLM's
     `max_model_len`), the KV cache (how it is stored and how many tokens the budget holds, every
-    sequence's together: /metrics' kvserve_kv_cache_capacity_tokens) and whether outputs are
+    sequence's together: /metrics' kvserve_kv_cache_capacity_tokens; a hybrid model's recurrent
+    state: `CacheManager.recurrent_state`) and whether outputs are
     exact (--deterministic: bit-identical whatever the batch, chunking, reuse or speculation),
     and how the engine runs: each fast path's state, and `fallbacks` (path: why it runs slower
     than asked; /metrics' kvserve_engine_paths)."""
     manager = ctx.cache_manager
     return {
         "id": model_id, "object": "model", "created": 0, "owned_by": "kvserve", "max_model_len": ctx.max_context,
-        "kv_cache": {"dtype": manager.config.kv_dtype, "capacity_tokens": manager.capacity_tokens()},
+        "kv_cache": {"dtype": manager.config.kv_dtype, "capacity_tokens": manager.capacity_tokens(),
+                     "recurrent_state": manager.recurrent_state()},
         "deterministic": ctx.deterministic,
         "engine": ctx.engine_paths,
     }
