@@ -190,6 +190,9 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
              pool.format.name, pool.block_bytes // pool.block_size, max_context, 100 * max_context / max(pool.capacity_tokens, 1))
     log.info("KV pool on %s: %d blocks of %d tokens, %.2f GiB (%d tokens)", pool.device, pool.num_blocks,
              pool.block_size, pool.num_blocks * pool.block_bytes / 2**30, pool.capacity_tokens)
+    if pool.states is not None:
+        log.info("recurrent state: %s; %d slots (%.2f GiB) for running and kept sequences and their checkpoints",
+                 pool.states.spec.describe(), pool.states.num_slots, pool.states.num_slots * pool.states.spec.nbytes / 2**30)
     engine = Engine(
         loaded.model,
         loaded.tokenizer,

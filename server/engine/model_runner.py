@@ -71,11 +71,6 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and ((self.device.type == "cuda" and self.paged) or faults.switched_on("capture"))
         self.paths: dict[str, str] = {}  # how each fast path runs (`describe_paths`), once prepared
         self.fallbacks: dict[str, str] = {}  # path -> why it runs slower than it should (each logged once)
-        if pool.states is not None and self.use_graphs:
-            # NOTE: the recurrent layers' per-row calls are not captured yet: decode runs eagerly
-            self.use_graphs = False
-            if self.device.type == "cuda":
-                self._fall_back("cuda_graphs", "a hybrid model's recurrent layers are not captured in CUDA graphs yet")
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # NOTE: transformers builds no mask when handed a 4D one; ours are built per row/batch.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -127,7 +122,7 @@ class ModelRunner:
                 self._fall_back("exact", "the Triton kernels are unusable here (the log above says why); "
                                 "exact mode runs the torch formulation, slower")
         if self.paged:
-            self._meta = torch.zeros(self.max_rows * (3 + self.max_blocks), dtype=torch.long, device=self.device)
+            self._meta = torch.zeros(self.max_rows * (self._per_row + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
 
     # -- a step ------------------------------------------------------------------------------
@@ -236,31 +231,40 @@ class ModelRunner:
         blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
         if size > self.max_rows:
             size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
-        ids, pos, batch = self._fill(rows, token_ids, size, blocks)
+        ids, pos, batch, states = self._fill(rows, token_ids, size, blocks)
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()
             logits = graph[1][:n]
         else:
-            trash = self.pool.states.trash if self.pool.states is not None else None
-            states = self._step_rows([(i, 1, r.kv.state, True) for i, r in enumerate(rows)] + [(i, 1, trash, True) for i in range(n, size)])
             with recurrent.running(states):
                 logits = self._forward(ids, pos, Step([], [batch], self.exact), None)[:n]
         for row in rows:
             row.kv.length += 1
         return logits
 
+    @property
+    def _per_row(self) -> int:
+        """Persistent decode inputs per row besides its block table: token, position, slot (and
+        a hybrid's state slot)."""
+        return 3 + (self.pool.states is not None)
+
     def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int):
         """The decode inputs of `rows` in the persistent device buffer, with ONE host-to-device
-        copy: views (ids [1, size], positions [1, size], batch). Padding rows: token 0 at
-        position 0, writing and reading the trash block only."""
+        copy: views (ids [1, size], positions [1, size], batch, the recurrent layers' rows or
+        None). Padding rows: token 0 at position 0, writing and reading the trash block only
+        (and a hybrid's trash state slot)."""
         positions, slots, tables = self._paged_inputs([r.kv for r in rows], [1] * len(rows), size, 1, blocks)
-        host = torch.tensor(token_ids + [0] * (size - len(rows)) + positions + slots + tables, dtype=torch.long)
+        states = self.pool.states
+        state_slots = [r.kv.state for r in rows] + [states.trash] * (size - len(rows)) if states is not None else []
+        host = torch.tensor(token_ids + [0] * (size - len(rows)) + positions + slots + state_slots + tables, dtype=torch.long)
         meta = self._buffers(size, blocks)
         meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        per_row = self._per_row
         ids, pos, slots_t = (meta[i * size : (i + 1) * size] for i in range(3))
-        tables_t = meta[3 * size : size * (3 + blocks)].view(size, blocks)
-        return ids[None], pos[None], Batch(self.pool, slots_t, tables_t, pos)
+        tables_t = meta[per_row * size : size * (per_row + blocks)].view(size, blocks)
+        rows_t = recurrent.decode_rows(states, meta[3 * size : 4 * size]) if states is not None else None
+        return ids[None], pos[None], Batch(self.pool, slots_t, tables_t, pos), rows_t
 
     def _paged_inputs(self, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
         """Positions and slots [size * width] and block tables [size, blocks], flat, of
@@ -281,7 +285,7 @@ class ModelRunner:
         return positions + [0] * (pad * width), slots + [trash * bs] * (pad * width), tables + [trash] * (pad * blocks)
 
     def _buffers(self, size: int, blocks: int) -> torch.Tensor:
-        need = size * (3 + blocks)
+        need = size * (self._per_row + blocks)
         if self._meta is None or self._meta.numel() < need:  # past the largest bucket: eager only
             return torch.empty(need, dtype=torch.long, device=self.device)
         return self._meta[:need]
@@ -381,14 +385,15 @@ class ModelRunner:
     def _capture(self, size: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """One decode graph over the persistent buffers of (size, blocks); the buffers hold
         padding rows while capturing (they write the trash block only)."""
-        ids, pos, batch = self._fill([], [], size, blocks)  # every row a padding row
-        warm = self._forward(ids, pos, Step([], [batch], self.exact), None)  # warm up outside the graph
+        ids, pos, batch, states = self._fill([], [], size, blocks)  # every row a padding row
+        with recurrent.running(states):  # a hybrid's state reads and writes are in the graph too
+            warm = self._forward(ids, pos, Step([], [batch], self.exact), None)  # warm up outside the graph
         if self._logits is None:  # every graph's output, so none holds logits of its own
             self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
         del warm
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=self._graph_pool), recurrent.running(states):
             self._logits[:size].copy_(self._forward(ids, pos, Step([], [batch], self.exact), None))
         return graph, self._logits[:size]
 

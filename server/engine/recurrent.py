@@ -35,14 +35,14 @@ _current = threading.local()
 
 @dataclass
 class StepRows:
-    """A step's rows as the recurrent layers see them: the decode rows' token offsets and slots
-    ([B] on the device), and per other row (offset, tokens, slot [1], whether it has a state)."""
+    """A step's rows as the recurrent layers see them: the decode rows' slots ([B] on the
+    device) and their token offsets (None: tokens 0..B-1, a pure decode step), and per other
+    row (offset, tokens, slot [1], whether it has a state)."""
 
     slots: Slots
     decode_offsets: torch.Tensor | None
     decode_slots: torch.Tensor | None
     others: list[tuple[int, int, torch.Tensor, bool]]
-    contiguous: bool  # the decode rows are tokens 0..B-1 (a pure decode step)
     # what the layers wrote, stored once the whole forward pass has run: a pass that fails
     # half-way (retried smaller by the engine) leaves every state as it was
     written: list = field(default_factory=list)
@@ -55,13 +55,20 @@ def step_rows(slots: Slots, segments: list[tuple[int, int, int, bool]], device: 
     host = torch.tensor([off for off, _ in decode] + [slot for _, slot in decode] + [slot for _, _, slot, _ in others], dtype=torch.long)
     flat = host.to(device, non_blocking=False)
     b = len(decode)
+    contiguous = [off for off, _ in decode] == list(range(b))
     return StepRows(
         slots,
-        flat[:b] if b else None,
+        None if contiguous else flat[:b],
         flat[b : 2 * b] if b else None,
         [(off, n, flat[2 * b + j : 2 * b + j + 1], prev) for j, (off, n, _, prev) in enumerate(others)],
-        contiguous=[off for off, _ in decode] == list(range(b)),
     )
+
+
+def decode_rows(slots: Slots, state_slots: torch.Tensor) -> StepRows:
+    """A pure decode step's rows (tokens 0..B-1, each continuing its state) whose slots are
+    `state_slots` [B]: a view of the model runner's persistent buffer, so a captured CUDA
+    graph reads each replay's slots and writes their states back."""
+    return StepRows(slots, None, state_slots, [])
 
 
 class running:
@@ -109,16 +116,17 @@ def _wrapped(module, original, keyword: str):
         # mask) are not its business, and no row is padded.
         extra = {k: v for k, v in kwargs.items() if k in named and k not in (keyword, "attention_mask", first)}
         out = None
-        if rows.decode_offsets is not None:
-            x = hidden[0, : len(rows.decode_offsets)] if rows.contiguous else hidden[0].index_select(0, rows.decode_offsets)
+        if rows.decode_slots is not None:
+            offsets = rows.decode_offsets
+            x = hidden[0, : len(rows.decode_slots)] if offsets is None else hidden[0].index_select(0, offsets)
             states = _RowStates(rows.slots, rows.decode_slots, True)
             y = original(x[:, None], **extra, **{keyword: states})
             rows.written += states.written()
             out = hidden.new_empty((1, hidden.shape[1], y.shape[-1]))
-            if rows.contiguous:
+            if offsets is None:
                 out[0, : y.shape[0]] = y[:, 0]
             else:
-                out[0].index_copy_(0, rows.decode_offsets, y[:, 0])
+                out[0].index_copy_(0, offsets, y[:, 0])
         for offset, n, slot, prev in rows.others:
             states = _RowStates(rows.slots, slot, prev)
             y = original(hidden[:, offset : offset + n], **extra, **{keyword: states})

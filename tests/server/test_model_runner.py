@@ -68,6 +68,27 @@ def test_graph_replay_equals_eager_bit_for_bit():
 
 
 @CUDA
+def test_a_hybrids_recurrent_states_are_read_and_written_inside_the_graphs():
+    """Qwen3-Next's gated delta-net layers (server/engine/recurrent.py): each replay gathers
+    its rows' state slots from the persistent buffer and writes them back, as eager does."""
+    from bench import architectures
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(architectures.FAMILIES["qwen3_next"].config(), dtype=torch.float32).cuda().eval()
+    tokens = 64 * len(PROMPTS)
+    size = kv.bytes_for(model.config, tokens, torch.float32, sequences=len(PROMPTS) + 1)
+    runners = [ModelRunner(model, kv.Pool(model.config, size, "cuda", torch.float32, reserve_tokens=tokens), max_context=512,
+                           max_rows=8, cuda_graphs=graphs) for graphs in (True, False)]
+    for runner in runners:
+        runner.prepare()
+    assert runners[0].graphs and not runners[1].graphs
+    for a, b in zip(decode(runners[0], 6), decode(runners[1], 6)):
+        assert torch.equal(a, b)
+    graphed, eager = (r.pool.states.tensors for r in runners)
+    assert all(torch.equal(graphed[name], eager[name]) for name in graphed)
+
+
+@CUDA
 def test_capture_writes_only_the_trash_block_and_allocates_nothing():
     model = tiny(torch.device("cuda"))
     pool = kv.Pool(model.config, kv.bytes_for(model.config, 256, torch.float32), "cuda", torch.float32)
@@ -86,7 +107,7 @@ def test_a_bucket_of_no_rows_is_all_padding():
     pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, torch.float32), "cpu", torch.float32)
     runner = ModelRunner(model, pool, paged=True, max_rows=4)
     runner.prepare()
-    ids, pos, batch = runner._fill([], [], 4, 16)
+    ids, pos, batch, _ = runner._fill([], [], 4, 16)
     trash = pool.trash_block
     assert ids.tolist() == [[0] * 4] and pos.tolist() == [[0] * 4] and batch.positions.tolist() == [0] * 4
     assert batch.slots.tolist() == [trash * pool.block_size] * 4 and batch.tables.tolist() == [[trash] * 16] * 4

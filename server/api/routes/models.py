@@ -16,10 +16,12 @@ def _card(model_id: str, ctx) -> dict:
     and how the engine runs: each fast path's state, and `fallbacks` (path: why it runs slower
     than asked; /metrics' kvserve_engine_paths)."""
     manager = ctx.cache_manager
+    kv_cache = {"dtype": manager.config.kv_dtype, "capacity_tokens": manager.capacity_tokens()}
+    if (recurrent := manager.recurrent_state()) is not None:  # a hybrid model
+        kv_cache["recurrent_state"] = recurrent
     return {
         "id": model_id, "object": "model", "created": 0, "owned_by": "kvserve", "max_model_len": ctx.max_context,
-        "kv_cache": {"dtype": manager.config.kv_dtype, "capacity_tokens": manager.capacity_tokens(),
-                     "recurrent_state": manager.recurrent_state()},
+        "kv_cache": kv_cache,
         "deterministic": ctx.deterministic,
         "engine": ctx.engine_paths,
     }
