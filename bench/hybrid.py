@@ -96,27 +96,6 @@ def build(kind: str):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def check_model(model) -> None:
-    """`families.check`, as the server runs it before it sizes a cache (the engine's own start
-    then skips it).
-
-    WORKAROUND (an engine bug, reported): the probe's pool is sized for two sequences'
-    recurrent states (`kv.bytes_for(..., sequences=2)`), but `kv.state_slots` caps the states
-    at `kv.STATE_SHARE` of that budget, so a model whose state outweighs the probe's 128
-    tokens of KV (this one; Qwen3-Next's own sizes too) gets one slot and the probe raises
-    NoSlots. Then the check runs again with the cap lifted for the probe alone, loudly."""
-    try:
-        families.check(model)
-    except state.NoSlots as exc:
-        print(f"WARNING: families.check raised NoSlots ({exc}); running it again with kv.STATE_SHARE = 1 "
-              "for the probe's pool only (an engine bug: the probe's pool gives two sequences one state slot)", flush=True)
-        share, kv.STATE_SHARE = kv.STATE_SHARE, 1.0
-        try:
-            families.check(model)
-        finally:
-            kv.STATE_SHARE = share
-
-
 @dataclass
 class Turn:
     """One request: its prompt, reply, TTFT and what the cache manager said."""
@@ -132,7 +111,7 @@ class Served:
     """One started engine over `model` with its own pool; the server's checks at start."""
 
     def __init__(self, model, tok, max_context: int, budget: int) -> None:
-        check_model(model)
+        families.check(model)  # as the server does before it sizes a cache
         self.cache = CacheManager(model.config, torch.device("cpu"), torch.float32, max_context, CacheConfig(budget_bytes=budget))
         config = EngineConfig(max_context=max_context, max_batch_tokens=MAX_BATCH_TOKENS)
         self.engine = Engine(model, tok, config, self.cache)

@@ -48,7 +48,9 @@ _STATE_AND_KV = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attentio
 # A recurrent state may take this share of the budget; the KV blocks the rest (`Pool`)
 STATE_SHARE = 0.5
 MAX_STATE_SLOTS = 1024
-MAX_CHECKPOINTS = 4  # kept recurrent states per sequence, besides its current one (`checkpoint`)
+# Kept recurrent states per sequence besides its current one (`checkpoint`): the latest turn's
+# start and its prompt's end; each costs a whole state (74 MiB for Qwen3-Next in bf16)
+MAX_CHECKPOINTS = 2
 
 __all__ = ["BLOCK_SIZE", "KV_DTYPES", "Layout", "NoBlocks", "Pool", "SequenceKV", "UnsupportedLayers", "kv_format", "layout"]
 
@@ -283,7 +285,7 @@ def rope_switch(text_config: PretrainedConfig) -> int | None:
 
 
 
-def state_slots(spec: "recurrent.Spec", budget_bytes: int, spare_bytes: int) -> int:
+def _state_slots(spec: "recurrent.Spec", budget_bytes: int, spare_bytes: int) -> int:
     """How many sequences' recurrent states a budget of `budget_bytes` holds: up to
     `STATE_SHARE` of it (at most `MAX_STATE_SLOTS`), within the `spare_bytes` one full-context
     sequence's KV leaves, at least one."""
@@ -318,16 +320,17 @@ class Pool:
     """
 
     def __init__(self, config: PretrainedConfig, budget_bytes: int, device: torch.device, dtype: torch.dtype, block_size: int = BLOCK_SIZE,
-                 kv_dtype: str = "auto", *, reserve_tokens: int = 0) -> None:
+                 kv_dtype: str = "auto", *, reserve_tokens: int = 0, state_slots: int | None = None) -> None:
         self.layout = layout(config)
         self.format = kv_format(kv_dtype)
         self.device, self.dtype, self.block_size = torch.device(device), dtype, block_size
         self.block_bytes = block_size * self.layout.bytes_per_token(dtype, kv_dtype)
-        # A hybrid's recurrent states come out of the same budget (`state_slots`)
+        # A hybrid's recurrent states come out of the same budget (`state_slots`, unless given)
         spec = recurrent.spec(config, dtype)
         self.states: recurrent.Slots | None = None
         if spec is not None:
-            slots = state_slots(spec, budget_bytes, budget_bytes - reserve_tokens * self.block_bytes // block_size)
+            slots = state_slots if state_slots is not None else \
+                _state_slots(spec, budget_bytes, budget_bytes - reserve_tokens * self.block_bytes // block_size)
             budget_bytes -= slots * spec.nbytes
             self.states = recurrent.Slots(spec, slots, self.device)
         self.budget_bytes = budget_bytes  # the KV blocks' (the budget less the states')
@@ -508,7 +511,7 @@ def allocate(config: PretrainedConfig, capacity: int, device: torch.device, dtyp
     """An empty cache for up to `capacity` tokens in a pool of its own (tests, benchmarks and
     one-off forwards; the server allocates from its one pool)."""
     return Pool(config, bytes_for(config, capacity, dtype, kv_dtype, sequences=1), device, dtype, kv_dtype=kv_dtype,
-                reserve_tokens=capacity).allocate(capacity)
+                state_slots=1).allocate(capacity)
 
 
 def length(cache: SequenceKV) -> int:

@@ -107,7 +107,7 @@ class CacheManager:
         self.metrics = metrics
         # NOTE: the pool is the budget's blocks, and the store counts whole blocks: whatever
         # the store makes room for, the pool has the blocks of. A hybrid's recurrent-state
-        # slots take their share first (kv.state_slots), counted apart (`_state_slot`).
+        # slots take their share first (kv._state_slots), counted apart (`_state_slot`).
         self.pool = kv.Pool(model_config, config.budget_bytes, device, dtype, kv_dtype=config.kv_dtype, reserve_tokens=max_context)
         self.store = SessionStore(self.pool.budget_bytes, config.ttl_s, on_drop=self._dropped)
         self._private_bytes = 0  # caches of requests without a session (not in the store)

@@ -178,7 +178,7 @@ def _probe(model, layout: kv.Layout) -> None:
         reference = model(input_ids=torch.tensor([whole], device=model.device), use_cache=False).logits[0, _PROBE_PREFIX:].float()
         capacity = 2 * kv.BLOCK_SIZE * kv.blocks_for(len(whole))
         pool = kv.Pool(model.config, kv.bytes_for(model.config, 2 * capacity, model.dtype, sequences=2), model.device, model.dtype,
-                       reserve_tokens=2 * capacity)
+                       state_slots=2)
         # NOTE: packed=None: packing CPU weights is the serving runner's, on its own thread
         runner = ModelRunner(model, pool, paged=False, cuda_graphs=False, packed=None)
         first, second = pool.allocate(len(whole)), pool.allocate(len(other))

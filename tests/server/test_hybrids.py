@@ -94,6 +94,17 @@ def test_the_state_is_found_by_running_the_models_own_cache_code():
     assert layout.no_kv == (0,) and layout.owners == layout.attending == (1,)  # only layer 1 keeps KV
 
 
+def test_a_state_heavier_than_the_probes_kv_still_passes_the_check():
+    """The load check's probe runs two sequences: its pool gives them two slots whatever the
+    state weighs against its few tokens of KV (real Qwen3-Next: 74 MiB of state, 24 KiB a token)."""
+    config = architectures.FAMILIES["qwen3_next"].config()
+    config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim = 8, 64, 64
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPE).to(DEVICE).eval()
+    assert state.spec(config, DTYPE).nbytes > 128 * kv.layout(config).bytes_per_token(DTYPE)
+    families.check(model)
+
+
 def lfm2_pool(budget: int, reserve_tokens: int = 0) -> kv.Pool:
     return kv.Pool(architectures.FAMILIES["lfm2"].config(), budget, torch.device("cpu"), torch.float32, reserve_tokens=reserve_tokens)
 
