@@ -3,9 +3,10 @@ per sequence beside the attention layers' KV (cache_manager/state.py, server/eng
 
 The state's bookkeeping (slots, checkpoints, the budget's split) is tested without running a
 model; three families, one per kind of recurrent layer (Qwen3-Next's gated delta-net, LFM2's short
-convolutions, Falcon-H1's Mamba-2 beside attention in every layer), give transformers' `generate`
-tokens alone, batched, on the paged path, on a reused session, on a regenerated and an edited
-history, and after a restart from the disk tier. The per-family matrix is
+convolutions, Falcon-H1's Mamba-2 beside attention in every layer, Granite 4.0-H's Mamba-2
+layers, Jamba's Mamba layers) give transformers' `generate` tokens alone, batched, on the paged
+path, on a reused session (named or anonymous), on a regenerated and an edited history, and
+after a restart from the disk tier. The per-family matrix is
 tests/server/test_architectures.py."""
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from server.engine.speculative import SpeculativeConfig
 from tests.device import DEVICE, DTYPE
 from tests.equivalence import assert_equivalent
 
-FAMILIES = ("qwen3_next", "lfm2", "falcon_h1")
+# gated delta-net, short convolutions, Mamba-2 beside attention in every layer, Mamba-2 layers
+# (Granite 4.0-H), Mamba layers (Jamba)
+FAMILIES = ("qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "jamba")
 FP = "hybrid-test"
 
 
@@ -61,9 +64,9 @@ class Served:
                              self.cache, proposer=engine_kw.pop("proposer", None))
         self.engine.start()
 
-    async def run(self, prompt: list[int], n: int, session: str | None = None):
+    async def run(self, prompt: list[int], n: int, session: str | None = None, anonymous: bool = False):
         request = GenerationRequest(f"r-{session}", prompt, SamplingParams(max_tokens=n, temperature=0.0),
-                                    session_id=session, use_session=session is not None)
+                                    session_id=session, use_session=session is not None or anonymous)
         tokens, final = [], None
         async for out in self.engine.submit(request, asyncio.get_running_loop()):
             tokens += [t.token_id for t in out.tokens]
@@ -251,8 +254,9 @@ def test_a_failed_step_leaves_every_state_as_it_was():
     assert torch.allclose(retried[0], whole, atol=1e-4, rtol=1e-4)
 
 
-def test_sessions_come_back_from_disk_after_a_restart_bit_for_bit(tok, tmp_path):
-    model = build("lfm2")
+@pytest.mark.parametrize("name", FAMILIES)
+def test_sessions_come_back_from_disk_after_a_restart_bit_for_bit(name, tok, tmp_path):
+    model = build(name)
     families.check(model)
     p1 = prompt_of(24, 7)
     first = Served(model, tok, disk_tier=DiskTier(tmp_path, 2**30, 1800.0, FP))
@@ -276,6 +280,30 @@ def test_sessions_come_back_from_disk_after_a_restart_bit_for_bit(tok, tmp_path)
         second.stop()
     assert final.miss_reason == "restored_disk" and final.cached_tokens == len(p1) + len(g1) - 1
     assert_equivalent(model, p2, g2, generate(model, p2, 6))
+
+
+def test_anonymous_requests_reuse_each_other_at_the_kept_states(tok):
+    """Without a session id: a request extending another's whole history reuses its state; one
+    that leaves it inside (where no state was kept) resumes from the kept one before."""
+    model = build("qwen3_next")
+    served = Served(model, tok)
+    try:
+        async def play():
+            p1 = prompt_of(70, 9)
+            g1, _ = await served.run(p1, 6, anonymous=True)
+            p2 = p1 + g1 + prompt_of(4, 10)
+            second = await served.run(p2, 6, anonymous=True)
+            p3 = p1[:66] + prompt_of(10, 11)  # leaves it at 66: anonymous reuse counts whole blocks of 32
+            third = await served.run(p3, 6, anonymous=True)
+            return [(p2, second), (p3, third)]
+
+        (p2, (g2, second)), (p3, (g3, third)) = asyncio.run(play())
+    finally:
+        served.stop()
+    assert second.cached_tokens == 70 + 6 - 1 and second.miss_reason is None
+    assert third.cached_tokens == 0 and third.miss_reason == "not_croppable"  # kept: 75 and 79 only (the latest turn)
+    assert_equivalent(model, p2, g2, generate(model, p2, 6))
+    assert_equivalent(model, p3, g3, generate(model, p3, 6))
 
 
 @pytest.mark.parametrize("mode,feature", [("speculative", "recurrent-speculative"), ("deterministic", "recurrent-exact")])
