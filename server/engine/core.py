@@ -144,7 +144,7 @@ class RequestHandle:
 class Engine:
     """Owns the model on one thread; `submit` from the event loop, outputs via handles."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig, cache_manager: CacheManager, metrics=None, proposer=None) -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig, cache_manager: CacheManager, metrics=None, proposer=None, adapters=None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -169,6 +169,7 @@ class Engine:
             max_rows=config.max_running,
             paged=config.paged,
             exact=config.deterministic,
+            adapters=adapters,
         )
         self.scheduler = Scheduler(config.max_batch_tokens, config.max_running, chunk_alone=self.runner.paged)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()

@@ -26,7 +26,7 @@ import time
 import torch
 
 from cache_manager import kv
-from server.engine import attention, cpu_linear, faults, recurrent, rope
+from server.engine import attention, cpu_linear, faults, lora, recurrent, rope
 from server.engine import exact as exact_mode
 from server.engine.attention import Batch, Row, Step
 from server.engine.scheduler import Plan
@@ -56,9 +56,11 @@ def block_bucket(n: int, largest: int) -> int:
 class ModelRunner:
     """Runs `model` over sequences whose KV lives in `pool` (engine thread only, after `prepare`)."""
 
-    def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True, max_rows: int = 64, paged: bool | None = None, exact: bool = False) -> None:
+    def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True,
+                 max_rows: int = 64, paged: bool | None = None, exact: bool = False, adapters: lora.Adapters | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.adapters = adapters  # LoRA adapters (server/engine/lora.py): each row's slot, 0 the base
         self.device = pool.device
         self.packed = packed  # cpu_linear.pack_model's `packed`; None: the linear layers left as they are
         self.exact = exact  # exact mode (server/engine/exact.py): batch-invariant linear layers and attention
@@ -121,6 +123,9 @@ class ModelRunner:
             if self.device.type == "cuda" and self.device.type not in exact_mode.KERNELS:
                 self._fall_back("exact", "the Triton kernels are unusable here (the log above says why); "
                                 "exact mode runs the torch formulation, slower")
+        if self.adapters is not None:
+            self.adapters.attach()  # after packing: the adapters' wrappers run the packed layers
+            self.paths["lora"] = f"{len(self.adapters.names)} adapters"
         if self.paged:
             self._meta = torch.zeros(self.max_rows * (self._per_row + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
@@ -142,11 +147,12 @@ class ModelRunner:
                 logits_rows.append(i)
                 counts.append(1 + len(drafted))
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
-        return self.forward(rows, token_ids, logits_rows, counts, long_rows)
+        adapter_rows = [row.seq.request.adapter for row in plan.rows] if self.adapters is not None else None
+        return self.forward(rows, token_ids, logits_rows, counts, long_rows, adapter_rows)
 
     @torch.inference_mode()
     def forward(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None,
-                long_rows: list[bool] | None = None) -> torch.Tensor:
+                long_rows: list[bool] | None = None, adapter_rows: list[int] | None = None) -> torch.Tensor:
         """Run the step's tokens through the model; each row's KV is written into its own cache
         and its `length` moves forward. `token_ids`: the rows' new tokens, concatenated in row
         order. Returns float32 logits at the last token of each listed row (by index into
@@ -154,7 +160,8 @@ class ModelRunner:
         tokens of listed row j, in order: [sum(logits_counts), vocab] (speculative decoding
         verifies every drafted position). `long_rows` (LongRoPE models, server/engine/rope.py):
         which rows take the long rope factors (default: a row longer than the switch after
-        this step). Switches the model to kvserve's attention on first use (no graphs:
+        this step). `adapter_rows`: each row's LoRA adapter slot (server/engine/lora.py; 0 or
+        None: the base). Switches the model to kvserve's attention on first use (no graphs:
         `prepare` captures them)."""
         self._enable()
         if sum(r.n for r in rows) != len(token_ids):
@@ -163,8 +170,9 @@ class ModelRunner:
         if len(counts) != len(logits_rows) or any(not 1 <= c <= rows[i].n for i, c in zip(logits_rows, counts)):
             raise ValueError(f"logits counts {counts} do not fit rows {logits_rows}")
         long_tokens = self._long_tokens(rows, long_rows)
+        adapter_rows = adapter_rows if self.adapters is not None and adapter_rows and any(adapter_rows) else None
         if long_tokens is None and self.paged and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
-            return self._decode(rows, token_ids)
+            return self._decode(rows, token_ids, adapter_rows)
         # decode rows first (the paged path's decode batch), then the others in plan order;
         # logits are kept in plan order
         singles = [i for i, r in enumerate(rows) if r.n == 1] if self.paged else []
@@ -172,7 +180,7 @@ class ModelRunner:
         given = [0]
         for row in rows:
             given.append(given[-1] + row.n)
-        flat_ids, positions, starts, flat_long = [], [], [0] * len(rows), []
+        flat_ids, positions, starts, flat_long, flat_adapters = [], [], [0] * len(rows), [], []
         for i in singles + others:
             row = rows[i]
             row.offset = starts[i] = len(flat_ids)
@@ -180,6 +188,8 @@ class ModelRunner:
             positions += range(row.kv.length, row.kv.length + row.n)
             if long_tokens is not None:
                 flat_long += [long_tokens[i]] * row.n
+            if adapter_rows is not None:
+                flat_adapters += [adapter_rows[i]] * row.n
         keep = [starts[i] + rows[i].n - c + j for i, c in zip(logits_rows, counts) for j in range(c)]
         groups = [[rows[i] for i in singles]] if singles else []
         if self.paged and others:  # multi-token rows: one padded batch per width bucket
@@ -189,16 +199,17 @@ class ModelRunner:
             groups += widths.values()
             others = []
         inputs = [self._batch_inputs(group) for group in groups]
-        tensors = _to_device([flat_ids, positions, keep, flat_long] + [x for lists, _ in inputs for x in lists], self.device)
+        tensors = _to_device([flat_ids, positions, keep, flat_long, flat_adapters] + [x for lists, _ in inputs for x in lists], self.device)
         ids, pos, keep_t = tensors[:3]
         long_t = tensors[3].bool() if long_tokens is not None else None
-        batches, at = [], 4
+        adapters_t = tensors[4] if adapter_rows is not None else None
+        batches, at = [], 5
         for lists, build in inputs:
             batches.append(build(tensors[at : at + len(lists)]))
             at += len(lists)
         step = Step([rows[i] for i in others], batches, self.exact, observe=self.observe)
         states = self._step_rows([(r.offset, r.n, r.kv.state, r.kv.length > 0) for r in rows])
-        with recurrent.running(states):
+        with recurrent.running(states), lora.running(adapters_t):
             logits = self._forward(ids[None], pos[None], step, keep_t, long_t)
         for row in rows:
             row.kv.length += row.n
@@ -223,7 +234,7 @@ class ModelRunner:
         flags = [bool(long and r.kv.length < switch) for long, r in zip(long_rows, rows)]
         return flags if any(flags) else None
 
-    def _decode(self, rows: list[Row], token_ids: list[int]) -> torch.Tensor:
+    def _decode(self, rows: list[Row], token_ids: list[int], adapter_rows: list[int] | None = None) -> torch.Tensor:
         """Decode rows only (one token each, logits at each): padded to a bucket, from the
         persistent buffers; a captured graph replays where one fits."""
         n = len(rows)
@@ -231,13 +242,13 @@ class ModelRunner:
         blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
         if size > self.max_rows:
             size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
-        ids, pos, batch, states = self._fill(rows, token_ids, size, blocks)
+        ids, pos, batch, states, adapters = self._fill(rows, token_ids, size, blocks, adapter_rows)
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()
             logits = graph[1][:n]
         else:
-            with recurrent.running(states):
+            with recurrent.running(states), lora.running(adapters if adapter_rows else None):
                 logits = self._forward(ids, pos, Step([], [batch], self.exact), None)[:n]
         for row in rows:
             row.kv.length += 1
@@ -246,25 +257,28 @@ class ModelRunner:
     @property
     def _per_row(self) -> int:
         """Persistent decode inputs per row besides its block table: token, position, slot (and
-        a hybrid's state slot)."""
-        return 3 + (self.pool.states is not None)
+        a hybrid's state slot, and a LoRA adapter slot where adapters are served)."""
+        return 3 + (self.pool.states is not None) + (self.adapters is not None)
 
-    def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int):
+    def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int, adapter_rows: list[int] | None = None):
         """The decode inputs of `rows` in the persistent device buffer, with ONE host-to-device
         copy: views (ids [1, size], positions [1, size], batch, the recurrent layers' rows or
-        None). Padding rows: token 0 at position 0, writing and reading the trash block only
-        (and a hybrid's trash state slot)."""
+        None, the rows' adapter slots [size] or None). Padding rows: token 0 at position 0,
+        writing and reading the trash block only (a hybrid's trash state slot, the base)."""
         positions, slots, tables = self._paged_inputs([r.kv for r in rows], [1] * len(rows), size, 1, blocks)
-        states = self.pool.states
-        state_slots = [r.kv.state for r in rows] + [states.trash] * (size - len(rows)) if states is not None else []
-        host = torch.tensor(token_ids + [0] * (size - len(rows)) + positions + slots + state_slots + tables, dtype=torch.long)
+        states, pad = self.pool.states, size - len(rows)
+        extra = [r.kv.state for r in rows] + [states.trash] * pad if states is not None else []
+        if self.adapters is not None:
+            extra += (adapter_rows or [0] * len(rows)) + [0] * pad
+        host = torch.tensor(token_ids + [0] * pad + positions + slots + extra + tables, dtype=torch.long)
         meta = self._buffers(size, blocks)
         meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
         per_row = self._per_row
         ids, pos, slots_t = (meta[i * size : (i + 1) * size] for i in range(3))
         tables_t = meta[per_row * size : size * (per_row + blocks)].view(size, blocks)
         rows_t = recurrent.decode_rows(states, meta[3 * size : 4 * size]) if states is not None else None
-        return ids[None], pos[None], Batch(self.pool, slots_t, tables_t, pos), rows_t
+        adapters_t = meta[(per_row - 1) * size : per_row * size] if self.adapters is not None else None
+        return ids[None], pos[None], Batch(self.pool, slots_t, tables_t, pos), rows_t, adapters_t
 
     def _paged_inputs(self, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
         """Positions and slots [size * width] and block tables [size, blocks], flat, of
@@ -385,15 +399,17 @@ class ModelRunner:
     def _capture(self, size: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """One decode graph over the persistent buffers of (size, blocks); the buffers hold
         padding rows while capturing (they write the trash block only)."""
-        ids, pos, batch, states = self._fill([], [], size, blocks)  # every row a padding row
-        with recurrent.running(states):  # a hybrid's state reads and writes are in the graph too
+        ids, pos, batch, states, adapters = self._fill([], [], size, blocks)  # every row a padding row
+        # a hybrid's state reads and writes, and the LoRA deltas of each row's adapter slot, are
+        # in the graph too
+        with recurrent.running(states), lora.running(adapters):
             warm = self._forward(ids, pos, Step([], [batch], self.exact), None)  # warm up outside the graph
         if self._logits is None:  # every graph's output, so none holds logits of its own
             self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
         del warm
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool), recurrent.running(states):
+        with torch.cuda.graph(graph, pool=self._graph_pool), recurrent.running(states), lora.running(adapters):
             self._logits[:size].copy_(self._forward(ids, pos, Step([], [batch], self.exact), None))
         return graph, self._logits[:size]
 

@@ -32,6 +32,7 @@ class GenerationRequest:
     speculative: bool = True  # False: never draft for this request (when the server speculates)
     reasoning: ReasoningSpec | None = None  # a thinking model's markers and budget (server/engine/reasoning.py)
     fault: str | None = None  # a fault to inject into its rows (server/engine/faults.py; tests only)
+    adapter: int = 0  # its LoRA adapter's slot (server/engine/lora.py); 0: the base model
 
     @property
     def session_key(self) -> tuple[str, str] | None:

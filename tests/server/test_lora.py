@@ -1,0 +1,155 @@
+"""LoRA adapters in the engine (server/engine/lora.py): PEFT's files read and checked against the
+base, each adapter's greedy tokens equal to PEFT's own `generate`, rows of different adapters
+(and the base) batched in one step giving what each gives alone, on the row and the paged path.
+Adapters are made here with PEFT on a tiny random model, with random non-zero B matrices so that
+each one changes the output. The HTTP side is tests/server/test_lora_api.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import save_file
+
+from cache_manager.manager import CacheConfig, CacheManager
+from server.engine import lora
+from server.engine.core import Engine, EngineConfig
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
+from tests.device import DEVICE, DTYPE
+from tests.equivalence import assert_equivalent
+from tests.server.test_families import generate, prompt_of, tiny
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(path, seed: int, r: int = 8, targets=TARGETS, **config) -> str:
+    """A PEFT LoRA adapter of `tiny()` saved in `path`, its A and B random."""
+    model = tiny()
+    torch.manual_seed(seed)  # after tiny(), which seeds its own weights
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, **config))
+    peft_model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {"a": make_adapter(root / "a", 1), "b": make_adapter(root / "b", 2, r=4, targets=["q_proj", "v_proj"])}
+
+
+def peft_model(path: str):
+    return PeftModel.from_pretrained(tiny(), path).eval()
+
+
+# -- reading and checking an adapter -----------------------------------------------------------
+
+
+def test_an_adapter_is_read_with_its_rank_scaling_and_a_key_of_its_weights(adapter_dirs):
+    model = tiny()
+    a = lora.read(adapter_dirs["a"], model, name="a", max_rank=64)
+    assert (a.rank, a.scaling, len(a.key)) == (8, 2.0, 12)
+    assert set(a.weights) == {f"model.layers.{i}.{kind}.{t}" for i in range(2)
+                              for kind, names in (("self_attn", TARGETS[:4]), ("mlp", TARGETS[4:])) for t in names if t in names}
+    b = lora.read(adapter_dirs["b"], model, name="b", max_rank=64)
+    assert b.key != a.key and lora.session_principal("p", b) == f"p|lora:b:{b.key}" and lora.session_principal("p", None) == "p"
+
+
+@pytest.mark.parametrize("damage,reason", [
+    ("missing", "not-found"), ("garbage", "corrupt"), ("not_lora", "not-lora"), ("dora", "unsupported"),
+    ("bias", "unsupported"), ("other_base", "shapes"), ("missing_module", "targets"), ("rank", "rank"), ("nan", "corrupt"),
+])
+def test_adapters_that_do_not_fit_are_refused_with_the_reason(adapter_dirs, tmp_path, damage, reason):
+    model = tiny()
+    path = tmp_path / "x"
+    max_rank = 64
+    if damage == "missing":
+        path.mkdir()
+    elif damage == "dora":
+        make_adapter(path, 3, use_dora=True)
+    elif damage == "bias":
+        make_adapter(path, 3, bias="lora_only")
+    elif damage == "other_base":  # an adapter of a wider model
+        other = tiny(hidden_size=96)
+        torch.manual_seed(3)
+        get_peft_model(other, LoraConfig(r=8, target_modules=TARGETS, init_lora_weights=False)).save_pretrained(path)
+    elif damage == "rank":
+        make_adapter(path, 3)
+        max_rank = 4
+    else:
+        make_adapter(path, 3)
+        config, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+        if damage == "garbage":
+            weights.write_bytes(b"not a safetensors file")
+        elif damage == "not_lora":
+            config.write_text(json.dumps({**json.loads(config.read_text()), "peft_type": "PREFIX_TUNING"}))
+        elif damage in ("missing_module", "nan"):
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(weights))
+            key = next(k for k in tensors if "q_proj.lora_A" in k)
+            if damage == "nan":
+                tensors[key] = torch.full_like(tensors[key], float("nan"))
+            else:
+                tensors[key.replace("q_proj", "w_qkv")] = tensors.pop(key)
+                tensors[key.replace("q_proj", "w_qkv").replace("lora_A", "lora_B")] = tensors.pop(key.replace("lora_A", "lora_B"))
+            save_file(tensors, str(weights))
+    with pytest.raises(lora.AdapterError) as refused:
+        lora.read(path, model, name="x", max_rank=max_rank)
+    assert refused.value.reason == reason and "'x'" in str(refused.value)
+
+
+def test_slots_names_and_removal(adapter_dirs):
+    model = tiny()
+    adapters = lora.Adapters(model, max_loras=2, max_rank=64)
+    a = lora.read(adapter_dirs["a"], model, name="a", max_rank=64)
+    assert adapters.add(a) == 1 and adapters.add(lora.read(adapter_dirs["b"], model, name="b", max_rank=64)) == 2
+    with pytest.raises(lora.AdapterError) as clash:
+        adapters.add(a)
+    assert clash.value.reason == "name-clash"
+    with pytest.raises(lora.AdapterError) as full:
+        adapters.add(lora.read(adapter_dirs["a"], model, name="c", max_rank=64))
+    assert full.value.reason == "too-many"
+    assert adapters.remove("a").name == "a" and adapters.names == ["b"] and adapters.get("a") is None
+    assert adapters.add(lora.read(adapter_dirs["a"], model, name="c", max_rank=64)) == 1  # the freed slot
+
+
+# -- served: PEFT's tokens, alone and mixed ------------------------------------------------------
+
+
+def test_each_adapter_gives_pefts_tokens_alone_and_mixed_with_others_in_one_step(adapter_dirs, tokenizer):
+    prompts = [prompt_of(20, 1), prompt_of(11, 2), prompt_of(6, 3)]
+    # per (prompt, slot): transformers + PEFT on fresh copies (slot 0: the base alone)
+    references = {0: tiny(), 1: peft_model(adapter_dirs["a"]), 2: peft_model(adapter_dirs["b"])}
+    wants = {(i, s): generate(references[s], p, 10) for i, p in enumerate(prompts) for s in references}
+    assert wants[(0, 1)] != wants[(0, 0)] and wants[(0, 2)] != wants[(0, 0)]  # each adapter changes the output
+    model = tiny()
+    adapters = lora.Adapters(model, max_loras=4, max_rank=64)
+    for name in ("a", "b"):
+        adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    mix = [(i, s) for i in range(3) for s in range(3)]
+    for paged in (False, True):
+        cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
+        engine = Engine(model, tokenizer, EngineConfig(max_context=2048, paged=paged), cache, adapters=adapters)
+        engine.start()
+        try:
+            async def run(i: int, slot: int) -> list[int]:
+                request = GenerationRequest(f"r-{i}-{slot}", prompts[i], SamplingParams(max_tokens=10, temperature=0.0),
+                                            adapter=slot, use_session=False)
+                return [t.token_id async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
+
+            async def play():
+                alone = [await run(i, s) for i, s in mix]
+                together = await asyncio.gather(*(run(i, s) for i, s in mix))
+                return alone, together
+
+            alone, together = asyncio.run(play())
+        finally:
+            engine.stop()
+        assert engine.runner.paths["lora"] == "2 adapters"
+        for (i, s), got_alone, got_mixed in zip(mix, alone, together):
+            assert got_mixed == got_alone, (paged, i, s)  # a row's adapter delta ignores its neighbours
+            assert_equivalent(references[s], prompts[i], got_alone, wants[(i, s)])
