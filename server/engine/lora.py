@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from server.engine import exact as exact_mode
+
 _current = threading.local()
 _PREFIX = "base_model.model."
 
@@ -197,7 +199,7 @@ class _Layer:
             if slots is None or self.a is None:
                 return y
             mask = _mask(slots, self.columns, x.dtype)
-            return y + F.linear(F.linear(x, self.a) * mask, self.b)
+            return y + _product(_product(x, self.a) * mask, self.b)
 
         module.forward = forward
 
@@ -206,6 +208,15 @@ class _Layer:
 
     def clear(self) -> None:
         self.a = self.b = self.columns = None
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T; in exact mode one call per whole tile of rows, as exact mode's own linear
+    layers (server/engine/exact.py), so a row's delta never depends on the rows beside it."""
+    if not exact_mode.active():
+        return F.linear(x, weight)
+    tile = exact_mode.ROW_TILE if x.device.type == "cpu" else exact_mode.CUDA_ROW_TILE
+    return exact_mode.by_tiles(lambda rows: F.linear(rows, weight), x, tile, one_call=False)
 
 
 def _mask(slots: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

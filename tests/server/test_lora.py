@@ -153,3 +153,31 @@ def test_each_adapter_gives_pefts_tokens_alone_and_mixed_with_others_in_one_step
         for (i, s), got_alone, got_mixed in zip(mix, alone, together):
             assert got_mixed == got_alone, (paged, i, s)  # a row's adapter delta ignores its neighbours
             assert_equivalent(references[s], prompts[i], got_alone, wants[(i, s)])
+
+
+def test_in_exact_mode_a_mixed_step_gives_each_row_the_bits_it_gets_alone(adapter_dirs, tokenizer):
+    """--deterministic: every generated token's logprob, bit for bit, alone and beside rows of
+    other adapters (and the base) in one step."""
+    model = tiny()
+    adapters = lora.Adapters(model, max_loras=4, max_rank=64)
+    for name in ("a", "b"):
+        adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    prompts = [prompt_of(17, 4), prompt_of(9, 5), prompt_of(23, 6)]
+    cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
+    engine = Engine(model, tokenizer, EngineConfig(max_context=2048, deterministic=True), cache, adapters=adapters)
+    engine.start()
+    try:
+        async def run(i: int, slot: int) -> list[tuple[int, float]]:
+            params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
+            request = GenerationRequest(f"x-{i}-{slot}", prompts[i], params, adapter=slot, use_session=False)
+            return [(t.token_id, t.logprob) async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
+
+        async def play():
+            mix = [(0, 1), (1, 2), (2, 0), (1, 1)]
+            alone = [await run(i, s) for i, s in mix]
+            return alone, await asyncio.gather(*(run(i, s) for i, s in mix))
+
+        alone, together = asyncio.run(play())
+    finally:
+        engine.stop()
+    assert together == alone
