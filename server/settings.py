@@ -33,6 +33,16 @@ class Settings(BaseSettings):
     model_aliases: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Other ids accepted in the `model` field (comma-separated)."
     )
+    lora: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="LoRA adapters (PEFT directories) served beside the base model, each as NAME=PATH "
+        "(comma-separated in the env var; the flag may repeat); a request picks one by its NAME in "
+        "the `model` field. Each adapter's sessions and cached prefixes are its own.",
+    )
+    max_loras: int = Field(8, ge=1, le=1024, description="Most LoRA adapters loaded at once.")
+    max_lora_rank: int = Field(
+        64, ge=1, le=512, description="Largest LoRA rank accepted; an adapter of a higher rank is refused."
+    )
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 = any free port).")
     api_key: Annotated[list[str], NoDecode] = Field(
@@ -264,7 +274,33 @@ class Settings(BaseSettings):
                 self.anonymous_reuse = True
         return self
 
-    @field_validator("api_key", "model_aliases", mode="before")
+    @field_validator("lora")
+    @classmethod
+    def _name_equals_path(cls, value: list[str]) -> list[str]:
+        names = []
+        for entry in value:
+            name, sep, path = entry.partition("=")
+            name = name.strip()
+            if not sep or not path.strip():
+                raise ValueError(f"--lora {entry!r}: expected NAME=PATH")
+            if not name or "/" in name or any(c.isspace() for c in name):
+                raise ValueError(f"--lora {entry!r}: the name must be non-empty, without '/' or whitespace")
+            if name in names:
+                raise ValueError(f"--lora: the name {name!r} is given twice")
+            names.append(name)
+        return value
+
+    @model_validator(mode="after")
+    def _loras_fit(self) -> "Settings":
+        if len(self.lora) > self.max_loras:
+            raise ValueError(f"{len(self.lora)} --lora adapters, but --max-loras is {self.max_loras}")
+        return self
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of each --lora, in the order given."""
+        return [(name.strip(), path.strip()) for name, _, path in (entry.partition("=") for entry in self.lora)]
+
+    @field_validator("api_key", "model_aliases", "lora", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):

@@ -28,3 +28,16 @@ async def openai_client(loaded, **settings):
             while (await http.get("/ready")).status_code != 200:
                 await anyio.sleep(0.05)
             yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=http, max_retries=0), http
+
+
+async def ready_once_loaded(app) -> httpx.Response:
+    """Run `app`'s lifespan until its load has failed (or 10 s passed); its /ready then."""
+    from asgi_lifespan import LifespanManager
+
+    async with LifespanManager(app) as manager:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url="http://kvserve") as client:
+            for _ in range(200):
+                if app.state.kv.load_error is not None:
+                    break
+                await anyio.sleep(0.05)
+            return await client.get("/ready")

@@ -26,7 +26,7 @@ from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
-from server.engine import exact, families
+from server.engine import exact, families, lora
 from server.engine.core import Engine, EngineConfig
 from server.api import reasoning
 from server.api.errors import APIError, install_handlers
@@ -151,6 +151,26 @@ def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None,
     return None
 
 
+def load_adapters(settings: Settings, loaded: LoadedModel, served: set[str]) -> lora.Adapters | None:
+    """The --lora adapters, read and checked against the base model; None without --lora. An
+    adapter that cannot be served, or whose name is already a served model id (`served`), is a
+    start-up error (exit status 2, a flag to change) naming it and the reason, before any cache
+    is sized."""
+    if not settings.lora:
+        return None
+    adapters = lora.Adapters(loaded.model, max_loras=settings.max_loras, max_rank=settings.max_lora_rank)
+    for name, path in settings.lora_adapters():
+        if name in served:
+            raise exits.StartupError(exits.SETTINGS, f"--lora {name}={path}: the name {name!r} is already the served model's id or an alias; rename the adapter")
+        try:
+            adapter = lora.read(path, loaded.model, name=name, max_rank=settings.max_lora_rank)
+            slot = adapters.add(adapter)
+        except lora.AdapterError as exc:
+            raise exits.StartupError(exits.SETTINGS, f"--lora {name}={path}: cannot serve this adapter ({exc.reason}): {exc}") from exc
+        log.info("LoRA adapter %r (slot %d): rank %d, scaling %g, from %s", name, slot, adapter.rank, adapter.scaling, path)
+    return adapters
+
+
 def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, draft: LoadedModel | None = None) -> ServingContext:
     # a family whose features the engine does not model is refused here, by name, before any
     # cache is sized for it (server/engine/families.py)
@@ -159,6 +179,9 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         families.check(draft.model)
         if state.spec(draft.model.config, draft.dtype) is not None:
             families.check_hybrid_modes(speculative=False, exact=False, draft=True)
+    model_id = settings.served_model_name or loaded.model_id
+    model_aliases = frozenset(settings.model_aliases) | {loaded.model_id}
+    adapters = load_adapters(settings, loaded, {model_id, *model_aliases})
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
     mode = numerics(settings, loaded)
     host, disk = kv_tiers(settings, loaded, metrics, mode)
@@ -210,6 +233,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         cache_manager,
         metrics=metrics,
         proposer=proposer(settings, loaded, draft, max_context, draft_bytes),
+        adapters=adapters,
     )
     compiler = GrammarCompiler(
         loaded.tokenizer,
@@ -232,8 +256,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         compiler=compiler,
         tokenizer=loaded.tokenizer,
         metrics=metrics,
-        model_id=settings.served_model_name or loaded.model_id,
-        model_aliases=frozenset(settings.model_aliases) | {loaded.model_id},
+        model_id=model_id,
+        model_aliases=model_aliases,
         max_context=max_context,
         vocab_size=loaded.model.config.get_text_config(decoder=True).vocab_size,
         max_tokens_default=settings.max_tokens_default,
@@ -243,6 +267,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         reasoning=reasoning.reasoning_format(loaded.tokenizer, None if settings.reasoning_parser == "auto" else settings.reasoning_parser),
         max_reasoning_tokens=settings.max_reasoning_tokens,
         max_request_tokens=settings.max_request_tokens,
+        adapters=adapters,
     )
 
 

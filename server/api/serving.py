@@ -30,7 +30,7 @@ from grammars import (
     tool_call_spec,
     tool_format,
 )
-from server.engine import faults
+from server.engine import faults, lora
 from server.engine.core import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
 from server.api import limits
 from server.api.errors import APIError
@@ -63,14 +63,22 @@ class ServingContext:
     reasoning: object | None = None  # the model's reasoning.ReasoningFormat (None: no thinking model)
     max_reasoning_tokens: int | None = None  # the server's default thinking budget
     max_request_tokens: int | None = None  # --max-request-tokens (None: limits.work_limit's default)
+    adapters: object | None = None  # the loaded LoRA adapters (lora.Adapters), each served as a model of its own
 
     @property
     def work_limit(self) -> int:
         """The most work one request may ask for (server/api/limits.py)."""
         return limits.work_limit(self.max_request_tokens, self.max_context)
 
+    def adapter(self, model: str) -> tuple[int, lora.Adapter | None]:
+        """(slot, adapter) of the LoRA adapter `model` names; (0, None) for the base model (or
+        a model that does not exist: `check_model` answers those)."""
+        found = self.adapters.get(model) if self.adapters is not None else None
+        return found if found is not None else (0, None)
+
     def check_model(self, model: str) -> None:
-        if model != self.model_id and model not in self.model_aliases:
+        """404 `model_not_found` unless `model` is the served model, an alias or an adapter."""
+        if model != self.model_id and model not in self.model_aliases and self.adapter(model)[1] is None:
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_id}'.",
@@ -232,8 +240,13 @@ def generation_requests(
     grammar: CompiledGrammar | None = None, reasoning: ReasoningSpec | None = None,
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice). Only the first uses the session: the others
-    get private caches, so n > 1 neither serializes on the session nor races for its cache."""
-    principal = request.state.principal
+    get private caches, so n > 1 neither serializes on the session nor races for its cache.
+
+    A request for a LoRA adapter (`body.model`) runs with it, under the adapter's own principal
+    (`lora.session_principal`): its sessions and anonymous prefixes, in every tier and across
+    restarts, never meet the base model's or another adapter's KV."""
+    slot, adapter = request.app.state.kv.ctx.adapter(body.model)
+    principal = lora.session_principal(request.state.principal, adapter)
     session = session_id(request, body.prompt_cache_key)
     out = []
     for p, prompt_ids in enumerate(prompts):
@@ -243,6 +256,7 @@ def generation_requests(
                 f"{request_id}-{index}", prompt_ids, sampling, timeout_s=timeout_s,
                 principal=principal, session_id=session, use_session=index == 0, grammar=grammar,
                 speculative=body.speculative, reasoning=reasoning, fault=faults.request_fault(request.headers),
+                adapter=slot,
             ))
     return out
 

@@ -128,16 +128,25 @@ class Adapters:
     def __init__(self, model, *, max_loras: int, max_rank: int) -> None:
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self._slots: dict[str, tuple[int, Adapter]] = {}
+        # per targeted layer: the resident adapters' A [C, in], scaled B [out, C] and each
+        # column's slot, on the model's device from `add` on (the KV budget, measured after
+        # the adapters are added, counts them)
+        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._layers: dict[str, _Layer] = {}
         self._lock = threading.Lock()
         self._attached = False
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the stacked matrices."""
+        return sum(t.numel() * t.element_size() for stack in self._stacks.values() for t in stack[:2])
 
     def attach(self) -> None:
         """Wrap the targeted layers (the model runner calls it once it has packed the CPU
         weights, so the wrappers run the packed products)."""
         with self._lock:
             self._attached = True
-            self._rebuild()
+            self._apply()
 
     @property
     def names(self) -> list[str]:
@@ -168,21 +177,29 @@ class Adapters:
 
     def _rebuild(self) -> None:
         """Each targeted layer's stacked matrices from the resident adapters (in slot order)."""
+        modules = dict(self.model.named_modules())
+        self._stacks = {}
+        for module_name in sorted({m for _, a in self._slots.values() for m in a.weights}):
+            weight = modules[module_name].weight
+            parts = [(slot, a.weights[module_name]) for slot, a in sorted(self._slots.values(), key=lambda s: s[0]) if module_name in a.weights]
+            self._stacks[module_name] = (
+                torch.cat([a for _, (a, _) in parts]).to(weight.device, weight.dtype),
+                torch.cat([b for _, (_, b) in parts], dim=1).to(weight.device, weight.dtype),
+                torch.tensor([slot for slot, (a, _) in parts for _ in range(a.shape[0])], device=weight.device),
+            )
+        self._apply()
+
+    def _apply(self) -> None:
+        """Point the wrapped layers at the stacks (once attached)."""
         if not self._attached:
             return
         modules = dict(self.model.named_modules())
-        targeted = sorted({m for _, a in self._slots.values() for m in a.weights})
-        for module_name in targeted:
-            module = modules[module_name]
-            layer = self._layers.get(module_name)
-            if layer is None:
-                layer = self._layers[module_name] = _Layer(module)
-            parts = [(slot, a.weights[module_name]) for slot, a in sorted(self._slots.values(), key=lambda s: s[0]) if module_name in a.weights]
-            device, dtype = module.weight.device, module.weight.dtype
-            layer.set(torch.cat([a for _, (a, _) in parts]).to(device, dtype), torch.cat([b for _, (_, b) in parts], dim=1).to(device, dtype),
-                      torch.tensor([slot for slot, (a, _) in parts for _ in range(a.shape[0])], device=device))
+        for module_name, stack in self._stacks.items():
+            if module_name not in self._layers:
+                self._layers[module_name] = _Layer(modules[module_name])
+            self._layers[module_name].set(*stack)
         for module_name, layer in self._layers.items():
-            if module_name not in targeted:
+            if module_name not in self._stacks:
                 layer.clear()
 
 

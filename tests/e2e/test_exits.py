@@ -64,12 +64,12 @@ def test_a_missing_model_exits_4_naming_it(tmp_path):
 def test_an_unsupported_family_exits_5_naming_the_feature(tmp_path, tokenizer):
     from tests.server.test_families import tiny
 
-    model_dir = tmp_path / "tiny-qwen3-next"
-    tiny("qwen3_next", head_dim=16, layer_types=["linear_attention", "full_attention"]).save_pretrained(model_dir)
+    model_dir = tmp_path / "tiny-dynamic-rope"
+    tiny(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     status, out, seen = serve(tmp_path, "--model", str(model_dir))
     assert status == exits.UNSUPPORTED, out
-    assert "[layers-linear_attention]" in last_line(out)
+    assert "[dynamic-rope]" in last_line(out)
     assert 200 not in seen
 
 

@@ -289,27 +289,15 @@ def test_prompt_lookup_drafts_stop_short_of_the_switch(tokenizer):
 def test_the_server_refuses_an_unsupported_family_at_load_naming_the_feature(tokenizer):
     """build_context checks the family before sizing any cache: the load fails with the
     feature named (in the log and the process state; /ready says the load failed)."""
-    import httpx
-    from asgi_lifespan import LifespanManager
-
     from server.api.app import create_app
     from server.model_loader import LoadedModel
     from server.settings import Settings
     from tests.device import SETTINGS
+    from tests.inprocess import ready_once_loaded
 
     model = tiny(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
     loaded = LoadedModel(model=model, tokenizer=tokenizer, model_id="tiny-dynamic-rope", device=DEVICE, dtype=DTYPE, max_context=2048)
     app = create_app(Settings(**SETTINGS), loaded=loaded)
-
-    async def ready_once_loaded():
-        async with LifespanManager(app) as manager:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=manager.app), base_url="http://kvserve") as client:
-                for _ in range(200):
-                    if app.state.kv.load_error is not None:
-                        break
-                    await asyncio.sleep(0.05)
-                return await client.get("/ready")
-
-    ready = asyncio.run(ready_once_loaded())
+    ready = asyncio.run(ready_once_loaded(app))
     assert "[dynamic-rope]" in app.state.kv.load_error and "dynamic NTK" in app.state.kv.load_error
     assert ready.status_code == 503 and "failed to load" in ready.json()["error"]["message"]
