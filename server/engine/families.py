@@ -104,7 +104,7 @@ def _static(model, config) -> kv.Layout:
                                    "and share none kvserve knows the source of") from None
         named = [k for k in exc.kinds if k != "dummy"]  # "dummy": transformers' layers without attention
         raise UnsupportedModel(f"layers-{named[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
-                               "(recurrent, linear-attention or chunked layers are not served yet)") from None
+                               "(chunked or indexed attention layers are not served)") from None
     _check_recurrent(model, layout)
     # NOTE: transformers leaves the flag unset on hybrids whose attention does go through its
     # interface (Qwen3-Next); the probe checks that every attending layer calls kvserve's
