@@ -1,8 +1,9 @@
 """The KV pool: every sequence's keys and values, in storage allocated once, and the handle a
 sequence holds on it.
 
-This module and server/engine/attention.py are the only code touching transformers internals about
-caches (`get_layer_types_and_kwargs`); a transformers upgrade breaks them and their tests.
+This module, cache_manager/state.py and server/engine/attention.py are the only code touching
+transformers internals about caches (`get_layer_types_and_kwargs`, the recurrent layers' cache
+interface); a transformers upgrade breaks them and their tests.
 
 Layout (docs/architecture.md, "KV pool"):
 
@@ -20,6 +21,10 @@ Layout (docs/architecture.md, "KV pool"):
 * Bytes are counted in whole blocks: `bytes_for` is what the cache manager's budget counts, and
   the pool is exactly the budget's blocks, so the budget allowing a cache means the pool has its
   blocks.
+* A hybrid model (recurrent layers beside attention: cache_manager/state.py) keeps no KV for its
+  recurrent layers (`Layout.no_kv`); the pool holds their per-sequence states in slots taken out
+  of the same budget (`Pool.states`, `SequenceKV.state`), and such a cache can only be kept
+  whole, emptied, or resumed from a kept state (`checkpoint`, `resume`).
 * Storage format (`--kv-cache-dtype`, `KV_DTYPES`): `auto` stores keys and values in the model's
   dtype; `fp8` (e4m3) and `int8` store one byte per value plus one bf16 scale per token and KV
   head (its absolute maximum over head_dim maps to the format's largest value), about half the
