@@ -199,28 +199,30 @@ class ModelRunner:
             groups += widths.values()
             others = []
         inputs = [self._batch_inputs(group) for group in groups]
-        tensors = _to_device([flat_ids, positions, keep, flat_long, flat_adapters] + [x for lists, _ in inputs for x in lists], self.device)
+        states_in = self._state_inputs([(r.offset, r.n, r.kv.state, r.kv.length > 0) for r in rows])
+        tensors = _to_device([flat_ids, positions, keep, flat_long, flat_adapters, states_in[0]] + [x for lists, _ in inputs for x in lists],
+                             self.device)
         ids, pos, keep_t = tensors[:3]
         long_t = tensors[3].bool() if long_tokens is not None else None
         adapters_t = tensors[4] if adapter_rows is not None else None
-        batches, at = [], 5
+        states = states_in[1](tensors[5]) if states_in[1] is not None else None
+        batches, at = [], 6
         for lists, build in inputs:
             batches.append(build(tensors[at : at + len(lists)]))
             at += len(lists)
         step = Step([rows[i] for i in others], batches, self.exact, observe=self.observe)
-        states = self._step_rows([(r.offset, r.n, r.kv.state, r.kv.length > 0) for r in rows])
         with recurrent.running(states), lora.running(adapters_t):
             logits = self._forward(ids[None], pos[None], step, keep_t, long_t)
         for row in rows:
             row.kv.length += row.n
         return logits
 
-    def _step_rows(self, segments: list[tuple[int, int, int | None, bool]]) -> recurrent.StepRows | None:
-        """The recurrent layers' view of a step (hybrids; None otherwise): per row its offset
-        in the flattened tokens, its tokens, its state slot and whether it has a state."""
+    def _state_inputs(self, segments: list[tuple[int, int, int | None, bool]]):
+        """A hybrid's recurrent layers' view of the step (`recurrent.step_inputs`): its host
+        list and builder; ([], None) for other models."""
         if self.pool.states is None:
-            return None
-        return recurrent.step_rows(self.pool.states, segments, self.device)
+            return [], None
+        return recurrent.step_inputs(self.pool.states, segments)
 
     def _long_tokens(self, rows: list[Row], long_rows: list[bool] | None) -> list[bool] | None:
         """Per row, whether its tokens take LongRoPE's long factors where their positions

@@ -48,20 +48,26 @@ class StepRows:
     written: list = field(default_factory=list)
 
 
-def step_rows(slots: Slots, segments: list[tuple[int, int, int, bool]], device: torch.device) -> StepRows:
-    """`segments`: per row (offset in the flattened tokens, tokens, slot, has a state)."""
+def step_inputs(slots: Slots, segments: list[tuple[int, int, int, bool]]):
+    """A step's rows for the recurrent layers, `segments` per row (offset in the flattened
+    tokens, tokens, slot, has a state): the host list of their device inputs (decode rows'
+    offsets and slots, the other rows' slots), which travels with the step's other inputs in
+    its one host-to-device copy, and how to build the `StepRows` from it once there."""
     decode = [(off, slot) for off, n, slot, prev in segments if n == 1 and prev]
-    others = [(off, n, slot, prev) for off, n, slot, prev in segments if not (n == 1 and prev)]
-    host = torch.tensor([off for off, _ in decode] + [slot for _, slot in decode] + [slot for _, _, slot, _ in others], dtype=torch.long)
-    flat = host.to(device, non_blocking=False)
+    others = [(off, n, prev) for off, n, _, prev in segments if not (n == 1 and prev)]
     b = len(decode)
     contiguous = [off for off, _ in decode] == list(range(b))
-    return StepRows(
-        slots,
-        None if contiguous else flat[:b],
-        flat[b : 2 * b] if b else None,
-        [(off, n, flat[2 * b + j : 2 * b + j + 1], prev) for j, (off, n, _, prev) in enumerate(others)],
-    )
+    host = [off for off, _ in decode] + [slot for _, slot in decode] + [slot for off, n, slot, prev in segments if not (n == 1 and prev)]
+
+    def build(flat: torch.Tensor) -> StepRows:
+        return StepRows(
+            slots,
+            None if contiguous else flat[:b],
+            flat[b : 2 * b] if b else None,
+            [(off, n, flat[2 * b + j : 2 * b + j + 1], prev) for j, (off, n, prev) in enumerate(others)],
+        )
+
+    return host, build
 
 
 def decode_rows(slots: Slots, state_slots: torch.Tensor) -> StepRows:
