@@ -13,8 +13,10 @@ One step is ONE forward pass over a batch built under a token budget (`max_batch
 1. every decoding sequence is a row with all its pending tokens (one sampled token, or the
    tokens a grammar forced, which go through in one pass);
 2. prefilling sequences fill the rest of the budget in arrival order (first come, first
-   served), each with as large a chunk as fits. The oldest prefilling sequence always gets at
-   least one token, so a budget taken by decode rows never starves a prompt;
+   served), each with as large a chunk as fits (and no further than its `chunk_limit`: a hybrid
+   model's prompt pauses one token before its end, where its state is kept). The oldest
+   prefilling sequence always gets at least one token, so a budget taken by decode rows never
+   starves a prompt;
 3. a sequence running alone prefills its whole prompt in one pass (chunks only exist to keep
    others decoding), unless `chunk_alone` (the paged path on a GPU: memory is sized for the
    activations of `max_batch_tokens`, and a padded batch's masks grow with the chunk times the
@@ -41,6 +43,11 @@ class Schedulable(Protocol):
     @property
     def session_key(self) -> Hashable | None:
         """What must not run twice at once (None: never collides)."""
+
+    @property
+    def chunk_limit(self) -> int:
+        """The most tokens its next prefill chunk may take (a hybrid model pauses one token
+        before its prompt's end: `Sequence.chunk_limit`)."""
 
 
 @dataclass(slots=True)
@@ -120,19 +127,13 @@ class Scheduler:
         """Rows for the next step; `running` is in admission order."""
         prefilling = [s for s in running if s.status is Status.PREFILL and s.num_pending > 0]
         if len(running) == 1 and prefilling and not self.chunk_alone:
-            return Plan([ScheduledRow(prefilling[0], _chunk_limit(prefilling[0]))])
+            return Plan([ScheduledRow(prefilling[0], prefilling[0].chunk_limit)])
         rows = [ScheduledRow(s, s.num_pending) for s in running if s.status is Status.DECODE and s.num_pending > 0]
         budget = self.max_batch_tokens - sum(r.n_tokens for r in rows)
         for i, seq in enumerate(prefilling):
-            n = min(_chunk_limit(seq), max(budget, 1 if i == 0 else 0))
+            n = min(seq.chunk_limit, max(budget, 1 if i == 0 else 0))
             if n <= 0:
                 break
             rows.append(ScheduledRow(seq, n))
             budget -= n
         return Plan(rows)
-
-
-def _chunk_limit(seq: Schedulable) -> int:
-    """A prefilling sequence's pending tokens, or fewer where it must pause (`chunk_limit`: a
-    hybrid model keeps its state one token before its prompt's end)."""
-    return getattr(seq, "chunk_limit", seq.num_pending)

@@ -15,6 +15,10 @@ class Seq:
     num_pending: int
     session_key: str | None = None
 
+    @property
+    def chunk_limit(self) -> int:
+        return self.num_pending
+
 
 def decode(name, pending=1):
     return Seq(name, Status.DECODE, pending)
