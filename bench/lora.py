@@ -27,10 +27,10 @@ B are random and every adapter differs) and saved into a temporary directory.
    weights), all built up front; the rounds run in turns (round r of every case before round r+1
    of any, one engine busy at a time), so the machine's drift falls on every case alike. Medians
    of --repeats rounds, each case's ratio to the base alone of the same run.
-2. Making an adapter resident: `lora.read` (the PEFT files read and checked) and `Adapters.add`
-   (every targeted layer's stacked matrices rebuilt from all resident adapters, so it grows with
-   how many are resident), timed for the 1st, 4th and 16th adapter on a model whose layers are
-   wrapped (as a started engine's are); its file's size and what it holds in memory.
+2. Loading and swapping: `lora.read` (the PEFT files read and checked, as a load does) timed
+   for each of the 16 adapters; then, all 16 loaded over 4 device slots, each swapped into a
+   slot in turn (`Adapters.acquire`: its A and B copied over the least recently used slot's);
+   its file's size, its host memory and a device slot's.
 3. Sessions on an adapter: turn 1 of a session with --history tokens of history on one of 4
    resident adapters (requests keyed by `lora.session_principal`, as the HTTP layer does), then
    --session-repeats later turns (the history so far + an 8-token reply + a 48-token user
@@ -124,13 +124,14 @@ def products(model, rank_sum: int) -> tuple[int, int]:
 
 
 class Served:
-    """One started engine over its own copy of the model, with `adapters` resident (slots 1..)."""
+    """One started engine over its own copy of the model, with `adapters` resident; a request
+    names its adapter by index, 1.. (0: the base)."""
 
     def __init__(self, tok, adapters: list[lora.Adapter]) -> None:
         self.model = build()
         self.adapters = None
         if adapters:
-            self.adapters = lora.Adapters(self.model, max_loras=ADAPTERS, max_rank=RANK)
+            self.adapters = lora.Adapters(self.model, max_loras=len(adapters), max_rank=RANK)
             for adapter in adapters:
                 self.adapters.add(adapter)
         self.by_slot = {0: None, **{i + 1: a for i, a in enumerate(adapters)}}
@@ -141,7 +142,7 @@ class Served:
 
     def request(self, prompt: list[int], max_tokens: int, slot: int, session: str | None = None) -> GenerationRequest:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias=self.no_eos)
-        return GenerationRequest(f"r{time.monotonic_ns()}-{random.random()}", prompt, params, adapter=slot,
+        return GenerationRequest(f"r{time.monotonic_ns()}-{random.random()}", prompt, params, adapter=self.by_slot[slot],
                                  principal=lora.session_principal(PRINCIPAL, self.by_slot[slot]),
                                  session_id=session, use_session=session is not None)
 
@@ -155,7 +156,7 @@ class Served:
                 ids += [t.token_id for t in out.tokens]
             final = out
         if final is None or final.finish_reason != "length" or len(ids) != request.params.max_tokens:
-            raise RuntimeError(f"request on slot {request.adapter} ended {final and final.finish_reason} "
+            raise RuntimeError(f"request on {request.adapter} ended {final and final.finish_reason} "
                                f"({final and final.error}) after {len(ids)} of {request.params.max_tokens} tokens")
         return stamps, ids, final
 
@@ -201,7 +202,7 @@ def turn(served: Served, prompt: list[int], max_tokens: int, slot: int, session:
 class Case:
     name: str
     engine: str  # which resident set: "base", "1", "4", "16"
-    slots: list[int]  # each stream's adapter slot
+    slots: list[int]  # each stream's adapter (1..; 0: the base)
     rates: list[float] = field(default_factory=list)  # tokens/s, a round each
 
     @property
@@ -238,34 +239,36 @@ def throughput(engines: dict[str, Served], args) -> list[Case]:
 
 @dataclass
 class Residency:
-    read_ms: list[float]  # per adapter, in order
-    add_ms: list[float]  # the k-th add with k-1 resident
+    read_ms: list[float]  # `lora.read` per adapter, in order
+    swap_ms: list[float]  # `Adapters.acquire` of an adapter not resident, over an idle slot
     file_bytes: int  # one adapter's adapter_model.safetensors
-    weights_bytes: int  # one adapter's A and B as read
-    stacked_bytes: int  # the layers' stacked matrices with every adapter resident, all together
+    weights_bytes: int  # one adapter's A and B as read (host memory)
+    slot_bytes: int  # one device slot's part of the layers' matrices
     adapters: list[lora.Adapter]
 
 
 def residency(paths: list[Path]) -> Residency:
-    """Read and add every adapter in turn on a fresh model whose Adapters are attached (its
-    layers wrapped, as in a started engine), timing each step."""
+    """Read every adapter in turn, load them all, then swap each into one of 4 device slots in
+    turn on a model whose layers are wrapped (as in a started engine), timing each step."""
     model = build()
-    adapters = lora.Adapters(model, max_loras=ADAPTERS, max_rank=RANK)
-    adapters.attach()
+    adapters = lora.Adapters(model, max_loras=4, max_rank=RANK)
     lora.read(paths[0], model, name="warm-up", max_rank=RANK)  # first-call costs, untimed
-    read_ms, add_ms, read = [], [], []
+    read_ms, read = [], []
     for i, path in enumerate(paths):
         t0 = time.perf_counter()
-        adapter = lora.read(path, model, name=f"adapter-{i}", max_rank=RANK)
-        t1 = time.perf_counter()
-        adapters.add(adapter)
-        t2 = time.perf_counter()
-        read_ms.append((t1 - t0) * 1e3)
-        add_ms.append((t2 - t1) * 1e3)
-        read.append(adapter)
-    weights = sum(a.nbytes + b.nbytes for a, b in read[0].weights.values())
-    stacked = adapters.nbytes  # the stacked A and B on the device
-    return Residency(read_ms, add_ms, (paths[0] / "adapter_model.safetensors").stat().st_size, weights, stacked, read)
+        read.append(lora.read(path, model, name=f"adapter-{i}", max_rank=RANK))
+        read_ms.append((time.perf_counter() - t0) * 1e3)
+        adapters.add(read[-1])
+    adapters.attach()  # the first 4 resident
+    swap_ms = []
+    for adapter in read[4:] + read[:4]:  # each swapped over the least recently used slot
+        t0 = time.perf_counter()
+        adapters.acquire(adapter)
+        swap_ms.append((time.perf_counter() - t0) * 1e3)
+        adapters.release(adapter)
+    assert adapters.swaps == len(read)
+    return Residency(read_ms, swap_ms, (paths[0] / "adapter_model.safetensors").stat().st_size,
+                     read[0].nbytes, adapters.nbytes // 4, read)
 
 
 # -- 3. sessions on an adapter -----------------------------------------------------------------
@@ -343,18 +346,18 @@ def tables(table: list[Case], res: Residency, rows: list[Sessions], model, args)
         share = f"{delta / base_products:.2f}" if on else "0 (not computed)"
         lines.append(f"| {case.name} | {case.resident} ({case.resident * RANK}) | {on} | {med(case.rates):.0f} "
                      f"| **{med(case.rates) / base_rate:.2f}** | {share} |")
-    per_adapter_stack = res.stacked_bytes / len(res.add_ms)
     lines += [
         "",
-        (f"Making an adapter resident (`lora.read`: its files read and checked; `Adapters.add`: every targeted layer's "
-         f"stacked matrices rebuilt from all resident adapters), on a model whose layers are wrapped; `lora.read` the "
-         f"median of {len(res.read_ms)} adapters (max in brackets). In memory: its A and B as read plus its part of "
-         "the stacked matrices."),
+        (f"Loading an adapter (`lora.read`: its files read and checked, median of {len(res.read_ms)} adapters, max in "
+         f"brackets) and swapping one into a device slot (`Adapters.acquire` of an adapter not resident: its A and B "
+         f"copied over the least recently used slot's, in every targeted layer; median of {len(res.swap_ms)} swaps, max "
+         "in brackets), on a model whose layers are wrapped. Memory: one adapter's A and B in host memory, and one "
+         "device slot."),
         "",
-        "| file (MiB) | in memory (MiB) | `lora.read` (ms) | `Adapters.add`, 1st (ms) | 4th (ms) | 16th (ms) | read + add, 16th (ms) |",
-        "|---|---|---|---|---|---|---|",
-        (f"| {mib(res.file_bytes)} | {mib(res.weights_bytes + per_adapter_stack)} | {med(res.read_ms):.1f} ({max(res.read_ms):.1f}) "
-         f"| {res.add_ms[0]:.1f} | {res.add_ms[3]:.1f} | {res.add_ms[-1]:.1f} | {res.read_ms[-1] + res.add_ms[-1]:.1f} |"),
+        "| file (MiB) | host memory (MiB) | a device slot (MiB) | `lora.read` (ms) | a swap (ms) |",
+        "|---|---|---|---|---|",
+        (f"| {mib(res.file_bytes)} | {mib(res.weights_bytes)} | {mib(res.slot_bytes)} | {med(res.read_ms):.1f} ({max(res.read_ms):.1f}) "
+         f"| {med(res.swap_ms):.2f} ({max(res.swap_ms):.2f}) |"),
         "",
         (f"A later turn of a session ({args.history} tokens of history, then turns of a {REPLY}-token reply and a "
          f"{USER}-token user message; medians of {args.session_repeats} later turns and {args.fresh_repeats} fresh "

@@ -65,7 +65,11 @@ class Header:
 
 
 def hash_principal(principal: str) -> str:
-    return hashlib.sha256(b"kvserve-principal\0" + principal.encode()).hexdigest()[:32]
+    """The principal as files know it: hashed, but a scope after it (a LoRA adapter's,
+    `|lora:NAME:KEY`) stays readable, so that dropping the scope finds its sessions in every
+    tier (CacheManager.drop_scope)."""
+    base, sep, scope = principal.partition("|")
+    return hashlib.sha256(b"kvserve-principal\0" + base.encode()).hexdigest()[:32] + sep + scope
 
 
 def file_name(principal_hash: str, session_id: str) -> str:

@@ -20,6 +20,7 @@ sessions reuse (and report) exact counts: that history is the caller's own.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from cache_manager.prefix import NOT_CROPPABLE, RECURRENT_CHECKPOINT, ReuseDecis
 from cache_manager.tiers import RestoreCosts
 from cache_manager.sessions import (
     Entry,
+    EntryPinnedError,
     Principal,
     SessionId,
     SessionKey,
@@ -38,6 +40,8 @@ from cache_manager.sessions import (
     anonymous_session_id,
     is_anonymous,
 )
+
+log = logging.getLogger(__name__)
 
 NO_SESSION = "no_session"  # reuse switched off, or a request that may not use a session
 RESTORE_FAILED = "restore_failed"  # a parked copy existed but could not be used (see metrics)
@@ -353,6 +357,26 @@ class CacheManager:
             deleted = tier.delete(_tier_key((principal, session_id))) or deleted
         self._gauges()
         return deleted
+
+    def drop_scope(self, scope: str) -> int:
+        """Remove every session and anonymous prefix whose principal ends with `scope` (an
+        unloaded LoRA adapter's, server/engine/lora.py `scope`) from every tier; how many
+        sessions were dropped. The engine thread, once the scope's requests have ended (an
+        entry still in flight stays)."""
+        dropped = set()
+        for entry in self.store.entries():
+            if entry.key[0].endswith(scope):
+                try:
+                    if self.store.delete(entry.key):
+                        dropped.add(_tier_key(entry.key))
+                except EntryPinnedError:
+                    log.warning("session %r of an unloaded adapter is still in flight; it stays", entry.key[1])
+        for tier in self.tiers:
+            for entry in tier.store.entries():
+                if entry.key[0].endswith(scope) and tier.delete(entry.key):
+                    dropped.add(entry.key)
+        self._gauges()
+        return len(dropped)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -117,6 +117,9 @@ class HostTier:
         self.store.delete(key)
         return entry.tokens, parked.tensors
 
+    def delete(self, key: SessionKey) -> bool:
+        return self.store.delete(key)
+
     def _copy(self, tensors: dict[str, torch.Tensor], n_tokens: int) -> Parked:
         first = next(iter(tensors.values()))
         if first.device.type != "cuda":

@@ -5,6 +5,7 @@ Each app gets its own registry, so several apps in one process (the tests) never
 
 from __future__ import annotations
 
+import time
 from typing import get_args
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -220,6 +221,28 @@ class Metrics:
             buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 65), registry=r,
         )
 
+        # -- LoRA adapters -----------------------------------------------------------------------
+        # NOTE: per-adapter series appear with an adapter's first request and go with its unload
+        # (`forget_adapter`); none exist on a server without adapters.
+        self.lora_requests = Counter(
+            "kvserve_lora_requests", "Finished generation requests on each LoRA adapter.", ["adapter"], registry=r
+        )
+        self.lora_prompt_tokens = Counter(
+            "kvserve_lora_prompt_tokens", "Prompt tokens of finished requests on each LoRA adapter.", ["adapter"], registry=r
+        )
+        self.lora_generation_tokens = Counter(
+            "kvserve_lora_generation_tokens", "Tokens generated on each LoRA adapter.", ["adapter"], registry=r
+        )
+        self.lora_loads = Counter(
+            "kvserve_lora_loads",
+            "Runtime adapter loads and unloads (/v1/load_lora_adapter, /v1/unload_lora_adapter) by "
+            "action and result: ok or the refusal's reason (name-clash, not-found, shapes, rank, ...).",
+            ["action", "result"], registry=r,
+        )
+        # (max_lora, running, waiting, unix time): vllm:lora_requests_info's one series, None
+        # until the engine first reports; replaced whole, so a scrape never sees half of it
+        self._lora_info: tuple[str, str, str, float] | None = None
+
         self._preset()
         r.register(_VllmGauges(self))
 
@@ -256,6 +279,28 @@ class Metrics:
     def watch_tiers(self, cache_manager) -> None:
         """Export bytes, budget and sessions of every KV tier, read at scrape time."""
         self.registry.register(_TierCollector(cache_manager))
+
+    def watch_adapters(self, adapters) -> None:
+        """Export the LoRA adapters loaded, resident in device slots, the slots, swaps and bytes,
+        read at scrape time."""
+        self.registry.register(_AdapterCollector(adapters))
+
+    def lora_requests_info(self, max_lora: int, running: list[str], waiting: list[str]) -> None:
+        """Report the adapters of the running and waiting requests as `vllm:lora_requests_info`
+        (llm-d's LoRA-affinity scorer reads it): one series whose labels are the latest lists and
+        whose value is the time of this call; the previous label set disappears."""
+        self._lora_info = (str(max_lora), ",".join(running), ",".join(waiting), time.time())
+
+    def lora_request(self, adapter: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """Count one finished request on `adapter` and its tokens."""
+        self.lora_requests.labels(adapter).inc()
+        self.lora_prompt_tokens.labels(adapter).inc(prompt_tokens)
+        self.lora_generation_tokens.labels(adapter).inc(completion_tokens)
+
+    def forget_adapter(self, name: str) -> None:
+        """Drop the per-adapter series of an unloaded adapter (nothing if it has none)."""
+        for counter in (self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens):
+            counter.remove(name)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -326,6 +371,23 @@ class _TierCollector:
         yield GaugeMetricFamily("kvserve_kv_disk_free_bytes", "Free bytes of the disk tier's file system (0: off).", value=free)
 
 
+class _AdapterCollector:
+    def __init__(self, adapters) -> None:
+        self.adapters = adapters  # server.engine.lora.Adapters
+
+    def collect(self):
+        a = self.adapters
+        slots = a.slots
+        yield GaugeMetricFamily("kvserve_lora_adapters_loaded", "LoRA adapters loaded (host memory; --max-cpu-loras).", value=len(a.names))
+        yield GaugeMetricFamily(
+            "kvserve_lora_adapters_resident", "LoRA adapters resident in a device slot.", value=sum(s is not None for s in slots)
+        )
+        yield GaugeMetricFamily("kvserve_lora_slots", "Device slots allocated for LoRA adapters (at most --max-loras).", value=len(slots))
+        yield CounterMetricFamily("kvserve_lora_swaps", "LoRA adapters copied into a device slot after the start.", value=a.swaps)
+        yield GaugeMetricFamily("kvserve_lora_device_bytes", "Device bytes of the LoRA slots' matrices.", value=a.nbytes)
+        yield GaugeMetricFamily("kvserve_lora_host_bytes", "Host bytes of every loaded LoRA adapter's matrices.", value=a.host_bytes)
+
+
 def _value(gauge: Gauge) -> float:
     return gauge.collect()[0].samples[0].value
 
@@ -347,3 +409,13 @@ class _VllmGauges:
             ("vllm:kv_cache_usage_perc", "Fraction (0-1) of the KV budget in use, idle resident sessions included.", min(usage, 1.0)),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        if (info := m._lora_info) is not None:
+            *labels, when = info
+            family = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Adapters of the running and waiting requests (comma-separated) and the adapter slots; "
+                "value: the unix time of the engine's last report.",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            family.add_metric(labels, when)
+            yield family

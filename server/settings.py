@@ -15,6 +15,14 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
 
 
+def adapter_name_problem(name: str) -> str | None:
+    """What keeps `name` from naming a LoRA adapter (a model id: 1-128 characters without
+    whitespace, '/', '|' or ':'); None when it can."""
+    if not name or len(name) > 128 or any(c.isspace() or c in "/|:" for c in name):
+        return f"the adapter name {name!r} must be 1-128 characters without whitespace, '/', '|' or ':'"
+    return None
+
+
 def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "kvserve"
 
@@ -39,9 +47,27 @@ class Settings(BaseSettings):
         "(comma-separated in the env var; the flag may repeat); a request picks one by its NAME in "
         "the `model` field. Each adapter's sessions and cached prefixes are its own.",
     )
-    max_loras: int = Field(8, ge=1, le=1024, description="Most LoRA adapters loaded at once.")
+    max_loras: int = Field(
+        8, ge=1, le=1024,
+        description="Most LoRA adapters resident on the device at once (a step with adapter rows computes "
+        "all their columns); the others wait in host memory and are swapped in, least recently used out.",
+    )
+    max_cpu_loras: int | None = Field(
+        None, ge=1, le=4096,
+        description="Most LoRA adapters loaded at once, device and host memory together; a load beyond it is "
+        "refused (507). Default: 32, or --max-loras when higher.",
+    )
     max_lora_rank: int = Field(
         64, ge=1, le=512, description="Largest LoRA rank accepted; an adapter of a higher rank is refused."
+    )
+    enable_lora_loading: bool = Field(
+        False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key), for "
+        "adapters under --lora-dir only. Reserves device memory for --max-loras adapters of --max-lora-rank "
+        "on every linear layer from the start.",
+    )
+    lora_dir: Path | None = Field(
+        None, description="The directory run-time loads may read adapters from (required by --enable-lora-loading)."
     )
     host: str = Field("127.0.0.1", description="Interface to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 = any free port).")
@@ -283,8 +309,8 @@ class Settings(BaseSettings):
             name = name.strip()
             if not sep or not path.strip():
                 raise ValueError(f"--lora {entry!r}: expected NAME=PATH")
-            if not name or "/" in name or any(c.isspace() for c in name):
-                raise ValueError(f"--lora {entry!r}: the name must be non-empty, without '/' or whitespace")
+            if problem := adapter_name_problem(name):
+                raise ValueError(f"--lora {entry!r}: {problem}")
             if name in names:
                 raise ValueError(f"--lora: the name {name!r} is given twice")
             names.append(name)
@@ -292,9 +318,22 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _loras_fit(self) -> "Settings":
-        if len(self.lora) > self.max_loras:
-            raise ValueError(f"{len(self.lora)} --lora adapters, but --max-loras is {self.max_loras}")
+        if len(self.lora) > self.lora_capacity:
+            raise ValueError(f"{len(self.lora)} --lora adapters, but --max-cpu-loras is {self.lora_capacity}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras {self.max_loras}")
+        if self.enable_lora_loading and (self.lora_dir is None or not self.lora_dir.is_dir()):
+            raise ValueError("--enable-lora-loading needs --lora-dir, an existing directory: run-time loads read adapters from under it only")
         return self
+
+    @property
+    def lora_capacity(self) -> int:
+        """Most adapters loaded at once (--max-cpu-loras, or its default)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(32, self.max_loras)
+
+    @property
+    def serves_adapters(self) -> bool:
+        return bool(self.lora) or self.enable_lora_loading
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         """(name, path) of each --lora, in the order given."""

@@ -37,7 +37,7 @@ from server.model_loader import LoadedModel, load_model
 from server.api.openapi import install_openapi
 from server.engine.prompt_lookup import NgramProposer
 from server.api.response_store import ResponseStore
-from server.api.routes import chat, completions, health, models, responses, router_compat, sessions
+from server.api.routes import chat, completions, health, lora_admin, models, responses, router_compat, sessions
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest
 from server.api.serving import ServingContext
@@ -152,22 +152,27 @@ def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None,
 
 
 def load_adapters(settings: Settings, loaded: LoadedModel, served: set[str]) -> lora.Adapters | None:
-    """The --lora adapters, read and checked against the base model; None without --lora. An
-    adapter that cannot be served, or whose name is already a served model id (`served`), is a
-    start-up error (exit status 2, a flag to change) naming it and the reason, before any cache
-    is sized."""
-    if not settings.lora:
+    """The --lora adapters, read and checked against the base model, and their device slots
+    allocated (before any cache is sized, so the KV budget counts them); None without --lora
+    and --enable-lora-loading. An adapter that cannot be served, or whose name is already a
+    served model id (`served`), is a start-up error (exit status 2, a flag to change) naming
+    it and the reason."""
+    if not settings.serves_adapters:
         return None
-    adapters = lora.Adapters(loaded.model, max_loras=settings.max_loras, max_rank=settings.max_lora_rank)
+    adapters = lora.Adapters(loaded.model, max_loras=settings.max_loras, max_rank=settings.max_lora_rank,
+                             max_loaded=settings.lora_capacity, reserve=settings.enable_lora_loading)
     for name, path in settings.lora_adapters():
         if name in served:
             raise exits.StartupError(exits.SETTINGS, f"--lora {name}={path}: the name {name!r} is already the served model's id or an alias; rename the adapter")
         try:
             adapter = lora.read(path, loaded.model, name=name, max_rank=settings.max_lora_rank)
-            slot = adapters.add(adapter)
+            adapters.add(adapter)
         except lora.AdapterError as exc:
             raise exits.StartupError(exits.SETTINGS, f"--lora {name}={path}: cannot serve this adapter ({exc.reason}): {exc}") from exc
-        log.info("LoRA adapter %r (slot %d): rank %d, scaling %g, from %s", name, slot, adapter.rank, adapter.scaling, path)
+        log.info("LoRA adapter %r: rank %d, scaling %g, from %s", name, adapter.rank, adapter.scaling, path)
+    adapters.allocate()
+    log.info("LoRA: %d device slots of rank %d over %d linear layers (%.1f MiB)%s", len(adapters.slots), adapters.rank,
+             len(adapters.modules), adapters.nbytes / 2**20, ", adapters loadable at run time from " + str(settings.lora_dir) if settings.enable_lora_loading else "")
     return adapters
 
 
@@ -207,6 +212,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         disk=disk,
     )
     metrics.watch_tiers(cache_manager)
+    if adapters is not None:
+        metrics.watch_adapters(adapters)
     pool = cache_manager.pool
     log.info("KV budget %.2f GiB (%s): %d tokens of %s KV (%d bytes per token); one sequence at the full context of "
              "%d tokens takes %.1f%% of it", budget.nbytes / 2**30, budget.how, pool.capacity_tokens,
@@ -411,6 +418,8 @@ def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI
     install_handlers(app)
     for module in (health, models, chat, completions, responses, sessions, router_compat):
         app.include_router(module.router)
+    if settings.enable_lora_loading:  # otherwise the routes do not exist (404, as vLLM without runtime updating)
+        app.include_router(lora_admin.router)
     install_openapi(app)
     metrics.watch_response_store(state.responses)
     # The last added runs first: metrics see every request, auth runs before any body is read.

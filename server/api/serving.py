@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable
 from fastapi import Request
 
 from cache_manager.manager import CacheManager
-from cache_manager.sessions import is_anonymous
+from cache_manager.sessions import EntryPinnedError, is_anonymous
 from grammars import (
     CompiledGrammar,
     answer_spec,
@@ -70,15 +70,36 @@ class ServingContext:
         """The most work one request may ask for (server/api/limits.py)."""
         return limits.work_limit(self.max_request_tokens, self.max_context)
 
-    def adapter(self, model: str) -> tuple[int, lora.Adapter | None]:
-        """(slot, adapter) of the LoRA adapter `model` names; (0, None) for the base model (or
-        a model that does not exist: `check_model` answers those)."""
-        found = self.adapters.get(model) if self.adapters is not None else None
-        return found if found is not None else (0, None)
+    def adapter(self, model: str) -> lora.Adapter | None:
+        """The LoRA adapter `model` names; None for the base model (or a model that does not
+        exist: `check_model` answers those)."""
+        return self.adapters.get(model) if self.adapters is not None else None
+
+    def session_scopes(self, principal: str) -> list[tuple[str, str]]:
+        """(model, the principal its sessions are keyed by) for the caller `principal`: the base
+        model's, then each loaded LoRA adapter's (`lora.session_principal`). A session id may
+        exist in several: one KV per model that computed it."""
+        scopes = [(self.model_id, principal)]
+        if self.adapters is not None:
+            scopes += [(name, lora.session_principal(principal, a)) for name in self.adapters.names if (a := self.adapter(name)) is not None]
+        return scopes
+
+    def delete_session(self, principal: str, session_id: str) -> bool:
+        """Delete the caller's session `session_id` under every model (`session_scopes`); False
+        when it has none. EntryPinnedError while one is in flight (the others are deleted)."""
+        deleted, busy = False, None
+        for _, scoped in self.session_scopes(principal):
+            try:
+                deleted = self.cache_manager.delete_session(scoped, session_id) or deleted
+            except EntryPinnedError as exc:
+                busy = exc
+        if busy is not None:
+            raise busy
+        return deleted
 
     def check_model(self, model: str) -> None:
         """404 `model_not_found` unless `model` is the served model, an alias or an adapter."""
-        if model != self.model_id and model not in self.model_aliases and self.adapter(model)[1] is None:
+        if model != self.model_id and model not in self.model_aliases and self.adapter(model) is None:
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_id}'.",
@@ -245,7 +266,7 @@ def generation_requests(
     A request for a LoRA adapter (`body.model`) runs with it, under the adapter's own principal
     (`lora.session_principal`): its sessions and anonymous prefixes, in every tier and across
     restarts, never meet the base model's or another adapter's KV."""
-    slot, adapter = request.app.state.kv.ctx.adapter(body.model)
+    adapter = request.app.state.kv.ctx.adapter(body.model)
     principal = lora.session_principal(request.state.principal, adapter)
     session = session_id(request, body.prompt_cache_key)
     out = []
@@ -256,7 +277,7 @@ def generation_requests(
                 f"{request_id}-{index}", prompt_ids, sampling, timeout_s=timeout_s,
                 principal=principal, session_id=session, use_session=index == 0, grammar=grammar,
                 speculative=body.speculative, reasoning=reasoning, fault=faults.request_fault(request.headers),
-                adapter=slot,
+                adapter=adapter,
             ))
     return out
 
@@ -296,6 +317,8 @@ def engine_error(output: RequestOutput, timeout_s: float) -> APIError:
             code="kv_budget_exceeded",
             rejection="kv_budget",
         )
+    if output.error == "adapter_unloaded":
+        return APIError(404, "the LoRA adapter this request asked for was unloaded before it finished", code="model_not_found", param="model")
     if output.error == "timeout":
         return APIError(504, f"the request ran longer than its {timeout_s:g} s deadline", code="timeout")
     if output.error == "grammar":
@@ -344,6 +367,8 @@ class Tracker:
             self.metrics.cached_prompt_tokens.inc(output.cached_tokens)
             self.metrics.prompt_length.observe(output.prompt_tokens)
             self.metrics.generation_length.observe(output.completion_tokens)
+            if (adapter := self.handle.adapter) is not None:
+                self.metrics.lora_request(adapter.name, output.prompt_tokens, output.completion_tokens)
 
 
 async def _merge(handles: list[RequestHandle], ctx: ServingContext, arrived: float) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -336,7 +336,7 @@ def drop_session(ctx: ServingContext | None, principal: str, session_id: str) ->
     running in it stays, to be evicted like any idle session."""
     if ctx is not None:
         with contextlib.suppress(EntryPinnedError):
-            ctx.cache_manager.delete_session(principal, session_id)
+            ctx.delete_session(principal, session_id)  # under every model that continued the chain (a LoRA adapter's too)
 
 
 def hold(store: ResponseStore, turn: Turn, head: dict) -> None:

@@ -16,6 +16,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ from cache_manager.manager import CacheManager, NoRoom
 from cache_manager.prefix import ROPE_SWITCH
 from grammars.matcher import start_masks
 from server import memory
-from server.engine import faults, families, sampler
+from server.engine import faults, families, lora, sampler
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Plan, ScheduledRow, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
@@ -98,6 +99,11 @@ class RequestHandle:
     def request_id(self) -> str:
         return self._seq.request_id
 
+    @property
+    def adapter(self):
+        """The request's LoRA adapter (server/engine/lora.py), or None."""
+        return self._seq.request.adapter
+
     def _put(self, output: RequestOutput) -> None:
         """Called on the engine thread: queued for the request's event loop with the rest of
         the step's outputs (`Engine._flush`)."""
@@ -160,6 +166,7 @@ class Engine:
         if cache_manager.pool.states is not None:
             families.check_hybrid_modes(speculative=proposer is not None, exact=config.deterministic)
         self._rope_switch = cache_manager.pool.layout.rope_switch  # LongRoPE: `_cross_rope_switch`
+        self.adapters = adapters  # LoRA adapters (server/engine/lora.py), or None
         self.runner = ModelRunner(
             model,
             cache_manager.pool,
@@ -180,6 +187,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
         self._prepared: Future[None] = Future()  # settled by the thread once the models are ready
         self._outbox: list[tuple[RequestHandle, RequestOutput]] = []  # engine thread only: `_flush`
+        self._calls: list[tuple[Callable[[], object], Future]] = []  # run on the engine thread between steps (`call`)
         self._faults = faults.Faults.from_env()  # None unless a test switched faults on
         self._fault_hooks = self._faults.install(model) if self._faults is not None else []
         self._calm_steps = 0  # steps since the last out-of-memory (`_relax`)
@@ -254,9 +262,11 @@ class Engine:
         now = time.monotonic()
         handles = dict(candidates)
         for seq, handle in candidates:
-            if seq.cancelled or seq.expired(now):
+            adapter = seq.request.adapter
+            gone = adapter is not None and self.adapters.get(adapter.name) is not adapter  # unloaded since it was submitted
+            if seq.cancelled or seq.expired(now) or gone:
                 self._dequeue(seq, handle)
-                handle._put(seq.final_output("abort") if seq.cancelled else seq.final_output("error", error="timeout"))
+                handle._put(seq.final_output("abort") if seq.cancelled else seq.final_output("error", error="adapter_unloaded" if gone else "timeout"))
                 del handles[seq]
         admission = self.scheduler.admit(list(handles), running, self._reserve)
         for seq, error in admission.refused:
@@ -274,16 +284,30 @@ class Engine:
         self._flush()
 
     def _reserve(self, seq: Sequence) -> bool:
-        """The scheduler's `reserve`: the sequence's cache from the cache manager (may crop,
-        grow or evict); False when it does not fit the budget now."""
+        """The scheduler's `reserve`: the device slot of the sequence's LoRA adapter (may swap
+        one in) and its cache from the cache manager (may crop, grow or evict); False when
+        either does not fit now."""
+        adapter = seq.request.adapter
+        if adapter is not None:
+            slot = self.adapters.acquire(adapter)
+            if slot is None:  # every slot held by running sequences
+                return False
+            seq.adapter_slot = slot
         try:
             self._lease(seq)
         except NoRoom:
+            self._release_adapter(seq)
             return False
         except Exception:  # a bug must fail this request, not the engine thread
             log.exception("admitting %s failed", seq.request_id)
+            self._release_adapter(seq)
             raise
         return True
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter_slot:
+            self.adapters.release(seq.request.adapter)
+            seq.adapter_slot = 0
 
     def _dequeue(self, seq: Sequence, handle: RequestHandle) -> None:
         with self._cond:
@@ -312,6 +336,12 @@ class Engine:
         if self.metrics is not None:
             self.metrics.requests_waiting.set(len(self._waiting))
             self.metrics.requests_running.set(len(self._running))
+            if self.adapters is not None:
+                self.metrics.lora_requests_info(
+                    self.adapters.max_loras,
+                    running=sorted({a.name for seq, _ in self._running if (a := seq.request.adapter) is not None}),
+                    waiting=sorted({a.name for seq, _ in self._waiting if (a := seq.request.adapter) is not None}),
+                )
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -341,11 +371,14 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._waiting and not self._running:
+                while not self._stop and not self._waiting and not self._running and not self._calls:
                     self._cond.wait(timeout=self.config.expire_every_s)
                     self._maybe_expire()
                 if self._stop:
                     break
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                self._call(fn, future)
             self._maybe_expire()
             self._admit()
             self.step()
@@ -354,6 +387,50 @@ class Engine:
         for seq, handle in list(self._waiting):
             handle._put(seq.final_output("abort"))
         self._flush()
+        with self._cond:
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(EngineStopped("the engine stopped"))
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the engine thread between two steps (what must not race a step: the
+        LoRA adapters' device slots, sessions of its own); a Future of its result."""
+        future: Future = Future()
+        with self._cond:
+            if self._stop or self.dead is not None:
+                future.set_exception(EngineStopped("the engine is not running"))
+                return future
+            self._calls.append((fn, future))
+            self._cond.notify_all()
+        return future
+
+    def _call(self, fn: Callable[[], object], future: Future) -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it, the engine goes on
+            future.set_exception(exc)
+        self._flush()
+
+    def unload_adapter(self, name: str) -> Future:
+        """Unload LoRA adapter `name` on the engine thread: its waiting and running requests
+        end with the error "adapter_unloaded", its sessions are dropped from every tier; a
+        Future of (the Adapter, sessions dropped). KeyError when no adapter has that name."""
+
+        def unload():
+            adapter = self.adapters.get(name) if self.adapters is not None else None
+            if adapter is None:
+                raise KeyError(name)
+            for seq, handle in list(self._running):
+                if seq.request.adapter is adapter:
+                    self._finish(seq, handle, "error", error="adapter_unloaded")
+            for seq, handle in list(self._waiting):
+                if seq.request.adapter is adapter:
+                    self._dequeue(seq, handle)
+                    handle._put(seq.final_output("error", error="adapter_unloaded"))
+            self.adapters.remove(name)
+            return adapter, self.cache_manager.drop_scope(lora.scope(adapter))
+
+        return self.call(unload)
 
     def _flush(self) -> None:
         """Hand the outputs queued since the last flush to their event loops: one wake-up per
@@ -729,6 +806,7 @@ class Engine:
                 log.exception("cache bookkeeping failed for %s", seq.request_id)
             seq.lease = None
         seq.cache = None
+        self._release_adapter(seq)
         rest = seq.flush() if reason in ("stop", "length") else None
         with self._cond:
             if (seq, handle) in self._running:

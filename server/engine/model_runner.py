@@ -147,7 +147,7 @@ class ModelRunner:
                 logits_rows.append(i)
                 counts.append(1 + len(drafted))
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
-        adapter_rows = [row.seq.request.adapter for row in plan.rows] if self.adapters is not None else None
+        adapter_rows = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
         return self.forward(rows, token_ids, logits_rows, counts, long_rows, adapter_rows)
 
     @torch.inference_mode()

@@ -32,7 +32,7 @@ class GenerationRequest:
     speculative: bool = True  # False: never draft for this request (when the server speculates)
     reasoning: ReasoningSpec | None = None  # a thinking model's markers and budget (server/engine/reasoning.py)
     fault: str | None = None  # a fault to inject into its rows (server/engine/faults.py; tests only)
-    adapter: int = 0  # its LoRA adapter's slot (server/engine/lora.py); 0: the base model
+    adapter: object | None = None  # its LoRA adapter (a server/engine/lora.py Adapter); None: the base model
 
     @property
     def session_key(self) -> tuple[str, str] | None:
@@ -102,6 +102,7 @@ class Sequence:
         self.status = Status.WAITING
         self.lease = None  # the cache manager's Lease once admitted
         self.cache = None  # lease.cache, the kv.SequenceKV this sequence writes
+        self.adapter_slot = 0  # its LoRA adapter's device slot while it runs (Engine._reserve); 0: the base model
         self.rope_long = False  # LongRoPE: its keys take the long factors (Engine._cross_rope_switch)
         self.cached_tokens = 0  # tokens reused from an earlier request
         self.miss_reason: str | None = None

@@ -38,7 +38,7 @@ def make_adapter(path, seed: int, r: int = 8, targets=TARGETS, **config) -> str:
 @pytest.fixture(scope="module")
 def adapter_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    return {"a": make_adapter(root / "a", 1), "b": make_adapter(root / "b", 2, r=4, targets=["q_proj", "v_proj"])}
+    return {"a": make_adapter(root / "a", 1), "b": make_adapter(root / "b", 2, r=4, targets=["q_proj", "v_proj"]), "root": root}
 
 
 def peft_model(path: str):
@@ -102,19 +102,55 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(adapter_dirs, tmp_
     assert refused.value.reason == reason and "'x'" in str(refused.value)
 
 
-def test_slots_names_and_removal(adapter_dirs):
+def test_loading_device_slots_and_least_recently_used_swaps(adapter_dirs):
+    """Loaded adapters wait in host memory; `acquire` gives each a device slot, swapping over the
+    least recently used one no running sequence holds, and None when every slot is held."""
     model = tiny()
-    adapters = lora.Adapters(model, max_loras=2, max_rank=64)
-    a = lora.read(adapter_dirs["a"], model, name="a", max_rank=64)
-    assert adapters.add(a) == 1 and adapters.add(lora.read(adapter_dirs["b"], model, name="b", max_rank=64)) == 2
+    adapters = lora.Adapters(model, max_loras=2, max_rank=64, max_loaded=3)
+    a, b, c = (lora.read(adapter_dirs[d], model, name=n, max_rank=64) for d, n in (("a", "a"), ("b", "b"), ("a", "c")))
+    for adapter in (a, b, c):
+        adapters.add(adapter)
     with pytest.raises(lora.AdapterError) as clash:
         adapters.add(a)
     assert clash.value.reason == "name-clash"
     with pytest.raises(lora.AdapterError) as full:
-        adapters.add(lora.read(adapter_dirs["a"], model, name="c", max_rank=64))
+        adapters.add(lora.read(adapter_dirs["a"], model, name="d", max_rank=64))
     assert full.value.reason == "too-many"
-    assert adapters.remove("a").name == "a" and adapters.names == ["b"] and adapters.get("a") is None
-    assert adapters.add(lora.read(adapter_dirs["a"], model, name="c", max_rank=64)) == 1  # the freed slot
+    adapters.allocate()  # two slots of rank 8 (the largest), over the layers any of them targets
+    assert adapters.slots == ["a", "b"] and adapters.rank == 8 and adapters.names == ["a", "b", "c"]
+    assert adapters.acquire(a) == 1 and adapters.acquire(b) == 2 and adapters.swaps == 0
+    assert adapters.acquire(c) is None  # both slots run sequences: c waits
+    adapters.release(a)
+    assert adapters.acquire(c) == 1 and adapters.slots == ["c", "b"] and adapters.swaps == 1
+    stack_a, stack_b = adapters._stacks["model.layers.0.self_attn.q_proj"]
+    wa, wb = c.weights["model.layers.0.self_attn.q_proj"]
+    assert torch.equal(stack_a[:8], wa.to(stack_a)) and torch.equal(stack_b[:, :8], wb.to(stack_b))
+    adapters.release(b)
+    adapters.release(c)
+    assert adapters.acquire(a) == 2  # b's slot: used longest ago
+    wb_only = adapters._stacks["model.layers.0.mlp.up_proj"][0]  # b targets no MLP layer: its block was zero, a's is not
+    assert wb_only[8:].abs().sum() > 0
+    assert adapters.remove("b").name == "b" and adapters.names == ["a", "c"] and adapters.get("b") is None
+    with pytest.raises(lora.AdapterGone):
+        adapters.acquire(b)
+    with pytest.raises(lora.AdapterError) as bigger:  # the layout is fixed: rank 8 at most
+        adapters.add(lora.read(make_adapter(adapter_dirs["root"] / "r16", 9, r=16), model, name="f", max_rank=64))
+    assert bigger.value.reason == "rank"
+
+
+def test_a_reserved_layout_takes_any_adapter_up_to_the_limits_without_changing_shape(adapter_dirs):
+    """--enable-lora-loading: max_loras slots of max_rank over every linear layer but the head,
+    allocated once; adapters loaded later fill them in place."""
+    model = tiny()
+    adapters = lora.Adapters(model, max_loras=2, max_rank=16, reserve=True)
+    adapters.allocate()
+    head = model.get_output_embeddings()
+    assert adapters.modules == {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    shapes = {n: tuple(t.shape for t in s) for n, s in adapters._stacks.items()}
+    assert shapes["model.layers.0.self_attn.q_proj"][0][0] == 32 and adapters.slots == [None, None]
+    a = lora.read(adapter_dirs["a"], model, name="a", max_rank=16)
+    adapters.add(a)
+    assert adapters.acquire(a) == 1 and {n: tuple(t.shape for t in s) for n, s in adapters._stacks.items()} == shapes
 
 
 # -- served: PEFT's tokens, alone and mixed ------------------------------------------------------
@@ -130,6 +166,7 @@ def test_each_adapter_gives_pefts_tokens_alone_and_mixed_with_others_in_one_step
     adapters = lora.Adapters(model, max_loras=4, max_rank=64)
     for name in ("a", "b"):
         adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    by_slot = {0: None, 1: adapters.get("a"), 2: adapters.get("b")}
     mix = [(i, s) for i in range(3) for s in range(3)]
     for paged in (False, True):
         cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
@@ -138,7 +175,7 @@ def test_each_adapter_gives_pefts_tokens_alone_and_mixed_with_others_in_one_step
         try:
             async def run(i: int, slot: int) -> list[int]:
                 request = GenerationRequest(f"r-{i}-{slot}", prompts[i], SamplingParams(max_tokens=10, temperature=0.0),
-                                            adapter=slot, use_session=False)
+                                            adapter=by_slot[slot], use_session=False)
                 return [t.token_id async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
 
             async def play():
@@ -162,6 +199,7 @@ def test_in_exact_mode_a_mixed_step_gives_each_row_the_bits_it_gets_alone(adapte
     adapters = lora.Adapters(model, max_loras=4, max_rank=64)
     for name in ("a", "b"):
         adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    by_slot = {0: None, 1: adapters.get("a"), 2: adapters.get("b")}
     prompts = [prompt_of(17, 4), prompt_of(9, 5), prompt_of(23, 6)]
     cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
     engine = Engine(model, tokenizer, EngineConfig(max_context=2048, deterministic=True), cache, adapters=adapters)
@@ -169,7 +207,7 @@ def test_in_exact_mode_a_mixed_step_gives_each_row_the_bits_it_gets_alone(adapte
     try:
         async def run(i: int, slot: int) -> list[tuple[int, float]]:
             params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
-            request = GenerationRequest(f"x-{i}-{slot}", prompts[i], params, adapter=slot, use_session=False)
+            request = GenerationRequest(f"x-{i}-{slot}", prompts[i], params, adapter=by_slot[slot], use_session=False)
             return [(t.token_id, t.logprob) async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
 
         async def play():
@@ -181,3 +219,112 @@ def test_in_exact_mode_a_mixed_step_gives_each_row_the_bits_it_gets_alone(adapte
     finally:
         engine.stop()
     assert together == alone
+
+
+def test_more_adapters_than_device_slots_swap_in_turn_and_each_gives_its_own_tokens(adapter_dirs, tokenizer):
+    """--max-loras 1 with two adapters and the base mixed: a row waits until the one slot is
+    free, the other adapter is swapped in, and every request still gives PEFT's tokens."""
+    prompts = [prompt_of(14, 7), prompt_of(8, 8)]
+    references = {"a": peft_model(adapter_dirs["a"]), "b": peft_model(adapter_dirs["b"]), None: tiny()}
+    model = tiny()
+    adapters = lora.Adapters(model, max_loras=1, max_rank=64)
+    for name in ("a", "b"):
+        adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
+    engine = Engine(model, tokenizer, EngineConfig(max_context=2048), cache, adapters=adapters)
+    engine.start()
+    mix = [(i, name) for i in range(2) for name in ("a", "b", None, "b", "a")]
+    try:
+        async def run(k: int, i: int, name: str | None) -> list[int]:
+            request = GenerationRequest(f"s-{k}", prompts[i], SamplingParams(max_tokens=8, temperature=0.0),
+                                        adapter=adapters.get(name) if name else None, use_session=False)
+            return [t.token_id async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
+
+        async def play():
+            return await asyncio.gather(*(run(k, i, name) for k, (i, name) in enumerate(mix)))
+
+        got = asyncio.run(play())
+    finally:
+        engine.stop()
+    assert adapters.swaps >= 2 and adapters.slots in (["a"], ["b"])
+    for (i, name), tokens in zip(mix, got):
+        assert_equivalent(references[name], prompts[i], tokens, generate(references[name], prompts[i], 8))
+
+
+def test_unloading_an_adapter_ends_its_requests_and_drops_exactly_its_sessions(adapter_dirs, tokenizer):
+    model = tiny()
+    adapters = lora.Adapters(model, max_loras=2, max_rank=64)
+    for name in ("a", "b"):
+        adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    a, b = adapters.get("a"), adapters.get("b")
+    cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
+    engine = Engine(model, tokenizer, EngineConfig(max_context=2048), cache, adapters=adapters)
+    engine.start()
+    prompt = prompt_of(12, 9)
+    try:
+        async def run(adapter, session: str, max_tokens: int = 4) -> list:
+            request = GenerationRequest(f"u-{session}-{max_tokens}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                        principal=lora.session_principal("p", adapter), session_id=session, adapter=adapter)
+            return [out async for out in engine.submit(request, asyncio.get_running_loop())]
+
+        async def play():
+            for adapter in (a, b, None):
+                await run(adapter, "s1")  # one kept session each: p|lora:a, p|lora:b and p
+            long = asyncio.create_task(run(a, "s2", max_tokens=2000))
+            while not engine._running:
+                await asyncio.sleep(0.01)
+            unloaded, dropped = await asyncio.wrap_future(engine.unload_adapter("a"))
+            outputs = await long
+            return unloaded, dropped, outputs
+
+        unloaded, dropped, outputs = asyncio.run(play())
+        assert unloaded is a and dropped >= 1  # its kept session (the running one rolled back, dropped too)
+        assert outputs[-1].error == "adapter_unloaded"
+        assert adapters.names == ["b"] and adapters.slots.count("a") == 0
+        assert cache.list_sessions(lora.session_principal("p", a)) == []
+        assert [s.session_id for s in cache.list_sessions(lora.session_principal("p", b))] == ["s1"]
+        assert [s.session_id for s in cache.list_sessions("p")] == ["s1"]
+        with pytest.raises(KeyError):
+            engine.unload_adapter("a").result(timeout=10)
+        late = GenerationRequest("late", prompt, SamplingParams(max_tokens=2), adapter=a, use_session=False)  # resolved before the unload
+
+        async def submit_late():
+            return [out async for out in engine.submit(late, asyncio.get_running_loop())]
+
+        assert asyncio.run(submit_late())[-1].error == "adapter_unloaded"
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_speculation_drafts_with_the_base_and_verifies_with_each_row_s_adapter(adapter_dirs, tokenizer, drafter):
+    """Prompt lookup, or a draft model (the base itself, so most drafts of an adapter row are
+    rejected): each adapter's greedy tokens are still PEFT's."""
+    from server.engine.draft_model import DraftModelProposer
+    from server.engine.prompt_lookup import NgramProposer
+
+    prompts = [prompt_of(8, 10) * 3, prompt_of(6, 11) * 4]  # repeats: prompt lookup finds drafts
+    references = {"a": peft_model(adapter_dirs["a"]), "b": peft_model(adapter_dirs["b"]), None: tiny()}
+    model = tiny()
+    adapters = lora.Adapters(model, max_loras=2, max_rank=64)
+    for name in ("a", "b"):
+        adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    proposer = NgramProposer() if drafter == "ngram" else DraftModelProposer(tiny(), 2048, 2**24)
+    cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
+    engine = Engine(model, tokenizer, EngineConfig(max_context=2048), cache, proposer=proposer, adapters=adapters)
+    engine.start()
+    mix = [(i, name) for i in range(2) for name in ("a", None, "b")]
+    try:
+        async def run(k: int, i: int, name: str | None) -> list[int]:
+            request = GenerationRequest(f"d-{k}", prompts[i], SamplingParams(max_tokens=12, temperature=0.0),
+                                        adapter=adapters.get(name) if name else None, use_session=False)
+            return [t.token_id async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
+
+        async def play():
+            return await asyncio.gather(*(run(k, i, name) for k, (i, name) in enumerate(mix)))
+
+        got = asyncio.run(play())
+    finally:
+        engine.stop()
+    for (i, name), tokens in zip(mix, got):
+        assert_equivalent(references[name], prompts[i], tokens, generate(references[name], prompts[i], 12))

@@ -168,7 +168,44 @@ def test_lora_flags_repeat_and_the_env_var_splits_on_commas(monkeypatch):
     assert (settings.max_loras, settings.max_lora_rank) == (2, 16)
     monkeypatch.setenv("KVSERVE_LORA", "a=/x, b=/y")
     assert Settings().lora_adapters() == [("a", "/x"), ("b", "/y")]
-    with pytest.raises(ValidationError, match="--max-loras"):
-        Settings(lora=["a=/x", "b=/y"], max_loras=1)
+    assert Settings(lora=["a=/x", "b=/y"], max_loras=1).lora_capacity == 32  # the second waits in host memory
+    with pytest.raises(ValidationError, match="--max-cpu-loras"):
+        Settings(lora=["a=/x", "b=/y"], max_loras=1, max_cpu_loras=1)
+    with pytest.raises(ValidationError, match="--lora-dir"):
+        Settings(enable_lora_loading=True)
     with pytest.raises(ValidationError, match="given twice"):
         Settings(lora=["a=/x", "a=/y"])
+
+
+@pytest.mark.anyio
+async def test_structured_output_and_tool_calls_hold_on_an_adapter(tokenizer, adapters):
+    """The grammar masks an adapter's logits as it does the base's: a json_schema answer parses
+    and validates, a forced tool call's arguments parse, on adapters and the base at once."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 30}},
+              "required": ["city", "days"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": schema}}
+    messages = [{"role": "user", "content": "Plan a trip."}]
+    async with serving(tokenizer, adapters) as (client, _):
+        async def structured(model):
+            out = await client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0,
+                                                       response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": schema}})
+            return out.choices[0]
+
+        async def forced(model):
+            out = await client.chat.completions.create(model=model, messages=messages, max_tokens=60, temperature=0, tools=[tool],
+                                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            return out.choices[0]
+
+        answers = await asyncio.gather(*(structured(m) for m in ("a", "b", BASE_ID)), *(forced(m) for m in ("a", "b")))
+    for choice in answers[:3]:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    for choice in answers[3:]:
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    assert answers[0].message.content != answers[2].message.content or answers[1].message.content != answers[2].message.content

@@ -28,12 +28,11 @@ def _card(model_id: str, ctx) -> dict:
     }
 
 
-def _adapter_card(name: str, ctx) -> dict:
+def _adapter_card(adapter, ctx) -> dict:
     """An adapter's model object, as vLLM lists one: `parent` the base model, `root` where its
     weights were read."""
-    _, adapter = ctx.adapter(name)
     return {
-        "id": name, "object": "model", "created": 0, "owned_by": "kvserve", "parent": ctx.model_id, "root": adapter.path,
+        "id": adapter.name, "object": "model", "created": 0, "owned_by": "kvserve", "parent": ctx.model_id, "root": adapter.path,
         "max_model_len": ctx.max_context,
     }
 
@@ -41,15 +40,15 @@ def _adapter_card(name: str, ctx) -> dict:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     ctx = request.app.state.kv.require_ctx()
-    adapters = ctx.adapters.names if ctx.adapters is not None else []
-    return {"object": "list", "data": [_card(ctx.model_id, ctx), *(_adapter_card(name, ctx) for name in adapters)]}
+    adapters = [a for name in ctx.adapters.names if (a := ctx.adapter(name)) is not None] if ctx.adapters is not None else []
+    return {"object": "list", "data": [_card(ctx.model_id, ctx), *(_adapter_card(a, ctx) for a in adapters)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
     ctx = request.app.state.kv.require_ctx()
-    if ctx.adapter(model_id)[1] is not None:
-        return _adapter_card(model_id, ctx)
+    if (adapter := ctx.adapter(model_id)) is not None:
+        return _adapter_card(adapter, ctx)
     if model_id != ctx.model_id and model_id not in ctx.model_aliases:
         raise APIError(404, f"The model '{model_id}' does not exist", code="model_not_found", param="model", rejection="bad_request")
     return _card(ctx.model_id, ctx)

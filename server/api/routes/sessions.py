@@ -36,19 +36,22 @@ def _presented(request: Request) -> str | None:
 async def list_sessions(request: Request) -> dict:
     """Sessions of the caller's API key only, most recently used first (without keys: only
     the session named by `X-Session-ID`), each with the tier its KV lives in: device, host
-    (memory) or disk."""
+    (memory) or disk, and the model that computed it: the served model or a LoRA adapter (a
+    session id used with two adapters is two sessions; DELETE removes both)."""
     ctx = request.app.state.kv.require_ctx()
     wall_offset = time.time() - time.monotonic()
-    entries = ctx.cache_manager.list_sessions(request.state.principal)
+    entries = [(model, e) for model, scoped in ctx.session_scopes(request.state.principal) for e in ctx.cache_manager.list_sessions(scoped)]
+    entries.sort(key=lambda me: me[1].last_used, reverse=True)
     presented = _presented(request)
     if presented is not None:
-        entries = [e for e in entries if e.session_id == presented]
+        entries = [(model, e) for model, e in entries if e.session_id == presented]
     return {
         "object": "list",
         "data": [
             {
                 "id": e.session_id,
                 "object": "session",
+                "model": model,
                 "anonymous": is_anonymous(e.session_id),
                 "tier": e.tier,
                 "tokens": e.tokens,
@@ -56,7 +59,7 @@ async def list_sessions(request: Request) -> dict:
                 "in_flight": e.in_flight,
                 "last_used_at": int(e.last_used + wall_offset),
             }
-            for e in entries
+            for model, e in entries
         ],
     }
 
@@ -73,7 +76,7 @@ async def delete_session(session_id: str, request: Request) -> Response:
             code="session_not_found", param="session_id",
         )
     try:
-        deleted = ctx.cache_manager.delete_session(request.state.principal, session_id)
+        deleted = ctx.delete_session(request.state.principal, session_id)
     except EntryPinnedError:
         raise APIError(409, f"session {session_id!r} has a request in flight", code="session_busy") from None
     if not deleted:
