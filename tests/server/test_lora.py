@@ -328,3 +328,40 @@ def test_speculation_drafts_with_the_base_and_verifies_with_each_row_s_adapter(a
         engine.stop()
     for (i, name), tokens in zip(mix, got):
         assert_equivalent(references[name], prompts[i], tokens, generate(references[name], prompts[i], 12))
+
+
+def test_an_adapter_of_the_default_model_gives_pefts_tokens_chunked_and_batched(smollm2, tmp_path):
+    """A PEFT adapter made here on SmolLM2 (q/v and the MLP, random A and B): the engine's
+    greedy tokens equal PEFT's `generate`, with prompts prefilled in 7-token chunks beside the
+    base model's rows."""
+    import copy
+
+    base = copy.deepcopy(smollm2.model)
+    torch.manual_seed(21)
+    reference = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                                               target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])).eval()
+    reference.save_pretrained(tmp_path / "smol")
+    adapters = lora.Adapters(base, max_loras=1, max_rank=16)
+    adapters.add(lora.read(tmp_path / "smol", base, name="smol", max_rank=16))
+    tok = smollm2.tokenizer
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False) for text in ("Write a haiku about the sea.", "What is a KV cache?")]
+    wants = {(i, name): generate(reference if name else smollm2.model, p, 10) for i, p in enumerate(prompts) for name in ("smol", None)}
+    assert wants[(0, "smol")] != wants[(0, None)]
+    cache = CacheManager(base.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**27))
+    engine = Engine(base, tok, EngineConfig(max_context=2048, max_batch_tokens=7), cache, adapters=adapters)
+    engine.start()
+    try:
+        async def run(k: int, i: int, name: str | None) -> list[int]:
+            request = GenerationRequest(f"m-{k}", prompts[i], SamplingParams(max_tokens=10, temperature=0.0),
+                                        adapter=adapters.get(name) if name else None, use_session=False)
+            return [t.token_id async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
+
+        async def play():
+            return await asyncio.gather(*(run(k, i, name) for k, (i, name) in enumerate(wants)))
+
+        got = asyncio.run(play())
+    finally:
+        engine.stop()
+    for ((i, name), want), tokens in zip(wants.items(), got):
+        assert_equivalent(reference if name else smollm2.model, prompts[i], tokens, want)
