@@ -125,7 +125,7 @@ class ModelRunner:
                                 "exact mode runs the torch formulation, slower")
         if self.adapters is not None:
             self.adapters.attach()  # after packing: the adapters' wrappers run the packed layers
-            self.paths["lora"] = f"{len(self.adapters.names)} adapters"
+            self.paths["lora"] = f"{len(self.adapters.slots)} slots of rank {self.adapters.rank}"
         if self.paged:
             self._meta = torch.zeros(self.max_rows * (self._per_row + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True

@@ -186,7 +186,7 @@ def test_each_adapter_gives_pefts_tokens_alone_and_mixed_with_others_in_one_step
             alone, together = asyncio.run(play())
         finally:
             engine.stop()
-        assert engine.runner.paths["lora"] == "2 adapters"
+        assert engine.runner.paths["lora"] == "2 slots of rank 8"
         for (i, s), got_alone, got_mixed in zip(mix, alone, together):
             assert got_mixed == got_alone, (paged, i, s)  # a row's adapter delta ignores its neighbours
             assert_equivalent(references[s], prompts[i], got_alone, wants[(i, s)])
