@@ -29,6 +29,7 @@ _TYPES = {
     500: "server_error",
     503: "service_unavailable",
     504: "timeout_error",
+    507: "insufficient_storage_error",
 }
 
 

@@ -36,12 +36,13 @@ ERRORS = {
     400: "Invalid request; `param` names the offending field",
     401: "Missing or wrong API key (only when the server has keys)",
     404: "No such model, session or stored response",
-    409: "The session has a request in flight",
+    409: "The session has a request in flight, or (a LoRA load) the name is already served",
     413: "Request body too large",
     415: "Content-Type is not application/json",
     429: "Queue full; retry after `Retry-After` seconds",
     503: "Model loading or server shutting down",
     504: "The request ran past its deadline",
+    507: "No room for another LoRA adapter (--max-cpu-loras, or host memory)",
 }
 _GENERATION = (400, 401, 404, 409, 413, 415, 429, 503, 504)
 
@@ -72,6 +73,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/server_info"): Operation((401, 503)),
     ("get", "/v1/loads"): Operation((400, 401, 503)),
     ("get", "/loads"): Operation((400, 401, 404, 503)),
+    # only with --enable-lora-loading (server/api/routes/lora_admin.py)
+    ("post", "/v1/load_lora_adapter"): Operation((400, 401, 409, 503, 507), media=("text/plain",)),
+    ("post", "/v1/unload_lora_adapter"): Operation((400, 401, 404, 503), media=("text/plain",)),
 }
 
 

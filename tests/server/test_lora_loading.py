@@ -89,6 +89,8 @@ async def test_load_serve_refuse_and_unload_at_run_time(tokenizer, lora_dir):
     want = generate(models["a"], prompt, 10)
     async with serving(tokenizer, lora_dir, max_loras=2, max_cpu_loras=2, max_lora_rank=16) as (client, http):
         assert (await post(http, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "a"}, key=None)).status_code == 401
+        document = (await http.get("/openapi.json", headers={"Authorization": f"Bearer {KEY}"})).json()  # the routes are described
+        assert set(document["paths"]["/v1/load_lora_adapter"]["post"]["responses"]) == {"200", "400", "401", "409", "503", "507"}
         loaded_a = await post(http, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "a"})  # relative to --lora-dir
         assert loaded_a.status_code == 200 and loaded_a.text == "Success: LoRA adapter 'a' added successfully."
         cards = (await http.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})).json()["data"]
