@@ -47,6 +47,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # all-options has the disk tier on a created ReadWriteMany claim; here on an emptyDir.
     # README's 32B-on-one-80GB-GPU recipe, as shipped
     "qwen2.5-coder-32b-h100": yaml.safe_load((CHART / "examples/qwen2.5-coder-32b-h100.yaml").read_text()),
+    # README's LoRA recipe, as shipped: adapters on a ReadOnlyMany claim, run-time loading on
+    "lora-adapters": yaml.safe_load((CHART / "examples/lora-adapters.yaml").read_text()),
     "kv-tiers-emptydir": {
         "kvTiers": {"hostBytes": 8 * 2**30, "disk": {
             "enabled": True, "mountPath": "/kv", "bytes": 10 * 2**30, "persistIntervalSeconds": 2.5,
@@ -396,6 +398,16 @@ def test_notes_warn_when_replicas_would_share_a_read_write_once_kv_claim(chart) 
     {"kvTiers": {"disk": {"enabled": True, "persistIntervalSeconds": 0}}},
     {"kvTiers": {"disk": {"enabled": True, "mountPath": "kv"}}},
     {"kvTiers": {"disk": {"enabled": True, "persistence": {"enabled": True, "accessModes": ["ReadOnlyMany"]}}}},
+    {"lora": {"adapters": [{"name": "sql"}]}},
+    {"lora": {"adapters": [{"name": "a,b", "path": "a"}]}},  # KVSERVE_LORA is comma-separated
+    {"lora": {"adapters": [{"name": "org/sql", "path": "a"}]}},
+    {"lora": {"adapters": [{"name": "sql", "path": "/elsewhere/sql"}]}},  # under mountPath only
+    {"lora": {"adapters": [{"name": "sql", "path": "a", "rank": 8}]}},
+    {"lora": {"enableLoading": "yes"}},
+    {"lora": {"mountPath": "adapters"}},
+    {"lora": {"maxLoras": 0}},
+    {"lora": {"maxRank": 1024}},
+    {"lora": {"volume": "lora-pvc"}},
 ])
 def test_schema_rejects_bad_values(chart, bad: dict[str, Any]) -> None:
     with pytest.raises(helm.HelmValuesError, match="schema"):
@@ -444,3 +456,62 @@ def test_exact_mode_renders_as_env(chart) -> None:
     values = env(server_container(render(chart, ALL_OPTIONS)))
     assert values["KVSERVE_DETERMINISTIC"] == "true"
     assert Settings(deterministic=values["KVSERVE_DETERMINISTIC"]).deterministic is True
+
+
+LORA_VOLUME = {"persistentVolumeClaim": {"claimName": "lora-adapters", "readOnly": True}}
+
+
+def test_lora_off_by_default(chart) -> None:
+    for docs in (render(chart), render(chart, {"lora": {"maxLoras": 4, "volume": LORA_VOLUME}})):
+        assert not [n for n in env(server_container(docs)) if "LORA" in n]
+        assert "lora-adapters" not in {v["name"] for v in pod_spec(docs)["volumes"]}
+
+
+def test_lora_adapters_from_a_volume(chart) -> None:
+    docs = render(chart, ALL_OPTIONS)
+    container, lora = server_container(docs), ALL_OPTIONS["lora"]
+    variables = env(container)
+    assert variables["KVSERVE_LORA"] == "sql=/adapters/sql-v1,support=/adapters/support/v3"
+    assert (variables["KVSERVE_ENABLE_LORA_LOADING"], variables["KVSERVE_LORA_DIR"]) == ("true", "/adapters")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == lora["mountPath"]]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod_spec(docs)["volumes"] if v["name"] == mount["name"]]
+    assert volume == {"name": mount["name"], **lora["volume"]}
+    # what the server makes of them: the same adapters and limits
+    settings = Settings(lora=variables["KVSERVE_LORA"], max_loras=variables["KVSERVE_MAX_LORAS"],
+                        max_cpu_loras=variables["KVSERVE_MAX_CPU_LORAS"], max_lora_rank=variables["KVSERVE_MAX_LORA_RANK"])
+    assert settings.lora_adapters() == [(a["name"], f"/adapters/{a['path']}") for a in lora["adapters"]]
+    assert (settings.max_loras, settings.lora_capacity, settings.max_lora_rank) == (4, 16, 32)
+    # the recipe: only what it sets, the server's defaults otherwise
+    recipe = env(server_container(render(chart, VARIANTS["lora-adapters"])))
+    assert recipe["KVSERVE_LORA"] == "sql=/adapters/sql-v1,support=/adapters/support-v3"
+    without_limits = env(server_container(render(chart, {"lora": {"enableLoading": True, "volume": LORA_VOLUME}})))
+    assert {n for n in without_limits if "LORA" in n} == {"KVSERVE_ENABLE_LORA_LOADING", "KVSERVE_LORA_DIR"}
+    # maxCpuLoras unset follows maxLoras up, as the server's default does
+    assert env(server_container(render(chart, {"lora": {"enableLoading": True, "volume": LORA_VOLUME, "maxLoras": 40}})))["KVSERVE_MAX_LORAS"] == "40"
+
+
+def test_lora_adapters_on_the_models_volume(chart) -> None:
+    docs = render(chart, {"lora": {"adapters": [{"name": "sql", "path": "sql-v1"}], "mountPath": "/data/models/adapters"}})
+    assert env(server_container(docs))["KVSERVE_LORA"] == "sql=/data/models/adapters/sql-v1"
+    assert "lora-adapters" not in {v["name"] for v in pod_spec(docs)["volumes"]}  # the models volume holds them
+    with pytest.raises(helm.HelmError, match="must lie under models.mountPath"):
+        render(chart, {"lora": {"adapters": [{"name": "sql", "path": "sql-v1"}]}})  # /adapters: no volume
+
+
+@pytest.mark.parametrize("lora, match", [
+    ({"adapters": [{"name": "sql", "path": "a"}, {"name": "sql", "path": "b"}]}, "given twice"),
+    ({"adapters": [{"name": "sql", "path": "a/../../etc"}]}, "leaves lora.mountPath"),
+    ({"enableLoading": True, "maxLoras": 8, "maxCpuLoras": 4}, r"maxCpuLoras \(4\) is below lora.maxLoras \(8\)"),
+    ({"adapters": [{"name": f"a{i}", "path": f"a{i}"} for i in range(3)], "maxLoras": 1, "maxCpuLoras": 2}, "more than lora.maxCpuLoras"),
+])
+def test_lora_values_the_server_would_refuse_are_refused_at_render(chart, lora, match) -> None:
+    with pytest.raises(helm.HelmError, match=match):
+        render(chart, {"lora": {"volume": LORA_VOLUME} | lora})
+
+
+def test_lora_is_refused_behind_the_router(chart) -> None:
+    """SMG 1.13 knows each replica by its base model: an adapter's name is a 404 there, and
+    its --model-alias would send the request to the base model without the adapter."""
+    with pytest.raises(helm.HelmError, match="router.enabled"):
+        render(chart, {"router": {"enabled": True}, "lora": {"enableLoading": True, "volume": LORA_VOLUME}})

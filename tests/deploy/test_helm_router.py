@@ -28,7 +28,9 @@ from bench.common import free_port
 from tests.deploy.helm_chart import ALL_OPTIONS, CHART, KUBE_VERSIONS, render
 
 ROUTER = {"router": {"enabled": True}}
-ROUTER_ALL_OPTIONS = copy.deepcopy(ALL_OPTIONS) | {"router": {
+# Without `lora`: SMG cannot route to adapters, so the chart refuses them with the router
+# (test_helm.py, test_lora_is_refused_behind_the_router).
+ROUTER_ALL_OPTIONS = {k: v for k, v in copy.deepcopy(ALL_OPTIONS).items() if k != "lora"} | {"router": {
     "enabled": True,
     "replicaCount": 2,
     "image": {"repository": "registry.example.com/smg", "tag": "1.13.0",

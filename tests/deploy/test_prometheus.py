@@ -4,8 +4,9 @@ A `prometheus` binary (Debian package `prometheus`; `scripts/install.sh test` in
 the separate metrics port of a real `kvserve serve` every second, as docker/prometheus.yml does.
 Real traffic through the openai SDK makes every labelled series appear (a session over two turns
 for cache hits and a grow, a stream, rejected requests, a deleted session, a session restored
-from the disk KV tier that an earlier process wrote at SIGTERM), in two rounds a few scrapes
-apart so that every rate has an increase to see. Then every PromQL expression of
+from the disk KV tier that an earlier process wrote at SIGTERM, requests on two LoRA adapters
+sharing one device slot, a run-time adapter load and unload), in two rounds a few scrapes apart
+so that every rate has an increase to see. Then every PromQL expression of
 docker/grafana/dashboards/kvserve.json goes through Prometheus' /api/v1/query and must return
 data.
 
@@ -30,7 +31,10 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+import torch
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import save_file
 
 from bench.common import free_port, launch, launch_with_metrics_port
 from server.metrics import Metrics
@@ -75,6 +79,7 @@ def exposed_names() -> set[str]:
     metrics.watch_grammar_cache(SimpleNamespace(hits=0, misses=0, evictions=0, nbytes=0))  # as build_context does
     metrics.watch_tiers(SimpleNamespace(tier_usage=lambda: {t: (0, 0, 0) for t in ("device", "host", "disk")}))
     metrics.watch_response_store(ResponseStore(0))  # as create_app does
+    metrics.watch_adapters(SimpleNamespace(names=[], slots=[], swaps=0, nbytes=0, host_bytes=0))  # with --lora
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"], "info": ["_info"]}
     return {family.name + s for family in metrics.registry.collect() for s in suffixes[family.type]}
 
@@ -111,7 +116,7 @@ def test_dashboard_answers_the_operators_questions() -> None:
     titles = [p["title"] for p in dashboard()["panels"] if p["type"] == "row"]
     assert titles == ["Traffic and latency", "Is the queue growing?", "Batching: is the GPU kept busy?",
                       "Is reuse working?", "Are sessions being evicted?", "Structured output", "Speculative decoding",
-                      "Where do sessions live?", "Stored responses (/v1/responses)", "Engine health"]
+                      "Where do sessions live?", "Stored responses (/v1/responses)", "Engine health", "LoRA adapters"]
     exprs = "\n".join(expr for _, expr in queries())
     for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):
@@ -142,6 +147,12 @@ def test_dashboard_answers_the_operators_questions() -> None:
     assert "sum by (tier, reason) (rate(kvserve_kv_restore_failures_total" in exprs
     assert "sum by (result) (rate(kvserve_kv_disk_writes_total" in exprs
     assert 'reason=~"restore_failed|recompute_faster"' in exprs
+    for metric in ("lora_requests_total", "lora_generation_tokens_total"):
+        assert f"sum by (adapter) (rate(kvserve_{metric}{{" in exprs
+    for metric in ("lora_adapters_loaded", "lora_adapters_resident", "lora_slots"):
+        assert f"sum(kvserve_{metric}{{" in exprs
+    assert "sum(rate(kvserve_lora_swaps_total{" in exprs
+    assert "sum by (action, result) (increase(kvserve_lora_loads_total{" in exprs
 
 
 # -- a real Prometheus ---------------------------------------------------------------------------
@@ -153,6 +164,22 @@ needs_prometheus = pytest.mark.skipif(
 
 
 RESTORED_TURN = [{"role": "user", "content": "Name three animals."}]
+ADAPTERS = ("sql", "poet")  # served from the start (--lora); `extra` is loaded at run time
+
+
+def write_adapter(path: Path, seed: int, rank: int = 4) -> None:
+    """A PEFT LoRA adapter of MODEL on the first two layers' q_proj (576 -> 576), A and B
+    random and small: the server reads and serves it like a trained one."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        stem = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, 576, generator=generator) * 0.01
+        tensors[f"{stem}.lora_B.weight"] = torch.randn(576, rank, generator=generator) * 0.01
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj"]}))
 
 
 @pytest.fixture(scope="module")
@@ -160,10 +187,15 @@ def kvserve(tmp_path_factory):
     """API key on, metrics on a separate unauthenticated port, like docker/compose.yaml;
     prompt lookup on, so the speculative decoding panels have data; a disk KV tier holding two
     sessions (`restored-1`, `restored-2`) that an earlier process wrote at SIGTERM, so the KV
-    tier panels have restores to show."""
+    tier panels have restores to show; the LoRA adapters `ADAPTERS` on one device slot, and
+    run-time loading from the directory holding them and `extra`."""
     work = tmp_path_factory.mktemp("kvserve")
+    for seed, name in enumerate((*ADAPTERS, "extra")):
+        write_adapter(work / "adapters" / name, seed)
     flags = ("--cache-dir", str(cache_dir()), *SERVE_FLAGS, "--api-key", KEY, "--speculative", "ngram",
-             "--kv-disk-dir", str(work / "kv"), "--kv-persist-interval-s", "1")
+             "--kv-disk-dir", str(work / "kv"), "--kv-persist-interval-s", "1",
+             *(f for name in ADAPTERS for f in ("--lora", f"{name}={work / 'adapters' / name}")),
+             "--max-loras", "1", "--max-lora-rank", "8", "--enable-lora-loading", "--lora-dir", str(work / "adapters"))
     with launch(work, *flags) as earlier:
         client = OpenAI(base_url=earlier.base_url, api_key=KEY, max_retries=0, timeout=120)
         for round_ in (1, 2):
@@ -258,7 +290,8 @@ LONG_TURN = "Now sort this list, please: " + ", ".join(f"item {i}" for i in rang
 def send_traffic(kvserve, round_: int) -> None:
     """Each labelled series the dashboard reads: a restore from the disk tier, hits and misses,
     a grow, a stream, a structured request (compiled, then from the grammar cache), rejections,
-    a deleted session."""
+    a deleted session, requests on both adapters (each swaps the other out of the one slot), a
+    run-time load, a refused one and an unload."""
     client = OpenAI(base_url=kvserve.base_url, api_key=KEY, max_retries=0, timeout=120)
     # A session the earlier process wrote to the disk tier: its KV comes back from the file. (In
     # round 2, with restore and prefill speeds measured, recomputing may be judged faster.)
@@ -297,6 +330,14 @@ def send_traffic(kvserve, round_: int) -> None:
         OpenAI(base_url=kvserve.base_url, api_key="wrong", max_retries=0).models.list()
     deleted = httpx.delete(f"{kvserve.base_url}/sessions/{session}", headers={"Authorization": f"Bearer {KEY}"})
     assert deleted.status_code == 204
+    for adapter in (*ADAPTERS, *ADAPTERS):
+        client.chat.completions.create(model=adapter, messages=turn[:1], max_tokens=4, temperature=0)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for action, body, status in (("load", {"lora_name": f"extra-{round_}", "lora_path": "extra"}, 200),
+                                 ("load", {"lora_name": "missing", "lora_path": "missing"}, 400),  # not-found
+                                 ("unload", {"lora_name": f"extra-{round_}"}, 200)):
+        answer = httpx.post(f"{kvserve.url}/v1/{action}_lora_adapter", json=body, headers=auth, timeout=60)
+        assert answer.status_code == status, answer.text
 
 
 @needs_prometheus
@@ -345,3 +386,19 @@ def test_every_dashboard_query_returns_data(kvserve, prometheus) -> None:
     assert {series["metric"]["result"] for series in writes} == {"ok", "failed", "skipped"}
     failures = query(prometheus, "sum(kvserve_kv_restore_failures_total)")
     assert float(failures[0]["value"][1]) == 0
+    # The LoRA panels: both adapters' requests, swaps through the one slot, loads by result,
+    # and vLLM's info series that llm-d's LoRA-affinity scorer reads.
+    per_adapter = query(prometheus, "sum by (adapter) (kvserve_lora_requests_total)")
+    assert {s["metric"]["adapter"]: float(s["value"][1]) for s in per_adapter} == {name: 4.0 for name in ADAPTERS}
+    assert float(query(prometheus, "sum(kvserve_lora_swaps_total)")[0]["value"][1]) >= 3
+    assert float(query(prometheus, "sum(kvserve_lora_slots)")[0]["value"][1]) == 1
+    assert float(query(prometheus, "sum(kvserve_lora_adapters_loaded)")[0]["value"][1]) == len(ADAPTERS)
+    loads = {(s["metric"]["action"], s["metric"]["result"]): float(s["value"][1])
+             for s in query(prometheus, "sum by (action, result) (kvserve_lora_loads_total)")}
+    assert loads == {("load", "ok"): 2, ("load", "not-found"): 2, ("unload", "ok"): 2}
+    # NOTE: read as llm-d's scheduler reads it, from the pod in the text format: a Prometheus
+    # negotiating OpenMetrics gets vLLM's names with `_` for `:` from prometheus_client.
+    exposed = text_string_to_metric_families(httpx.get(kvserve.metrics_url, timeout=5).text)
+    (info,) = [s for family in exposed for s in family.samples if s.name == "vllm:lora_requests_info"]
+    assert info.labels == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}  # idle
+    assert time.time() - 600 < info.value <= time.time()

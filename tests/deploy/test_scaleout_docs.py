@@ -1,9 +1,9 @@
 """The scale-out examples in docs/scale-out/: every Kubernetes object validates offline.
 
 Standard objects go through `kubernetes-validate` (strict), like the Helm chart. It has no
-schemas for CRDs, so the InferencePool is validated against the openAPIV3Schema of the
-InferencePool CRD vendored in docs/scale-out/crd/ (the extension's v1.5.0 release); the
-EndpointPickerConfig and the HTTPRoute are checked against their documented structure.
+schemas for CRDs, so the InferencePool and the InferenceModelRewrite are validated against the
+openAPIV3Schema of their CRDs vendored in docs/scale-out/crd/ (the extension's v1.5.0 release);
+the EndpointPickerConfig and the HTTPRoute are checked against their documented structure.
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from server.settings import adapter_name_problem
 from tests.deploy.helm_chart import KUBE_VERSIONS, render
 
 DOCS = Path(__file__).resolve().parents[2] / "docs/scale-out"
 CRD = yaml.safe_load((DOCS / "crd/inference.networking.k8s.io_inferencepools.yaml").read_text())
-KVSERVE_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+REWRITE_CRD = yaml.safe_load((DOCS / "crd/inference.networking.x-k8s.io_inferencemodelrewrites.yaml").read_text())
+KVSERVE_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                  "vllm:lora_requests_info")
 
 # EndpointPickerConfig (inference.networking.x-k8s.io/v1alpha1), as the extension documents it:
 # named plugin instances, and scheduling profiles that refer to them.
@@ -48,17 +51,21 @@ def objects(name: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((DOCS / name).read_text()) if d]
 
 
-def crd_schema(version: str) -> dict[str, Any]:
-    (served,) = [v for v in CRD["spec"]["versions"] if v["name"] == version]
+def crd_schema(version: str, crd: dict[str, Any] = CRD) -> dict[str, Any]:
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
     return served["schema"]["openAPIV3Schema"]
 
 
-def validate_inference_pool(pool: dict[str, Any]) -> None:
-    group, version = pool["apiVersion"].split("/")
-    assert (group, pool["kind"]) == (CRD["spec"]["group"], CRD["spec"]["names"]["kind"])
+def validate_custom_resource(doc: dict[str, Any], crd: dict[str, Any]) -> None:
+    group, version = doc["apiVersion"].split("/")
+    assert (group, doc["kind"]) == (crd["spec"]["group"], crd["spec"]["names"]["kind"])
     # NOTE: the CRD's schema is OpenAPI v3 (structural); draft-04 semantics match it, and the
     # CEL rules (x-kubernetes-validations) are for the API server: not checked here.
-    jsonschema.Draft4Validator(crd_schema(version)).validate(pool)
+    jsonschema.Draft4Validator(crd_schema(version, crd)).validate(doc)
+
+
+def validate_inference_pool(pool: dict[str, Any]) -> None:
+    validate_custom_resource(pool, CRD)
 
 
 def test_standard_objects_validate() -> None:
@@ -110,6 +117,7 @@ def test_endpoint_picker_config() -> None:
     refs = [r["pluginRef"] for profile in config["schedulingProfiles"] for r in profile["plugins"]]
     assert set(refs) <= names
     assert "prefix-cache-scorer" in refs and "max-score-picker" in refs
+    assert "lora-affinity-scorer" in refs  # reads vllm:lora_requests_info
     (deployment,) = [d for d in objects("inferencepool.yaml") if d["kind"] == "Deployment"]
     spec = deployment["spec"]["template"]["spec"]
     (volume,) = spec["volumes"]
@@ -128,3 +136,27 @@ def test_http_route_sends_the_api_to_the_pool() -> None:
                        "name": pool["metadata"]["name"]}
     assert route["metadata"]["namespace"] == pool["metadata"]["namespace"]
     assert rule["matches"][0]["path"] == {"type": "PathPrefix", "value": "/v1"}
+
+
+def test_model_rewrite_validates_and_targets_adapters_the_chart_serves(chart) -> None:
+    """lora.yaml's InferenceModelRewrite against its CRD; its pool is inferencepool.yaml's, the
+    EPP may read it, and every name it rewrites to is an adapter name the chart and the server
+    accept (rendered as the release its comment shows)."""
+    (rewrite,) = objects("lora.yaml")
+    validate_custom_resource(rewrite, REWRITE_CRD)
+    with pytest.raises(jsonschema.ValidationError):  # a target without its name
+        validate_custom_resource({**rewrite, "spec": {**rewrite["spec"], "rules": [{"targets": [{"weight": 1}]}]}}, REWRITE_CRD)
+    (pool,) = [d for d in objects("inferencepool.yaml") if d["kind"] == "InferencePool"]
+    assert rewrite["spec"]["poolRef"] == {"group": "inference.networking.k8s.io", "name": pool["metadata"]["name"]}
+    assert rewrite["metadata"]["namespace"] == pool["metadata"]["namespace"]
+    (role,) = [d for d in objects("inferencepool.yaml") if d["kind"] == "Role"]
+    assert any("inferencemodelrewrites" in rule["resources"] and rule["apiGroups"] == [REWRITE_CRD["spec"]["group"]]
+               for rule in role["rules"])
+    targets = [t["modelRewrite"] for rule in rewrite["spec"]["rules"] for t in rule["targets"]]
+    assert targets and not [t for t in targets if adapter_name_problem(t)]
+    adapters = [{"name": t, "path": t} for t in targets]
+    (deployment,) = [d for d in render(chart, {"lora": {"adapters": adapters, "volume": {"persistentVolumeClaim": {
+        "claimName": "lora-adapters", "readOnly": True}}}}, name="kvserve") if d["kind"] == "Deployment"]
+    (kvserve,) = deployment["spec"]["template"]["spec"]["containers"]
+    served = {e["name"]: e.get("value") for e in kvserve["env"]}["KVSERVE_LORA"]
+    assert [entry.partition("=")[0] for entry in served.split(",")] == targets

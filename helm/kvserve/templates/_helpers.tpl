@@ -99,6 +99,45 @@ emptyDir: {}
 {{- end }}
 {{- end }}
 
+{{/* KVSERVE_LORA: NAME=PATH of each lora.adapters entry, PATH under lora.mountPath, comma-separated
+(the env var's list form). */}}
+{{- define "kvserve.loraEnv" -}}
+{{- $entries := list }}
+{{- range .adapters }}
+{{- $entries = append $entries (printf "%s=%s/%s" .name (trimSuffix "/" $.mountPath) .path) }}
+{{- end }}
+{{- join "," $entries }}
+{{- end }}
+
+{{/* What the server would refuse at start (a crash loop), or SMG would break, refused at render time. */}}
+{{- define "kvserve.checkLora" -}}
+{{- $lora := .Values.lora }}
+{{- if .Values.router.enabled }}
+{{- fail "lora with router.enabled: SMG registers each replica under its base model only and answers 404 model_not_found for an adapter's name (its --model-alias would rewrite the request to the base model, dropping the adapter). Route adapters with llm-d / the Gateway API Inference Extension (docs/scale-out/README.md) or the Ingress" }}
+{{- end }}
+{{- if and (not $lora.volume) (not (hasPrefix (printf "%s/" (trimSuffix "/" .Values.models.mountPath)) $lora.mountPath)) }}
+{{- fail (printf "lora.volume is empty, so the adapters must be on the models volume: lora.mountPath (%s) must lie under models.mountPath (%s), or set lora.volume" $lora.mountPath .Values.models.mountPath) }}
+{{- end }}
+{{- $names := dict }}
+{{- range $lora.adapters }}
+{{- if hasKey $names .name }}
+{{- fail (printf "lora.adapters: the name %q is given twice" .name) }}
+{{- end }}
+{{- $_ := set $names .name true }}
+{{- if or (eq .path "..") (hasPrefix "../" .path) (contains "/../" .path) (hasSuffix "/.." .path) }}
+{{- fail (printf "lora.adapters %s: the path %q leaves lora.mountPath" .name .path) }}
+{{- end }}
+{{- end }}
+{{- $maxLoras := ternary 8 $lora.maxLoras (kindIs "invalid" $lora.maxLoras) | int }}
+{{- $capacity := ternary (max 32 $maxLoras) $lora.maxCpuLoras (kindIs "invalid" $lora.maxCpuLoras) | int }}
+{{- if lt $capacity $maxLoras }}
+{{- fail (printf "lora.maxCpuLoras (%d) is below lora.maxLoras (%d): the adapters resident on the device count among those loaded" $capacity $maxLoras) }}
+{{- end }}
+{{- if gt (len $lora.adapters) $capacity }}
+{{- fail (printf "lora.adapters lists %d adapters, more than lora.maxCpuLoras (%d) loads at once" (len $lora.adapters) $capacity) }}
+{{- end }}
+{{- end }}
+
 {{/* ---- Router (SMG) in front of the replicas: router.enabled ---- */}}
 
 {{- define "kvserve.routerName" -}}
