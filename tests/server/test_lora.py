@@ -45,6 +45,27 @@ def peft_model(path: str):
     return PeftModel.from_pretrained(tiny(), path).eval()
 
 
+def loaded_adapters(model, adapter_dirs, max_loras: int, names=("a", "b")) -> lora.Adapters:
+    adapters = lora.Adapters(model, max_loras=max_loras, max_rank=64)
+    for name in names:
+        adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    return adapters
+
+
+def run_mix(engine: Engine, adapters: lora.Adapters, prompts: list[list[int]], mix: list[tuple[int, str | None]], max_tokens: int) -> list[list[int]]:
+    """The greedy tokens of one request per (prompt index, adapter name or None), all at once."""
+
+    async def run(k: int, i: int, name: str | None) -> list[int]:
+        request = GenerationRequest(f"mix-{k}", prompts[i], SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                    adapter=adapters.get(name) if name else None, use_session=False)
+        return [t.token_id async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
+
+    async def play():
+        return await asyncio.gather(*(run(k, i, name) for k, (i, name) in enumerate(mix)))
+
+    return asyncio.run(play())
+
+
 # -- reading and checking an adapter -----------------------------------------------------------
 
 
@@ -227,23 +248,13 @@ def test_more_adapters_than_device_slots_swap_in_turn_and_each_gives_its_own_tok
     prompts = [prompt_of(14, 7), prompt_of(8, 8)]
     references = {"a": peft_model(adapter_dirs["a"]), "b": peft_model(adapter_dirs["b"]), None: tiny()}
     model = tiny()
-    adapters = lora.Adapters(model, max_loras=1, max_rank=64)
-    for name in ("a", "b"):
-        adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    adapters = loaded_adapters(model, adapter_dirs, max_loras=1)
     cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
     engine = Engine(model, tokenizer, EngineConfig(max_context=2048), cache, adapters=adapters)
     engine.start()
     mix = [(i, name) for i in range(2) for name in ("a", "b", None, "b", "a")]
     try:
-        async def run(k: int, i: int, name: str | None) -> list[int]:
-            request = GenerationRequest(f"s-{k}", prompts[i], SamplingParams(max_tokens=8, temperature=0.0),
-                                        adapter=adapters.get(name) if name else None, use_session=False)
-            return [t.token_id async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
-
-        async def play():
-            return await asyncio.gather(*(run(k, i, name) for k, (i, name) in enumerate(mix)))
-
-        got = asyncio.run(play())
+        got = run_mix(engine, adapters, prompts, mix, 8)
     finally:
         engine.stop()
     assert adapters.swaps >= 2 and adapters.slots in (["a"], ["b"])
@@ -253,9 +264,7 @@ def test_more_adapters_than_device_slots_swap_in_turn_and_each_gives_its_own_tok
 
 def test_unloading_an_adapter_ends_its_requests_and_drops_exactly_its_sessions(adapter_dirs, tokenizer):
     model = tiny()
-    adapters = lora.Adapters(model, max_loras=2, max_rank=64)
-    for name in ("a", "b"):
-        adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    adapters = loaded_adapters(model, adapter_dirs, max_loras=2)
     a, b = adapters.get("a"), adapters.get("b")
     cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
     engine = Engine(model, tokenizer, EngineConfig(max_context=2048), cache, adapters=adapters)
@@ -306,24 +315,14 @@ def test_speculation_drafts_with_the_base_and_verifies_with_each_row_s_adapter(a
     prompts = [prompt_of(8, 10) * 3, prompt_of(6, 11) * 4]  # repeats: prompt lookup finds drafts
     references = {"a": peft_model(adapter_dirs["a"]), "b": peft_model(adapter_dirs["b"]), None: tiny()}
     model = tiny()
-    adapters = lora.Adapters(model, max_loras=2, max_rank=64)
-    for name in ("a", "b"):
-        adapters.add(lora.read(adapter_dirs[name], model, name=name, max_rank=64))
+    adapters = loaded_adapters(model, adapter_dirs, max_loras=2)
     proposer = NgramProposer() if drafter == "ngram" else DraftModelProposer(tiny(), 2048, 2**24)
     cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
     engine = Engine(model, tokenizer, EngineConfig(max_context=2048), cache, proposer=proposer, adapters=adapters)
     engine.start()
     mix = [(i, name) for i in range(2) for name in ("a", None, "b")]
     try:
-        async def run(k: int, i: int, name: str | None) -> list[int]:
-            request = GenerationRequest(f"d-{k}", prompts[i], SamplingParams(max_tokens=12, temperature=0.0),
-                                        adapter=adapters.get(name) if name else None, use_session=False)
-            return [t.token_id async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
-
-        async def play():
-            return await asyncio.gather(*(run(k, i, name) for k, (i, name) in enumerate(mix)))
-
-        got = asyncio.run(play())
+        got = run_mix(engine, adapters, prompts, mix, 12)
     finally:
         engine.stop()
     for (i, name), tokens in zip(mix, got):
@@ -352,15 +351,7 @@ def test_an_adapter_of_the_default_model_gives_pefts_tokens_chunked_and_batched(
     engine = Engine(base, tok, EngineConfig(max_context=2048, max_batch_tokens=7), cache, adapters=adapters)
     engine.start()
     try:
-        async def run(k: int, i: int, name: str | None) -> list[int]:
-            request = GenerationRequest(f"m-{k}", prompts[i], SamplingParams(max_tokens=10, temperature=0.0),
-                                        adapter=adapters.get(name) if name else None, use_session=False)
-            return [t.token_id async for out in engine.submit(request, asyncio.get_running_loop()) for t in out.tokens]
-
-        async def play():
-            return await asyncio.gather(*(run(k, i, name) for k, (i, name) in enumerate(wants)))
-
-        got = asyncio.run(play())
+        got = run_mix(engine, adapters, prompts, list(wants), 10)
     finally:
         engine.stop()
     for ((i, name), want), tokens in zip(wants.items(), got):
