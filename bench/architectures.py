@@ -3,10 +3,10 @@ as a tiny random-weight model, either refused at load (UnsupportedModel naming a
 greedy-identical to transformers' own `generate` in every way the engine runs it.
 
     .venv/bin/python -m bench.architectures [--families llama,gpt_oss] [--checks alone,session]
-        [--device cpu] [--dtype float32] [--readme README.md]
+        [--device cpu] [--dtype float32] [--readme docs/benchmarks.md]
 
 `--readme FILE` also writes the table into FILE between README_BEGIN and README_END (the
-README's "Model families" section is generated that way; tests/server/test_architectures.py
+manual's matrix in docs/benchmarks.md is generated that way; tests/server/test_architectures.py
 checks that it still names every family with the status the test expects).
 
 Per family (`FAMILIES`: a tiny config, seeded weights) the first engine starts, refusing the
@@ -674,7 +674,7 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-README_BEGIN = "<!-- bench.architectures: begin (generated: python -m bench.architectures --readme README.md) -->"
+README_BEGIN = "<!-- bench.architectures: begin (generated: python -m bench.architectures --readme docs/benchmarks.md) -->"
 README_END = "<!-- bench.architectures: end -->"
 
 

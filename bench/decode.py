@@ -4,7 +4,7 @@ openai SDK) against plain transformers `generate` on the same model, measured in
     .venv/bin/python -m bench.decode [--tokens 128] [--repeats 3] [--model DIR --device cuda --dtype bfloat16]
 
 Any model kvserve loads (`--model`: an HF directory, hub id or GGUF file; default the embedded
-SmolLM2), on any device (default CPU, fp32, where the README's figures come from).
+SmolLM2), on any device (default CPU, fp32, where docs/benchmarks.md's figures come from).
 
 Decode rate = (tokens - 1) / (time of last token - time of first token), so prefill is left out
 of both sides. End-of-turn is suppressed so both sides generate exactly --tokens tokens.

@@ -3,7 +3,7 @@ session holds in memory, and what resuming an edited history from a checkpoint c
 in one run on tiny random-weight models built here (no downloads).
 
     .venv/bin/python -m bench.hybrid [--quick] [--lengths 1024,4096,16384] [--repeats 5]
-        [--readme README.md]
+        [--readme docs/benchmarks.md]
 
 The models (fp32 on the CPU, seeded random weights, dense MLPs in both so that they differ only
 in their layer kinds): a Qwen3-Next-shaped hybrid (`qwen3_next`: hidden 256, 8 layers, 3:1

@@ -2,7 +2,7 @@
 throughput, what making one resident costs, and what session reuse saves on an adapter,
 measured in one run on a tiny random-weight Llama-shaped model built here (no downloads).
 
-    .venv/bin/python -m bench.lora [--quick] [--tokens 128] [--repeats 3] [--readme README.md]
+    .venv/bin/python -m bench.lora [--quick] [--tokens 128] [--repeats 3] [--readme docs/benchmarks.md]
 
 The model (fp32 on the CPU, seeded random weights): Llama-shaped, hidden 512, 8 layers, 8 query
 heads over 4 KV heads of 64, MLP 1536, vocabulary 49152 (SmolLM2's tokenizer,

@@ -1,7 +1,7 @@
 """A soak: N minutes of mixed traffic against one real server, a restart half-way, and what is
 left afterwards (5xx, requests that never ended, replays, RSS, gauges).
 
-    .venv/bin/python -m bench.soak --minutes 30 [--clients 4] [--readme README.md]
+    .venv/bin/python -m bench.soak --minutes 30 [--clients 4] [--readme docs/benchmarks.md]
 
 One `kvserve serve` (SmolLM2, a 200 MB KV budget, the disk tier in a temporary directory,
 `KVSERVE_TEST_FAULTS=requests`) and `--clients` concurrent clients, each drawing its next

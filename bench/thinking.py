@@ -1,7 +1,7 @@
 """Thinking models: how much of a later turn's prompt a session serves from cache when the
 template drops earlier thinking, and what the thinking budget does to a turn's cost.
 
-    .venv/bin/python -m bench.thinking [--turns 4] [--readme README.md]
+    .venv/bin/python -m bench.thinking [--turns 4] [--readme docs/benchmarks.md]
 
 The models are tests/thinking.py's: tiny random-weight Llamas over tokenizers with each
 family's markers and chat templates reproducing each family's (no weights can be downloaded

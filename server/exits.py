@@ -1,7 +1,7 @@
 """The exit statuses of `kvserve serve`: errors no request can fix end the process with one
 clear line (what is wrong, what to change) and a status an orchestrator or a deployment's CI
-can act on, as vLLM and TGI do. The README's table is this one (tests/server/test_exits.py
-keeps them alike)."""
+can act on, as vLLM and TGI do. The manual's table (docs/reference/exit-status.md) is generated
+from `STATUSES` by scripts/docs_reference.py."""
 
 from __future__ import annotations
 

@@ -71,17 +71,17 @@ def test_every_refusal_names_a_family_of_the_matrix():
     assert set(REFUSED) <= set(architectures.FAMILIES)
 
 
-def test_the_readme_matrix_names_every_family_as_this_test_expects():
-    """The README's generated matrix (`python -m bench.architectures --readme README.md`) lists
-    every family of the matrix, served or refused with the feature `REFUSED` names."""
-    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
+def test_the_manual_s_matrix_names_every_family_as_this_test_expects():
+    """The manual's generated matrix (`python -m bench.architectures --readme docs/benchmarks.md`)
+    lists every family of the matrix, served or refused with the feature `REFUSED` names."""
+    readme = (Path(__file__).parents[2] / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     block = readme.partition(architectures.README_BEGIN)[2].partition(architectures.README_END)[0]
     rows = {}
     for line in block.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) > 2 and cells[0] in architectures.FAMILIES:
             rows[cells[0]] = cells[1]
-    assert set(rows) == set(architectures.FAMILIES), "regenerate the README's matrix"
+    assert set(rows) == set(architectures.FAMILIES), "regenerate the manual's matrix"
     for family, status in rows.items():
         assert status == (f"refused [{REFUSED[family]}]" if family in REFUSED else "served"), (family, status)
     assert "| error |" not in block and "DIFF" not in block
