@@ -45,9 +45,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "terminationGracePeriodSeconds": 60,
     },
     # all-options has the disk tier on a created ReadWriteMany claim; here on an emptyDir.
-    # README's 32B-on-one-80GB-GPU recipe, as shipped
+    # the manual's 32B-on-one-80GB-GPU recipe (docs/getting-started/helm.md), as shipped
     "qwen2.5-coder-32b-h100": yaml.safe_load((CHART / "examples/qwen2.5-coder-32b-h100.yaml").read_text()),
-    # README's LoRA recipe, as shipped: adapters on a ReadOnlyMany claim, run-time loading on
+    # the manual's LoRA recipe (docs/getting-started/helm.md), as shipped: adapters on a ReadOnlyMany claim, run-time loading on
     "lora-adapters": yaml.safe_load((CHART / "examples/lora-adapters.yaml").read_text()),
     "kv-tiers-emptydir": {
         "kvTiers": {"hostBytes": 8 * 2**30, "disk": {

@@ -352,7 +352,7 @@ KERNEL_DTYPES = ["float32", "float16"] if DEVICE.type == "cpu" else ["float32", 
 
 
 # NOTE: on CUDA the torch formulation is the fallback where the Triton kernel is unusable, and
-# its batch invariance there is not promised (README: cuBLAS picks its kernels by shape): these
+# its batch invariance there is not promised (docs/guides/exact-mode.md: cuBLAS picks its kernels by shape): these
 # two tests then measure it rather than gate it.
 FALLBACK_MEASURED = pytest.mark.xfail(DEVICE.type == "cuda", reason="the torch fallback's invariance on a GPU is measured, not promised", strict=False)
 

@@ -1,9 +1,9 @@
 """Every route guarded alike (issue 37): with API keys set, each route of the app, every method,
 refuses a missing and a wrong key with 401 in OpenAI's error shape, except the documented open
-ones (README: `/health` and `/ready`; `/metrics` is open only on the separate --metrics-port).
+ones (docs/guides/api.md: `/health` and `/ready`; `/metrics` is open only on the separate --metrics-port).
 
 The routes are enumerated from the app itself, so a route added later is checked too: it fails
-here if it answers without a key, and an open route the README does not list fails as well."""
+here if it answers without a key, and an open route the manual does not list fails as well."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.server.test_api import assert_error_shape
 
 pytestmark = pytest.mark.anyio
 KEY = "sk-guard"
-OPEN = frozenset({"/health", "/ready"})  # as the README's API table documents them
+OPEN = frozenset({"/health", "/ready"})  # as docs/guides/api.md documents them
 API_ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
               ("GET", "/v1/models"), ("GET", "/metrics"), ("DELETE", "/v1/sessions/{session_id:path}")}
 
@@ -57,7 +57,7 @@ async def test_every_route_refuses_a_missing_or_wrong_key(app_client):
     served = routes(create_app(Settings(**SETTINGS, api_key=[KEY])))  # the same routes, never started
     async with app_client(api_key=[KEY]) as client:
         assert API_ROUTES <= set(served), f"the enumeration missed routes: {API_ROUTES - set(served)}"
-        assert middleware.PUBLIC_PATHS == OPEN, "an open route the README does not document"
+        assert middleware.PUBLIC_PATHS == OPEN, "an open route the manual (docs/guides/api.md) does not document"
         for method, path in served:
             url = concrete(path)
             if path in OPEN:
