@@ -59,7 +59,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from bench.architectures import tokenizer
 from bench.common import write_readme_block
-from cache_manager import kv, state
+from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from server.engine import families
 from server.engine.core import Engine, EngineConfig, end_of_turn_ids
