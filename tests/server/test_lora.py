@@ -19,6 +19,7 @@ from server.engine import lora
 from server.engine.core import Engine, EngineConfig
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest
+from server.model_loader import load_model
 from tests.device import DEVICE, DTYPE
 from tests.equivalence import assert_equivalent
 from tests.server.test_families import generate, prompt_of, tiny
@@ -333,19 +334,23 @@ def test_an_adapter_of_the_default_model_gives_pefts_tokens_chunked_and_batched(
     """A PEFT adapter made here on SmolLM2 (q/v and the MLP, random A and B): the engine's
     greedy tokens equal PEFT's `generate`, with prompts prefilled in 7-token chunks beside the
     base model's rows."""
-    import copy
+    from tests.conftest import test_cache_dir
+    from tests.device import DTYPE_NAME
 
-    base = copy.deepcopy(smollm2.model)
+    def fresh():  # the session's model may carry packed CPU weights, which do not deep-copy
+        return load_model(None, cache_dir=test_cache_dir(), device=str(DEVICE), dtype=DTYPE_NAME).model
+
+    base, plain = fresh(), fresh()
     torch.manual_seed(21)
-    reference = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                                                               target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])).eval()
+    reference = get_peft_model(fresh(), LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                                   target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])).eval()
     reference.save_pretrained(tmp_path / "smol")
     adapters = lora.Adapters(base, max_loras=1, max_rank=16)
     adapters.add(lora.read(tmp_path / "smol", base, name="smol", max_rank=16))
     tok = smollm2.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False),
                           add_special_tokens=False) for text in ("Write a haiku about the sea.", "What is a KV cache?")]
-    wants = {(i, name): generate(reference if name else smollm2.model, p, 10) for i, p in enumerate(prompts) for name in ("smol", None)}
+    wants = {(i, name): generate(reference if name else plain, p, 10) for i, p in enumerate(prompts) for name in ("smol", None)}
     assert wants[(0, "smol")] != wants[(0, None)]
     cache = CacheManager(base.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**27))
     engine = Engine(base, tok, EngineConfig(max_context=2048, max_batch_tokens=7), cache, adapters=adapters)
@@ -355,4 +360,4 @@ def test_an_adapter_of_the_default_model_gives_pefts_tokens_chunked_and_batched(
     finally:
         engine.stop()
     for ((i, name), want), tokens in zip(wants.items(), got):
-        assert_equivalent(reference if name else smollm2.model, prompts[i], tokens, want)
+        assert_equivalent(reference if name else plain, prompts[i], tokens, want)

@@ -22,6 +22,8 @@ from schemathesis.specs.openapi.checks import (
 
 from server.api.app import create_app
 from server.api.openapi import OPERATIONS
+from server.api.routes import lora_admin
+from server.model_loader import load_model
 from server.settings import Settings
 from tests.server.test_api import MODEL, assert_error_shape
 
@@ -33,6 +35,10 @@ REQUEST_TIMEOUT_S = 60
 CHECKS = [schemathesis.checks.not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 
+# the run-time LoRA routes, served only with --enable-lora-loading (`lora_api_schema`)
+LORA_ROUTES = frozenset((method.lower(), route.path) for route in lora_admin.router.routes for method in route.methods)
+
+
 @pytest.fixture
 def api_schema(smollm2):
     """The real app's own OpenAPI document, its lifespan started by schemathesis' ASGI client;
@@ -41,7 +47,27 @@ def api_schema(smollm2):
     NOTE: one app per test: schemathesis' pytest plugin ends every ASGI lifespan at each test's
     teardown.
     """
-    app = create_app(Settings(grammar_compile_timeout_s=1.0), loaded=smollm2)
+    yield from schema_of(create_app(Settings(grammar_compile_timeout_s=1.0), loaded=smollm2))
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    """A SmolLM2 of its own: the run-time LoRA layout wraps its linear layers for good."""
+    from tests.conftest import test_cache_dir
+    from tests.device import DEVICE, DTYPE_NAME
+
+    return load_model(None, cache_dir=test_cache_dir(), device=str(DEVICE), dtype=DTYPE_NAME)
+
+
+@pytest.fixture
+def lora_api_schema(lora_model, tmp_path):
+    """`api_schema` of a server with --enable-lora-loading (an empty --lora-dir: every load is
+    refused, as documented)."""
+    settings = Settings(grammar_compile_timeout_s=1.0, enable_lora_loading=True, lora_dir=tmp_path, max_loras=1, max_lora_rank=8)
+    yield from schema_of(create_app(settings, loaded=lora_model))
+
+
+def schema_of(app):
     loaded = schemathesis.openapi.from_asgi("/openapi.json", app)
     deadline = time.monotonic() + 60
     while not app.state.kv.ready:
@@ -71,10 +97,17 @@ def check(case) -> None:
 
 # NOTE: operations come from our own table rather than schemathesis' pytest plugin
 # (`from_fixture(...).parametrize()` fails on pytest 9: it reads the removed `Function._nodeid`).
-@pytest.mark.parametrize("method, path", sorted(OPERATIONS))
+@pytest.mark.parametrize("method, path", sorted(set(OPERATIONS) - LORA_ROUTES))
 def test_api_conforms_to_its_openapi_document(api_schema, method, path):
-    operation = api_schema[path][method.upper()]
+    conforms(api_schema[path][method.upper()])
 
+
+@pytest.mark.parametrize("method, path", sorted(LORA_ROUTES))
+def test_the_run_time_lora_routes_conform_to_the_document(lora_api_schema, method, path):
+    conforms(lora_api_schema[path][method.upper()])
+
+
+def conforms(operation) -> None:
     @given(case=operation.as_strategy())
     @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     def run(case):

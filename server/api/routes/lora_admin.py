@@ -54,7 +54,10 @@ def resolve_path(lora_dir: Path, lora_path: str) -> Path | None:
     """`lora_path` (absolute, or relative to `lora_dir`) with links resolved, when it lies under
     `lora_dir`; None when it does not."""
     root = lora_dir.resolve()
-    path = (root / lora_path).resolve()  # an absolute lora_path replaces root
+    try:
+        path = (root / lora_path).resolve()  # an absolute lora_path replaces root
+    except (OSError, ValueError):  # a NUL byte, a name too long, a link loop
+        return None
     return path if path.is_relative_to(root) else None
 
 
