@@ -53,7 +53,7 @@ from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from server.engine.core import Engine, EngineConfig, end_of_turn_ids
 from server.engine import families
-from server.engine.families import UnsupportedModel
+from server.engine.unsupported import UnsupportedModel
 from server.engine.prompt_lookup import NgramProposer
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest

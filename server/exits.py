@@ -6,7 +6,7 @@ from `STATUSES` by scripts/docs_reference.py."""
 from __future__ import annotations
 
 from server.engine.core import StartupCheckFailed
-from server.engine.families import UnsupportedModel
+from server.engine.unsupported import UnsupportedModel
 from server.kv_budget import KVBudgetError
 from server.model_loader import ModelSourceError, UnknownArchitecture
 

@@ -2,9 +2,8 @@
 
 Shapes: a step packs every row's new tokens into one flattened batch of N tokens (input_ids
 [1, N], each token's own position in position_ids [1, N]); transformers calls `_attention` per
-layer with query [1, H, N, D] and the new keys/values [1, Hkv, N, D]. The step's `Step` (passed
-through the model as the `kvserve_step` keyword) says whose tokens they are. Two paths, one
-call each per layer:
+layer with query [1, H, N, D] and the new keys/values [1, Hkv, N, D]. The step's context
+(server/engine/context.py) says whose tokens they are. Two paths, one call each per layer:
 
 * `Batch`es, the paged path (every row on CUDA): B rows of up to T new tokens each. One write
   of their keys/values into the pool at `slots`, one gather of their keys by block table
@@ -23,7 +22,7 @@ Either way a row's result depends only on its own query, keys and values; only t
 layers see the batch's shape. Grouped-query attention folds a KV head's query heads into the
 query length ([.., Hkv, groups * T, D]): keys are never repeated per query head. Soft-capped
 models (Gemma 2) use the eager formula, softmax in float32; everything else is plain
-`scaled_dot_product_attention`, CPU or CUDA, fp32 or bf16. In exact mode (`Step.exact`,
+`scaled_dot_product_attention`, CPU or CUDA, fp32 or bf16. In exact mode (`StepContext.exact`,
 --deterministic) a query's result depends on nothing else in its step (server/engine/exact.py):
 the row path attends a row's queries in spans (`_attend_exact`), the paged path calls
 `exact.attend` (on CUDA a Triton kernel, server/engine/exact_kernel.py).
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -43,7 +41,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from cache_manager import kv
-from server.engine import exact
+from server.engine import context, exact, paged_kernel
+from server.engine.context import StepContext
+from server.engine.unsupported import UnsupportedModel
 
 ATTN_IMPLEMENTATION = "kvserve"
 
@@ -68,12 +68,15 @@ class Batch:
     `tokens` [B * T]: each token's index in the step's flattened batch (padding tokens: any);
     None for decode rows (T = 1), which come first in the flattened batch. `real` [R]: which of
     the B * T are real tokens (None: all). `prepare` derives the gather index and the masks; in a
-    CUDA graph these are persistent buffers, refilled before each replay."""
+    CUDA graph these are persistent buffers, refilled before each replay. `kernel`: decode rows
+    attend through the paged decode kernel (server/engine/paged_kernel.py), which reads the pool
+    in place by block table: no gather index, no masks."""
 
     def __init__(self, pool: kv.Pool, slots: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
-                 width: int = 1, tokens: torch.Tensor | None = None, real: torch.Tensor | None = None) -> None:
+                 width: int = 1, tokens: torch.Tensor | None = None, real: torch.Tensor | None = None, kernel: bool = False) -> None:
         self.pool, self.slots, self.tables, self.positions = pool, slots, tables, positions
         self.width, self.tokens, self.real = width, tokens, real
+        self.kernel = kernel and width == 1
         self.token_slots: torch.Tensor | None = None
         self.targets: torch.Tensor | None = None  # tokens[real]: where the real outputs go
         self.masks: dict[int | None, torch.Tensor] = {}
@@ -85,7 +88,9 @@ class Batch:
     def prepare(self, dtype: torch.dtype, groups: int) -> None:
         """The gather index [B, L] and one additive mask [B, 1, groups * T, L] per window:
         query at position q sees keys at positions <= q (and > q - window). Device ops only:
-        this runs inside graph capture."""
+        this runs inside graph capture. Nothing for the kernel's decode rows."""
+        if self.kernel:
+            return
         bs = self.pool.block_size
         offsets = torch.arange(bs, device=self.tables.device)
         self.token_slots = (self.tables[:, :, None] * bs + offsets).flatten(1)
@@ -104,20 +109,8 @@ class Batch:
             self.targets = self.tokens if self.real is None else self.tokens[self.real]
 
 
-@dataclass(slots=True)
-class Step:
-    """Who the step's flattened tokens belong to: the paged path's batches (decode rows first in
-    the flattened batch, one token each) and the row path's rows."""
-
-    rows: list[Row]
-    batches: list[Batch] = field(default_factory=list)
-    exact: bool = False  # exact mode (server/engine/exact.py): spans on the row path, `exact.attend` on the paged one
-    singles: "_Singles | None" = None  # exact mode's one-token rows on the row path (`_attend_exact`)
-    observe: "Callable | None" = None  # observe(layer, key, value) before each layer attends (families.check's probe)
-
-
 def enable(model) -> None:
-    """Switch `model` to kvserve's attention. Calls without `kvserve_step` (transformers' own
+    """Switch `model` to kvserve's attention. Calls outside a kvserve step (transformers' own
     `generate`, say) still run the model's original attention. Later calls do nothing."""
     original = model.config._attn_implementation
     if original == ATTN_IMPLEMENTATION:
@@ -144,31 +137,32 @@ def _fallback(module):
 _IGNORED = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "is_causal", "return_dict"})
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None, kvserve_step=None, **kwargs):
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None, **kwargs):
     """transformers attention function: query [1, H, N, Dk], key [1, Hkv, N, Dk], value [1,
     Hkv, N, Dv] (the step's new tokens) -> ([1, N, H, Dv], None). `s_aux` [H]: attention sinks
     (gpt-oss), one logit per query head that joins every softmax's denominator."""
-    if kvserve_step is None:
+    step = context.current()
+    if step is None:
         if s_aux is not None:
             kwargs["s_aux"] = s_aux
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)
     layer = module.layer_idx
     heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
-    if kvserve_step.observe is not None:
-        kvserve_step.observe(layer, key, value)
+    if step.observe is not None:
+        step.observe(layer, key, value)
     if kwargs or (attention_mask is not None and attention_mask.numel() != 1):
-        _refuse_unknown(kvserve_step, layer, kwargs, attention_mask)
+        _refuse_unknown(step, layer, kwargs, attention_mask)
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     sinks = None if s_aux is None else s_aux.float().view(kv_heads, groups, 1)  # [Hkv, groups, 1]
     out = query.new_empty(1, query.shape[2], heads, value_dim)
-    attend = exact.attend if kvserve_step.exact else _attend
-    for batch in kvserve_step.batches:
+    attend = exact.attend if step.exact else _attend
+    for batch in step.batches:
         _attend_batch(batch, layer, query[0], key[0], value[0], out[0], groups, scale, softcap, sinks, attend)
-    if kvserve_step.exact and kvserve_step.rows:
-        _attend_exact(kvserve_step, layer, query, key, value, out, groups, scale, softcap, sinks)
+    if step.exact and step.rows:
+        _attend_exact(step, layer, query, key, value, out, groups, scale, softcap, sinks)
         return out, None
-    for row in kvserve_step.rows:
+    for row in step.rows:
         lo, hi = row.offset, row.offset + row.n
         k_row, v_row, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi])
         mask = _mask(row, layer, first, k_row.shape[2], groups, query.dtype)
@@ -179,7 +173,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out, None
 
 
-def _refuse_unknown(step: Step, layer: int, kwargs: dict, attention_mask=None) -> None:
+def _refuse_unknown(step: StepContext, layer: int, kwargs: dict, attention_mask=None) -> None:
     """Raise UnsupportedModel for what the attention was handed and kvserve does not model: a
     keyword it does not know, a sliding window other than the one the pool's layout has for
     this layer, or a mask other than the model runner's placeholder (the step's rows carry
@@ -200,7 +194,7 @@ def _refuse_unknown(step: Step, layer: int, kwargs: dict, attention_mask=None) -
         raise UnsupportedModel(f"attention-{name}", f"its attention passes `{name}`, which kvserve's attention does not model")
 
 
-def _pool_of(step: Step) -> kv.Pool:
+def _pool_of(step: StepContext) -> kv.Pool:
     return step.batches[0].pool if step.batches else step.rows[0].kv.pool
 
 
@@ -225,10 +219,16 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int,
     else:
         q, k_new, v_new = query[:, batch.tokens], key[:, batch.tokens], value[:, batch.tokens]
     batch.pool.store(layer, batch.slots, k_new, v_new)
-    # [Hkv, B, L, D] -> [B, Hkv, L, D]; queries [H, B * T, D] -> [B, Hkv, groups * T, D]
-    k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
+    # queries [H, B * T, D] -> [B, Hkv, groups * T, D]
     q = q.reshape(kv_heads, groups, b, t, head_dim).permute(2, 0, 1, 3, 4).reshape(b, kv_heads, groups * t, head_dim)
     window = batch.pool.layout.windows[layer]
+    if batch.kernel:
+        o = paged_kernel.paged_decode(q, batch.pool.keys[layer], batch.pool.values[layer], batch.tables, batch.positions,
+                                      batch.pool.block_size, scale, softcap, None if sinks is None else sinks.view(kv_heads, groups), window)
+        out[:b] = o.view(b, heads, value_dim)
+        return
+    # [Hkv, B, L, D] -> [B, Hkv, L, D]
+    k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
     extra = {} if sinks is None else {"sinks": _sink_rows(sinks, t)}
     if attend is exact.attend:  # where the mask comes from: the kernel skips what a whole tile cannot see
         o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, positions=batch.positions.view(b, t), window=window, **extra)
@@ -309,7 +309,7 @@ class _Singles:
         self.views = [self.queries[i : i + 1] for i in range(len(self.rows))]
 
 
-def _attend_exact(step: Step, layer: int, query, key, value, out, groups: int, scale, softcap, sinks) -> None:
+def _attend_exact(step: StepContext, layer: int, query, key, value, out, groups: int, scale, softcap, sinks) -> None:
     """Exact mode on the row path (server/engine/exact.py): every row's queries in spans of
     `exact.SPAN` positions aligned to position 0 (`_spans`), one `_attend` call per span over
     the keys from the span's first key (`_first_key`) to its end, the queries zero-padded to
@@ -327,9 +327,9 @@ def _attend_exact(step: Step, layer: int, query, key, value, out, groups: int, s
     of 4 to 48 rows (0 of 3,498 positions differed, spans of 16 and 64); unpadded, 3 query
     rows round by which thread computes them."""
     heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
-    singles = step.singles
+    singles = step.memo.get(_Singles)
     if singles is None:
-        singles = step.singles = _Singles(step.rows, query, kv_heads, groups)
+        singles = step.memo[_Singles] = _Singles(step.rows, query, kv_heads, groups)
     if singles.rows:  # [H, R, D] -> [R, Hkv, groups, D]
         count = len(singles.rows)
         singles.queries[:, :, :groups] = query[0, :, singles.index].view(kv_heads, groups, count, head_dim).permute(2, 0, 1, 3)
@@ -433,6 +433,6 @@ def _attend(q, keys, values, mask, scale, softcap, sinks=None):
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
-# NOTE: calls without kvserve_step (the fallback) still need transformers' own masks (causal,
+# NOTE: calls outside a kvserve step (the fallback) still need transformers' own masks (causal,
 # sliding window); the eager (additive float) mask suits both eager and sdpa fallbacks.
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)

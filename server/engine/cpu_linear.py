@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from server.engine import exact
+from server.engine import context, exact
 
 
 def pack_model(model, packed: bool = True) -> tuple[int, int]:
     """On CPU, run every `nn.Linear` of `model` on a packed weight (`_pack`), or on the
     transposed product (`_cpu_linear`) where this build cannot pack or `packed` is False (the
     dense weights only: half the memory of the linear layers, slower). Nothing on other
-    devices, nothing for layers already switched, nothing for quantized layers (`_dense`).
+    devices, nothing for layers already switched, nothing for quantized layers (`dense`).
 
     NOTE: call it on the thread that will run the model (the server's engine thread): packing
     runs multi-threaded, and a second thread that runs multi-threaded torch ops slows every
@@ -26,7 +26,7 @@ def pack_model(model, packed: bool = True) -> tuple[int, int]:
         return 0, 0
     counts = [0, 0]
     for module in model.modules():
-        if _dense(module) and "forward" not in vars(module):
+        if dense(module) and "forward" not in vars(module):
             if packed and _pack(module):
                 counts[0] += 1
             else:
@@ -35,7 +35,7 @@ def pack_model(model, packed: bool = True) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
-def _dense(module) -> bool:
+def dense(module) -> bool:
     """A plain `nn.Linear` over a plain floating-point weight. Quantized layers are left alone:
     bitsandbytes, compressed-tensors and GPTQ/AWQ layers are classes of their own, torchao keeps
     `nn.Linear` around a quantized tensor subclass; each runs its own kernels."""
@@ -89,7 +89,7 @@ def _packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # SmolLM2's 211 layers take 25 ms over 1 row, 32 over 2 and 25 over 3-6 (oneDNN's 2-row
     # path is slow; fp32, 2 threads; bf16 17 / 19 / 17). Inline rather than through
     # exact.linear, whose reshapes and padding cost a one-row step ~3%.
-    if exact.active() and 0 < x.numel() < EXACT_MIN_ROWS * x.shape[-1]:
+    if context.exact() and 0 < x.numel() < EXACT_MIN_ROWS * x.shape[-1]:
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
         padded = torch.cat([rows, rows[:1].expand(EXACT_MIN_ROWS - n, -1)])
@@ -119,7 +119,7 @@ def _cpu_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     instead of 73-81). Prefill chunks keep `F.linear`, which wins there. Padding never
     changes the real rows' results beyond rounding (the near-ties of docs/architecture.md).
     """
-    if exact.active():  # the padding below changes a row's bits with the row count
+    if context.exact():  # the padding below changes a row's bits with the row count
         return exact.linear(layer, x)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]

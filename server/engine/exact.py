@@ -48,16 +48,16 @@ LLM Inference", vLLM's batch-invariant mode and SGLang's deterministic inference
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
-import threading
 from types import ModuleType
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from server.engine import context
 
 KV_BLOCK = 256  # `attend` reduces keys in blocks of this many positions, aligned to position 0
 SPAN = 16  # the row path attends queries in spans of this many positions, aligned to position 0
@@ -66,25 +66,7 @@ ROW_TILE = 8  # linear layers compute whole tiles of this many rows (the last on
 CUDA_ROW_TILE = 64  # ... on CUDA, one cuBLAS call per tile
 NORM_TILE_ELEMENTS = 2**18  # off CPU a norm layer's call covers about this many values (`norm_tile`)
 
-_mode = threading.local()
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def running(on: bool):
-    """The forward passes inside run in exact mode (`on`) or not, on this thread: the linear
-    layers ask `active()`. The model runner wraps each forward pass (and a CUDA graph's
-    capture) in it, so one model serves exact and default runners alike."""
-    before = getattr(_mode, "on", False)
-    _mode.on = on
-    try:
-        yield
-    finally:
-        _mode.on = before
-
-
-def active() -> bool:
-    return getattr(_mode, "on", False)
 
 
 def aligned(n: int, block: int = KV_BLOCK) -> int:
@@ -254,9 +236,9 @@ def by_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: 
 
 
 def enable(model) -> None:
-    """While `active()`: route the linear layers of `model` that run through PyTorch's own
-    `F.linear` (every one off CPU; on CPU server/engine/cpu_linear.py's forwards ask
-    `active()` themselves) through `linear`, and its normalization layers (nn.LayerNorm,
+    """In an exact step (`StepContext.exact`, server/engine/context.py): route the linear
+    layers of `model` that run through PyTorch's own `F.linear` (every one off CPU; on CPU
+    server/engine/cpu_linear.py's forwards ask `context.exact()` themselves) through `linear`, and its normalization layers (nn.LayerNorm,
     transformers' *RMSNorm classes) through `norm`. Off CPU, a layer whose shape fails
     `tiles_invariant` is computed by the Triton linear kernel (and without it, exact mode
     refuses to start). Idempotent."""
@@ -313,11 +295,11 @@ def tiles_invariant(weight: torch.Tensor, bias: torch.Tensor | None, product: Ca
 
 
 def _switched(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(layer, x) if active() else F.linear(x, layer.weight, layer.bias)
+    return linear(layer, x) if context.exact() else F.linear(x, layer.weight, layer.bias)
 
 
 def _switched_norm(forward: Callable[..., torch.Tensor], x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if args or kwargs or not active():  # a norm of another signature: as it is
+    if args or kwargs or not context.exact():  # a norm of another signature: as it is
         return forward(x, *args, **kwargs)
     return norm(forward, x)
 

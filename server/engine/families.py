@@ -35,15 +35,7 @@ from transformers.integrations.heterogeneity.configuration_utils import Ambiguou
 
 from cache_manager import kv, state
 from server.engine import rope
-
-
-class UnsupportedModel(ValueError):
-    """The model has a feature the engine cannot model: `feature` names it (a short slug,
-    e.g. "dynamic-rope"), the message says what it is."""
-
-    def __init__(self, feature: str, message: str) -> None:
-        super().__init__(f"kvserve cannot serve this model: {message} [{feature}]")
-        self.feature = feature
+from server.engine.unsupported import UnsupportedModel
 
 
 # Words in the class names of modules that keep per-sequence state across tokens (no KV layout);

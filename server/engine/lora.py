@@ -11,7 +11,7 @@ corrupt file) is refused with `AdapterError`, whose `reason` names it.
 the device, in slots 1..S (slot 0 is the base); it wraps each targeted linear layer: per layer
 the slots' `lora_A` stacked into `A` [S*R, in] and their `lora_B`, scaled, into `B` [out, S*R],
 R columns per slot, and each column's slot. A step gives every token its row's slot
-(`running`); the layer then adds
+(`StepContext.adapters`, server/engine/context.py); the layer then adds
 
     ((x @ A.T) * mask) @ B.T,   mask[t, c] = 1 where column c belongs to token t's slot
 
@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from server.engine import context
 from server.engine import exact as exact_mode
 
-_current = threading.local()
 _PREFIX = "base_model.model."
 
 
@@ -333,19 +333,19 @@ class Adapters:
 class _Group:
     """The targeted layers of one parent that take one input width: their A stacked [G*width,
     in], so that when they are called on the same input one by one (q, k, v; gate, up), one
-    product and one mask serve them all. It keeps only its last input and hidden product, for
-    the step (`running`), and recomputes for another input: correct whoever calls it."""
+    product and one mask serve them all. The step's context keeps only the last input and
+    hidden product, and another input is computed afresh: correct whoever calls it."""
 
     def __init__(self, a: torch.Tensor, width: int) -> None:
         self.a, self.width = a, width
 
-    def hidden(self, x: torch.Tensor, slots: torch.Tensor, columns: torch.Tensor, index: int) -> torch.Tensor:
+    def hidden(self, step: context.StepContext, x: torch.Tensor, columns: torch.Tensor, index: int) -> torch.Tensor:
         """((x @ A_i.T) * mask) of member `index`: [..., width]."""
-        last = _current.last
+        last = step.memo.get(_Group)
         if last is None or last[0] is not self or last[1] is not x:
-            h = _product(x, self.a)
-            h = h.view(*h.shape[:-1], -1, self.width) * _mask(slots, columns, x.dtype).unsqueeze(-2)
-            _current.last = last = (self, x, h)
+            h = _product(step, x, self.a)
+            h = h.view(*h.shape[:-1], -1, self.width) * _mask(step, columns, x.dtype).unsqueeze(-2)
+            step.memo[_Group] = last = (self, x, h)
         return last[2][..., index, :]
 
 
@@ -357,12 +357,12 @@ class _Layer:
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             y = original(x)
-            slots = getattr(_current, "slots", None)
-            if slots is None:
+            step = context.current()
+            if step is None or step.adapters is None:
                 return y
-            h = group.hidden(x, slots, columns, index)
-            if exact_mode.active():
-                return y + _product(h, b)
+            h = group.hidden(step, x, columns, index)
+            if step.exact:
+                return y + _product(step, h, b)
             # y += h @ B.T in one call (y is this layer's own fresh output)
             y.view(-1, y.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), b.t())
             return y
@@ -375,34 +375,19 @@ def _compute_dtype(module: torch.nn.Linear, model) -> torch.dtype:
     return module.weight.dtype if module.weight.dtype.is_floating_point else model.dtype
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _product(step: context.StepContext, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T; in exact mode one call per whole tile of rows, as exact mode's own linear
     layers (server/engine/exact.py), so a row's delta never depends on the rows beside it."""
-    if not exact_mode.active():
+    if not step.exact:
         return F.linear(x, weight)
     tile = exact_mode.ROW_TILE if x.device.type == "cpu" else exact_mode.CUDA_ROW_TILE
     return exact_mode.by_tiles(lambda rows: F.linear(rows, weight), x, tile, one_call=False)
 
 
-def _mask(slots: torch.Tensor, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _mask(step: context.StepContext, columns: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[N, C]: 1 where column c belongs to token t's adapter (made once per step and layout)."""
-    cache = _current.masks
-    key = (id(columns), dtype)
-    if key not in cache:
-        cache[key] = (slots[:, None] == columns[None, :]).to(dtype)
-    return cache[key]
-
-
-class running:
-    """`with running(slots):` this thread's forward passes give token t the adapter of slot
-    `slots[t]` ([N] on the device; 0: the base). None (or all the base's): no adapter."""
-
-    def __init__(self, slots: torch.Tensor | None) -> None:
-        self.slots = slots
-
-    def __enter__(self) -> None:
-        self._before = getattr(_current, "slots", None), getattr(_current, "masks", None), getattr(_current, "last", None)
-        _current.slots, _current.masks, _current.last = self.slots, {}, None
-
-    def __exit__(self, *exc) -> None:
-        _current.slots, _current.masks, _current.last = self._before
+    key = (_mask, id(columns), dtype)
+    mask = step.memo.get(key)
+    if mask is None:
+        mask = step.memo[key] = (step.adapters[:, None] == columns[None, :]).to(dtype)
+    return mask

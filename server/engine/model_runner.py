@@ -19,16 +19,17 @@ Each step's inputs reach the device in one host-to-device copy.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from cache_manager import kv
-from server.engine import attention, cpu_linear, faults, lora, recurrent, rope
+from server.engine import attention, context, cpu_linear, faults, lora, merged, paged_kernel, recurrent, rope
 from server.engine import exact as exact_mode
-from server.engine.attention import Batch, Row, Step
+from server.engine.attention import Batch, Row
+from server.engine.context import StepContext
 from server.engine.scheduler import Plan
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class ModelRunner:
     """Runs `model` over sequences whose KV lives in `pool` (engine thread only, after `prepare`)."""
 
     def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True,
-                 max_rows: int = 64, paged: bool | None = None, exact: bool = False, adapters: lora.Adapters | None = None) -> None:
+                 max_rows: int = 64, paged: bool | None = None, exact: bool = False, adapters: lora.Adapters | None = None,
+                 decode_kernel: bool | None = None) -> None:
         self.model = model
         self.pool = pool
         self.adapters = adapters  # LoRA adapters (server/engine/lora.py): each row's slot, 0 the base
@@ -65,6 +67,11 @@ class ModelRunner:
         self.packed = packed  # cpu_linear.pack_model's `packed`; None: the linear layers left as they are
         self.exact = exact  # exact mode (server/engine/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
+        # decode rows read the pool in place (server/engine/paged_kernel.py) rather than gathered:
+        # by default on CUDA where Triton runs, over plain storage, outside exact mode (its own kernel)
+        if decode_kernel is None:
+            decode_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not pool.format.quantized and not exact
+        self.decode_kernel = self.paged and decode_kernel
         self.max_rows = bucket(max_rows)
         self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
         text_config = model.config.get_text_config(decoder=True)
@@ -80,7 +87,7 @@ class ModelRunner:
         self._graph_pool = None
         self._logits: torch.Tensor | None = None  # the decode graphs' shared output [max_rows, vocab]
         self.rope: rope.LongRope | None = None  # LongRoPE's per-sequence factors (server/engine/rope.py)
-        self.observe = None  # attention.Step.observe for the eager steps (families.check's probe)
+        self.observe = None  # StepContext.observe for the eager steps (families.check's probe)
         self._enabled = False
 
     def prepare(self) -> None:
@@ -102,33 +109,16 @@ class ModelRunner:
     def _enable(self) -> None:
         if self._enabled:
             return
-        attention.enable(self.model)
-        if self.pool.states is not None:
-            self.paths["recurrent"] = f"{recurrent.enable(self.model)} layers, state slots"
-        self.rope = rope.install(self.model, self.pool.layout.rope_switch)
-        self.paths["attention"] = "paged" if self.paged else "rows"
-        self.paths["cpu_linear"] = "n/a" if self.device.type != "cpu" else "off"
-        if self.packed is not None:
-            packed, transposed = cpu_linear.pack_model(self.model, self.packed)
-            if self.device.type == "cpu":
-                self.paths["cpu_linear"] = "packed" if self.packed and not transposed else "transposed" if not packed else "partly packed"
-            if self.packed and transposed:
-                self._fall_back("cpu_linear", f"{transposed} of {packed + transposed} linear layers cannot be packed "
-                                "for oneDNN by this torch build or dtype; they run the slower transposed product")
-        self.paths["exact"] = "off"
-        if self.exact:
-            exact_mode.pin_backends(self.device, self.pool.dtype)
-            exact_mode.enable(self.model)
-            self.paths["exact"] = "kernels" if self.device.type in exact_mode.KERNELS else "torch"
-            if self.device.type == "cuda" and self.device.type not in exact_mode.KERNELS:
-                self._fall_back("exact", "the Triton kernels are unusable here (the log above says why); "
-                                "exact mode runs the torch formulation, slower")
-        if self.adapters is not None:
-            self.adapters.attach()  # after packing: the adapters' wrappers run the packed layers
-            self.paths["lora"] = f"{len(self.adapters.slots)} slots of rank {self.adapters.rank}"
+        for install in PATCHES:
+            self.paths.update(install(self))
         if self.paged:
             self._meta = torch.zeros(self.max_rows * (self._per_row + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
+
+    def _context(self, rows: list[Row], batches: list[Batch], *, long_tokens: torch.Tensor | None = None,
+                 adapters: torch.Tensor | None = None, states: recurrent.StepRows | None = None) -> StepContext:
+        """A step's context (server/engine/context.py) with this runner's modes."""
+        return StepContext(rows, batches, self.exact, long_tokens, adapters, states, self.observe)
 
     # -- a step ------------------------------------------------------------------------------
 
@@ -199,20 +189,17 @@ class ModelRunner:
             groups += widths.values()
             others = []
         inputs = [self._batch_inputs(group) for group in groups]
-        states_in = self._state_inputs([(r.offset, r.n, r.kv.state, r.kv.length > 0) for r in rows])
-        tensors = _to_device([flat_ids, positions, keep, flat_long, flat_adapters, states_in[0]] + [x for lists, _ in inputs for x in lists],
-                             self.device)
-        ids, pos, keep_t = tensors[:3]
-        long_t = tensors[3].bool() if long_tokens is not None else None
-        adapters_t = tensors[4] if adapter_rows is not None else None
-        states = states_in[1](tensors[5]) if states_in[1] is not None else None
-        batches, at = [], 6
-        for lists, build in inputs:
-            batches.append(build(tensors[at : at + len(lists)]))
-            at += len(lists)
-        step = Step([rows[i] for i in others], batches, self.exact, observe=self.observe)
-        with recurrent.running(states), lora.running(adapters_t):
-            logits = self._forward(ids[None], pos[None], step, keep_t, long_t)
+        states_in, build_states = self._state_inputs([(r.offset, r.n, r.kv.state, r.kv.length > 0) for r in rows])
+        named = {"ids": flat_ids, "positions": positions, "keep": keep, "long": flat_long, "adapters": flat_adapters, "states": states_in}
+        for g, (lists, _) in enumerate(inputs):
+            named.update({f"{g}.{name}": values for name, values in lists.items()})
+        t = _to_device(named, self.device)
+        batches = [build({name: t[f"{g}.{name}"] for name in lists}) for g, (lists, build) in enumerate(inputs)]
+        step = self._context([rows[i] for i in others], batches,
+                             long_tokens=t["long"].bool() if long_tokens is not None else None,
+                             adapters=t["adapters"] if adapter_rows is not None else None,
+                             states=build_states(t["states"]) if build_states is not None else None)
+        logits = self._forward(t["ids"][None], t["positions"][None], step, t["keep"])
         for row in rows:
             row.kv.length += row.n
         return logits
@@ -244,14 +231,13 @@ class ModelRunner:
         blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
         if size > self.max_rows:
             size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
-        ids, pos, batch, states, adapters = self._fill(rows, token_ids, size, blocks, adapter_rows)
+        ids, pos, step = self._fill(rows, token_ids, size, blocks, adapter_rows)
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()
             logits = graph[1][:n]
         else:
-            with recurrent.running(states), lora.running(adapters if adapter_rows else None):
-                logits = self._forward(ids, pos, Step([], [batch], self.exact), None)[:n]
+            logits = self._forward(ids, pos, step, None)[:n]
         for row in rows:
             row.kv.length += 1
         return logits
@@ -262,11 +248,13 @@ class ModelRunner:
         a hybrid's state slot, and a LoRA adapter slot where adapters are served)."""
         return 3 + (self.pool.states is not None) + (self.adapters is not None)
 
-    def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int, adapter_rows: list[int] | None = None):
+    def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int, adapter_rows: list[int] | None = None,
+              capture: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
         """The decode inputs of `rows` in the persistent device buffer, with ONE host-to-device
-        copy: views (ids [1, size], positions [1, size], batch, the recurrent layers' rows or
-        None, the rows' adapter slots [size] or None). Padding rows: token 0 at position 0,
-        writing and reading the trash block only (a hybrid's trash state slot, the base)."""
+        copy: views (ids [1, size], positions [1, size]) and the step's context over them (its
+        batch, the recurrent layers' rows, the rows' adapter slots [size] where some row has
+        an adapter or for a graph's `capture`). Padding rows: token 0 at position 0, writing
+        and reading the trash block only (a hybrid's trash state slot, the base)."""
         positions, slots, tables = self._paged_inputs([r.kv for r in rows], [1] * len(rows), size, 1, blocks)
         states, pad = self.pool.states, size - len(rows)
         extra = [r.kv.state for r in rows] + [states.trash] * pad if states is not None else []
@@ -279,8 +267,10 @@ class ModelRunner:
         ids, pos, slots_t = (meta[i * size : (i + 1) * size] for i in range(3))
         tables_t = meta[per_row * size : size * (per_row + blocks)].view(size, blocks)
         rows_t = recurrent.decode_rows(states, meta[3 * size : 4 * size]) if states is not None else None
-        adapters_t = meta[(per_row - 1) * size : per_row * size] if self.adapters is not None else None
-        return ids[None], pos[None], Batch(self.pool, slots_t, tables_t, pos), rows_t, adapters_t
+        with_adapters = self.adapters is not None and (capture or bool(adapter_rows))
+        adapters_t = meta[(per_row - 1) * size : per_row * size] if with_adapters else None
+        batch = Batch(self.pool, slots_t, tables_t, pos, kernel=self.decode_kernel)
+        return ids[None], pos[None], self._context([], [batch], adapters=adapters_t, states=rows_t)
 
     def _paged_inputs(self, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
         """Positions and slots [size * width] and block tables [size, blocks], flat, of
@@ -306,36 +296,37 @@ class ModelRunner:
             return torch.empty(need, dtype=torch.long, device=self.device)
         return self._meta[:need]
 
-    def _batch_inputs(self, rows: list[Row]):
+    def _batch_inputs(self, rows: list[Row]) -> tuple[dict[str, list[int]], Callable[[dict[str, torch.Tensor]], Batch]]:
         """The paged path's inputs for rows of a mixed step (eager, not padded to a bucket;
-        their ids and positions travel with the step's other tokens): host lists, and how to
-        build the `Batch` from them once on the device. Decode rows (one token each) come
-        first in the flattened batch; multi-token rows are padded to the widest."""
+        their ids and positions travel with the step's other tokens): named host lists, and
+        how to build the `Batch` from them once on the device. Decode rows (one token each)
+        come first in the flattened batch; multi-token rows are padded to the widest."""
         counts = [r.n for r in rows]
         size, width = len(rows), max(counts)
         blocks = max(kv.blocks_for(r.kv.length + r.n, self.pool.block_size) for r in rows)
-        lists = list(self._paged_inputs([r.kv for r in rows], counts, size, width, blocks))
+        positions, slots, tables = self._paged_inputs([r.kv for r in rows], counts, size, width, blocks)
+        lists = {"positions": positions, "slots": slots, "tables": tables}
         if width == 1 and all(r.offset == i for i, r in enumerate(rows)):
-            return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0])
-        tokens = [r.offset + min(t, r.n - 1) for r in rows for t in range(width)]
-        real = [i * width + t for i, r in enumerate(rows) for t in range(r.n)]
-        lists += [tokens, real]
-        return lists, lambda t: Batch(self.pool, t[1], t[2].view(size, blocks), t[0], width, t[3], None if len(real) == len(tokens) else t[4])
+            return lists, lambda t: Batch(self.pool, t["slots"], t["tables"].view(size, blocks), t["positions"], kernel=self.decode_kernel)
+        lists["tokens"] = [r.offset + min(t, r.n - 1) for r in rows for t in range(width)]
+        lists["real"] = [i * width + t for i, r in enumerate(rows) for t in range(r.n)]
+        every = len(lists["real"]) == len(lists["tokens"])
+        return lists, lambda t: Batch(self.pool, t["slots"], t["tables"].view(size, blocks), t["positions"], width, t["tokens"],
+                                      None if every else t["real"])
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: Step, keep: torch.Tensor | None, long_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """One model forward over the flattened tokens; float32 logits at `keep` (all: None).
-        `long_tokens` [N] bool: the tokens that take LongRoPE's long factors before the switch."""
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext, keep: torch.Tensor | None) -> torch.Tensor:
+        """One model forward over the flattened tokens as `step`; float32 logits at `keep`
+        (all: None). The one place a step's context is entered: eager steps and graph capture
+        both run it."""
         for batch in step.batches:
             batch.prepare(self.pool.dtype, self.groups)
-        rope_step = self.rope.step(long_tokens) if self.rope is not None else contextlib.nullcontext()
-        with exact_mode.running(self.exact), rope_step:  # the linear layers' mode (attention's: `step.exact`)
+        with context.entered(step):
             out = self.model(
                 input_ids=ids,
                 attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
                 position_ids=pos,
                 use_cache=False,
                 logits_to_keep=0 if keep is None else keep,
-                kvserve_step=step,
             )
         return out.logits[0].float()
 
@@ -401,19 +392,82 @@ class ModelRunner:
     def _capture(self, size: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """One decode graph over the persistent buffers of (size, blocks); the buffers hold
         padding rows while capturing (they write the trash block only)."""
-        ids, pos, batch, states, adapters = self._fill([], [], size, blocks)  # every row a padding row
-        # a hybrid's state reads and writes, and the LoRA deltas of each row's adapter slot, are
-        # in the graph too
-        with recurrent.running(states), lora.running(adapters):
-            warm = self._forward(ids, pos, Step([], [batch], self.exact), None)  # warm up outside the graph
+        # every row a padding row; a hybrid's state reads and writes, and the LoRA deltas of each
+        # row's adapter slot, are in the graph too
+        ids, pos, step = self._fill([], [], size, blocks, capture=True)
+        warm = self._forward(ids, pos, step, None)  # warm up outside the graph
         if self._logits is None:  # every graph's output, so none holds logits of its own
             self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
         del warm
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool), recurrent.running(states), lora.running(adapters):
-            self._logits[:size].copy_(self._forward(ids, pos, Step([], [batch], self.exact), None))
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._logits[:size].copy_(self._forward(ids, pos, step, None))
         return graph, self._logits[:size]
+
+
+# -- the layer patches ----------------------------------------------------------------------
+# Each installs one kind of replaced forward on the runner's model (once; later calls find it
+# installed) and returns the engine's paths it decides (`describe_paths`). Every patch reads the
+# step from its context (server/engine/context.py). The order matters where one wraps another:
+# projections are merged before the linear layers are packed (CPU), which is before exact mode
+# routes them and before the LoRA wrappers call them.
+
+
+def _attention(runner: ModelRunner) -> dict[str, str]:
+    attention.enable(runner.model)
+    decode = "kernel" if runner.decode_kernel else "gather" if runner.paged else "n/a"
+    return {"attention": "paged" if runner.paged else "rows", "decode_attention": decode}
+
+
+def _recurrent(runner: ModelRunner) -> dict[str, str]:
+    if runner.pool.states is None:
+        return {}
+    return {"recurrent": f"{recurrent.enable(runner.model)} layers, state slots"}
+
+
+def _rope(runner: ModelRunner) -> dict[str, str]:
+    runner.rope = rope.install(runner.model, runner.pool.layout.rope_switch)
+    return {}
+
+
+def _merge(runner: ModelRunner) -> dict[str, str]:
+    # NOTE: a LoRA adapter's targets stay apart (with run-time loading: every linear layer)
+    skip = runner.adapters.modules if runner.adapters is not None and runner.adapters.modules else frozenset()
+    return {"merged": merged.merge(runner.model, skip=skip).describe()}
+
+
+def _linear(runner: ModelRunner) -> dict[str, str]:
+    path = "n/a" if runner.device.type != "cpu" else "off"
+    if runner.packed is not None:
+        packed, transposed = cpu_linear.pack_model(runner.model, runner.packed)
+        if runner.device.type == "cpu":
+            path = "packed" if runner.packed and not transposed else "transposed" if not packed else "partly packed"
+        if runner.packed and transposed:
+            runner._fall_back("cpu_linear", f"{transposed} of {packed + transposed} linear layers cannot be packed "
+                              "for oneDNN by this torch build or dtype; they run the slower transposed product")
+    return {"cpu_linear": path}
+
+
+def _exact(runner: ModelRunner) -> dict[str, str]:
+    if not runner.exact:
+        return {"exact": "off"}
+    exact_mode.pin_backends(runner.device, runner.pool.dtype)
+    exact_mode.enable(runner.model)
+    if runner.device.type == "cuda" and runner.device.type not in exact_mode.KERNELS:
+        runner._fall_back("exact", "the Triton kernels are unusable here (the log above says why); "
+                          "exact mode runs the torch formulation, slower")
+    return {"exact": "kernels" if runner.device.type in exact_mode.KERNELS else "torch"}
+
+
+def _lora(runner: ModelRunner) -> dict[str, str]:
+    if runner.adapters is None:
+        return {}
+    runner.adapters.attach()  # after packing: the adapters' wrappers run the packed layers
+    return {"lora": f"{len(runner.adapters.slots)} slots of rank {runner.adapters.rank}"}
+
+
+PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _recurrent, _rope, _merge, _linear, _exact, _lora)
 
 
 def _finite(logits: torch.Tensor, what: str) -> torch.Tensor:
@@ -428,13 +482,13 @@ def _width_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Long tensors of `lists` on `device`, with one host-to-device copy."""
-    host = torch.tensor([x for values in lists for x in values], dtype=torch.long)
+def _to_device(named: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Long tensors of each named list on `device`, with one host-to-device copy."""
+    host = torch.tensor([x for values in named.values() for x in values], dtype=torch.long)
     flat = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-    out, at = [], 0
-    for values in lists:
-        out.append(flat[at : at + len(values)])
+    out, at = {}, 0
+    for name, values in named.items():
+        out[name] = flat[at : at + len(values)]
         at += len(values)
     return out
 

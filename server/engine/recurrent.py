@@ -21,7 +21,6 @@ as it was. Padding rows of a decode bucket use the trash slot, zeroed after the 
 from __future__ import annotations
 
 import inspect
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -29,9 +28,7 @@ import torch.nn.functional as F
 
 from cache_manager import state
 from cache_manager.state import Slots
-
-_current = threading.local()
-
+from server.engine import context
 
 @dataclass
 class StepRows:
@@ -46,6 +43,15 @@ class StepRows:
     # what the layers wrote, stored once the whole forward pass has run: a pass that fails
     # half-way (retried smaller by the engine) leaves every state as it was
     written: list = field(default_factory=list)
+
+    def finish(self, stored: bool) -> None:
+        """The step's forward has ended: store what the layers wrote if it ran whole
+        (`stored`), and clear the trash slot the padding rows wrote either way."""
+        if stored:
+            for name, index, values in self.written:
+                self.slots.put(name, index, values)
+        self.written.clear()
+        self.slots.clear_trash()
 
 
 def step_inputs(slots: Slots, segments: list[tuple[int, int, int, bool]]):
@@ -77,27 +83,6 @@ def decode_rows(slots: Slots, state_slots: torch.Tensor) -> StepRows:
     return StepRows(slots, None, state_slots, [])
 
 
-class running:
-    """`with running(rows):` the recurrent layers of this thread's forward passes use `rows`."""
-
-    def __init__(self, rows: StepRows | None) -> None:
-        self.rows = rows
-
-    def __enter__(self) -> None:
-        self._before = getattr(_current, "rows", None)
-        _current.rows = self.rows
-
-    def __exit__(self, exc_type, *exc) -> None:
-        _current.rows = self._before
-        if self.rows is None:
-            return
-        if exc_type is None:
-            for name, index, values in self.rows.written:
-                self.rows.slots.put(name, index, values)
-        self.rows.written.clear()
-        self.rows.slots.clear_trash()
-
-
 def enable(model) -> int:
     """Wrap every recurrent module's forward (once); returns how many there are."""
     modules = state.recurrent_modules(model)
@@ -114,12 +99,13 @@ def _wrapped(module, original, keyword: str):
     first = named[0]
 
     def forward(*args, **kwargs):
-        rows: StepRows | None = getattr(_current, "rows", None)
+        step = context.current()
+        rows = step.recurrent if step is not None else None
         if rows is None:
             return original(*args, **kwargs)
         hidden = args[0] if args else kwargs.pop(first)
-        # NOTE: only the module's own parameters: the step's keywords (kvserve_step, the
-        # mask) are not its business, and no row is padded.
+        # NOTE: only the module's own parameters: the step's other keywords (the mask) are not
+        # its business, and no row is padded.
         extra = {k: v for k, v in kwargs.items() if k in named and k not in (keyword, "attention_mask", first)}
         out = None
         if rows.decode_slots is not None:

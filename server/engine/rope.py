@@ -13,16 +13,17 @@ a shorter one short-factor keys (`kv.Layout.rope_long`; the reuse decision keeps
 `install` swaps each LongRoPE rotary module's forward for one that computes both sets of
 cos/sin with the module's own forward and picks per token: long where the token's position is
 at or past the switch (a decode row there is always long) or where the step says its row is
-long (`LongRope.step`). Calls outside a step (transformers' own `generate`) run the original
-forward alone.
+long (`StepContext.long_tokens`, server/engine/context.py). Calls outside a step
+(transformers' own `generate`) run the original forward alone.
 """
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import torch
+
+from server.engine import context
 
 
 class LongRope:
@@ -30,18 +31,6 @@ class LongRope:
 
     def __init__(self, switch: int) -> None:
         self.switch = switch
-        self.active = False
-        self.rows: torch.Tensor | None = None  # [N] bool: tokens whose row is long (None: by position)
-
-    @contextlib.contextmanager
-    def step(self, rows: torch.Tensor | None):
-        """Run a kvserve step: `rows` [N] bool marks the tokens of long rows (None: every
-        token by its own position, as in a decode step)."""
-        self.active, self.rows = True, rows
-        try:
-            yield
-        finally:
-            self.active, self.rows = False, None
 
 
 def install(model, switch: int | None) -> LongRope | None:
@@ -76,11 +65,12 @@ def _patch(module: torch.nn.Module, rope: LongRope) -> None:
     original = module.forward  # bound: transformers' decorated forward
 
     def forward(self, x, position_ids, *args, **kwargs):
-        if not rope.active:
+        step = context.current()
+        if step is None:
             return original(x, position_ids, *args, **kwargs)
         take_long = position_ids >= rope.switch  # [1, N]
-        if rope.rows is not None:
-            take_long = take_long | rope.rows
+        if step.long_tokens is not None:
+            take_long = take_long | step.long_tokens
         n = position_ids.shape[-1]
         cos_short, sin_short = original(x, position_ids.masked_fill(take_long, 0), *args, **kwargs)
         beyond = torch.full_like(position_ids[..., :1], rope.switch)

@@ -81,4 +81,5 @@ async def test_the_paths_in_use_show_with_no_fallback(smollm2, monkeypatch):
         engine = (await http.get("/v1/models")).json()["data"][0]["engine"]
         assert engine["fallbacks"] == {} and engine["speculative"] == "off" and engine["exact"] == "off"
         assert engine["attention"] in ("rows", "paged")
+        assert engine["merged"] == "qkv 30, gate_up 30"  # SmolLM2: every layer's projections, one GEMM each
         assert 'fallbacks=""' in (await http.get("/metrics")).text

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.tiers import DiskTier
-from server.engine import cpu_linear, exact
+from server.engine import context, cpu_linear, exact
 from server.engine.attention import Row
 from server.engine.model_runner import ModelRunner
 from server.engine.draft_model import DraftModelProposer
@@ -732,7 +732,7 @@ def test_norm_rows_ignore_the_other_rows(dtype):
         torch.nn.init.normal_(layer.weight)
     exact.enable(norms)
     assert all(isinstance(layer.forward, functools.partial) for layer in norms)
-    with exact.running(True):
+    with context.entered(context.StepContext(exact=True)):
         for layer in norms:
             x = torch.randn(400, layer.weight.shape[0], device=DEVICE).to(dt)
             single = [layer(x[i : i + 1])[0] for i in range(0, 400, 37)]
@@ -794,7 +794,7 @@ def test_linear_rows_ignore_the_other_rows(dtype, packed, request):
     cpu_linear.pack_model(model, packed)
     exact.enable(model)
     x = torch.randn(1, 400, 576, device=DEVICE).to(dt)
-    with exact.running(True):
+    with context.entered(context.StepContext(exact=True)):
         single = [model(x[:, i : i + 1])[0, 0] for i in range(0, 400, 37)]
         for m in (2, 3, 7, 8, 9, 16, 17, 33, 64, 100, 300):
             for at in (0, m - 1):

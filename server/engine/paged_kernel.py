@@ -1,0 +1,272 @@
+"""Paged decode attention: one query token per row attends its keys where the KV pool holds
+them, through the row's block table, instead of gathering the whole bucket first.
+
+Shapes (decode; a KV head's G query heads folded, as server/engine/attention.py folds them):
+q [B, Hkv, G, Dk]; the pool's keys [Hkv, S, Dk] and values [Hkv, S, Dv] of one layer (plain
+storage; S = (num_blocks + 1) * block_size slots); tables [B, max_blocks]; positions [B] ->
+out [B, Hkv, G, Dv] in q's dtype. Position p of row b lives at slot tables[b, p // block_size]
+* block_size + p % block_size; a query at position `pos` sees keys 0..pos, or with `window`
+those after pos - window (transformers' sliding rule).
+
+`torch.ops.kvserve.paged_decode` is an opaque custom op (a fake implementation gives
+torch.compile its shape), so a compiled model calls it as it is, never specialising on the
+pool. On CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1, tests), it runs the
+Triton kernels below; elsewhere `paged_decode_reference`, the eager formula in float32.
+
+A program is one (row, KV head) and one split of the row's context: its G query heads as the
+rows of one tile, its keys in tiles of BLOCK_N positions (a table look-up per position, so any
+block size works), FlashAttention's online softmax in float32. Only the tiles holding keys
+the query can see are walked (from the window's start to the row's position): the cost
+follows the tokens a row holds, not the bucket's max_blocks. A long context is split over
+several programs each walking a range of tiles (flash-decoding), whose partial states
+(max, sum, weighted values) a second small kernel merges, then adds the sinks (gpt-oss: a
+logit per query head in the denominator, no value). The split count depends on the static
+shapes only (B, Hkv, max_blocks, `splits`), so a CUDA graph captured for a bucket replays
+the same launches whatever the positions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - no Triton (or a broken one): the op runs the reference
+    triton = tl = None
+
+TRITON = triton is not None
+# NOTE: triton.jit decides at decoration whether a kernel is compiled or interpreted, so what
+# counts is TRITON_INTERPRET at import time, not at the call.
+INTERPRETED = TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+
+BLOCK_N = 32  # key positions per step of a program's walk
+PARTITION = 512  # the fewest key positions a split walks (below that, merging costs more than it spreads)
+TARGET_PROGRAMS = 1024  # splits stop once a launch has this many programs (enough to fill a GPU)
+
+_jit = triton.jit if TRITON else (lambda fn: fn)
+
+
+@_jit
+def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr,
+            heads, groups, block_size, max_tokens, tiles_per_split, window, scale, softcap,
+            q_b, q_h, q_g, k_h, k_s, v_h, v_s, t_b, p_b, o_b, o_h, o_g,
+            DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, IEEE: tl.constexpr,
+            UPCAST: tl.constexpr):
+    """Program (row x KV head, split): the visible key tiles of the split's range. SPLIT: its
+    state goes to the partial buffers [B * Hkv, splits, BLOCK_M(, DV_P2)] for `_merge_splits`;
+    otherwise (one split) it adds the sinks and writes the output."""
+    row = tl.program_id(0).to(tl.int64)
+    b, h = row // heads, row % heads
+    split = tl.program_id(1).to(tl.int64)
+    pos = tl.load(pos_ptr + b * p_b).to(tl.int64)
+    first, last = _visible(pos, max_tokens, window)
+    lo = tl.maximum(first // BLOCK_N, split * tiles_per_split)
+    hi = tl.minimum(last // BLOCK_N + 1, (split + 1) * tiles_per_split)
+    g = tl.arange(0, BLOCK_M)
+    live = g < groups
+    dk = tl.arange(0, DK_P2)
+    dv = tl.arange(0, DV_P2)
+    q = tl.load(q_ptr + b * q_b + h * q_h + g[:, None] * q_g + dk[None, :], mask=live[:, None] & (dk[None, :] < DK), other=0.0)
+    k_base, v_base = k_ptr + h * k_h, v_ptr + h * v_h
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_P2], tl.float32)
+    for tile in range(lo, hi):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        seen = (keys >= first) & (keys <= last)
+        block = tl.load(table_ptr + b * t_b + keys // block_size, mask=seen, other=0).to(tl.int64)
+        slot = block * block_size + keys % block_size
+        kt = tl.load(k_base + slot[None, :] * k_s + dk[:, None], mask=seen[None, :] & (dk[:, None] < DK), other=0.0).to(q.dtype)
+        scores = _dot(q, kt, IEEE, UPCAST) * scale
+        if SOFTCAP:  # softcap * tanh(scores / softcap), tanh through exp(-2|x|)
+            e = tl.exp(-2.0 * tl.abs(scores / softcap))
+            t = (1.0 - e) / (1.0 + e)
+            scores = softcap * tl.where(scores < 0, -t, t)
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # nothing seen yet: weights 0, not NaN
+        rescale = tl.exp(top - shift)
+        weights = tl.exp(scores - shift[:, None])
+        total = total * rescale + tl.sum(weights, 1)
+        v = tl.load(v_base + slot[:, None] * v_s + dv[None, :], mask=seen[:, None] & (dv[None, :] < DV), other=0.0).to(q.dtype)
+        acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, IEEE, UPCAST)
+        top = new_top
+    if SPLIT:
+        part = (row * tl.num_programs(1) + split) * BLOCK_M + g
+        tl.store(top_ptr + part, top)
+        tl.store(total_ptr + part, total)
+        tl.store(acc_ptr + part[:, None] * DV_P2 + dv[None, :], acc)
+    else:
+        _finish(out_ptr + b * o_b + h * o_h, sink_ptr + h * groups, g, dv, live, top, total, acc, o_g, DV, SINKS)
+
+
+@_jit
+def _merge_splits(pos_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr, heads, groups, splits, max_tokens,
+                  tiles_per_split, window, p_b, o_b, o_h, o_g,
+                  DV: tl.constexpr, DV_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINKS: tl.constexpr):
+    """Program (row x KV head): the states of the splits that saw keys, merged, then the sinks
+    and the output. The others were never walked: their buffers are not read."""
+    row = tl.program_id(0).to(tl.int64)
+    b, h = row // heads, row % heads
+    pos = tl.load(pos_ptr + b * p_b).to(tl.int64)
+    first, last = _visible(pos, max_tokens, window)
+    g = tl.arange(0, BLOCK_M)
+    dv = tl.arange(0, DV_P2)
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_P2], tl.float32)
+    for split in range(first // BLOCK_N // tiles_per_split, last // BLOCK_N // tiles_per_split + 1):
+        part = (row * splits + split) * BLOCK_M + g
+        s_top = tl.load(top_ptr + part)
+        new_top = tl.maximum(top, s_top)
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        mine, theirs = tl.exp(top - shift), tl.exp(s_top - shift)
+        total = total * mine + tl.load(total_ptr + part) * theirs
+        acc = acc * mine[:, None] + tl.load(acc_ptr + part[:, None] * DV_P2 + dv[None, :]) * theirs[:, None]
+        top = new_top
+    _finish(out_ptr + b * o_b + h * o_h, sink_ptr + h * groups, g, dv, g < groups, top, total, acc, o_g, DV, SINKS)
+
+
+@_jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in float32: IEEE float32 products for float32 (not TF32); UPCAST: the
+    operands in float32 first (NOTE: Triton 3.9's interpreter keeps bfloat16 as uint16 and
+    its tl.dot multiplies those integers, so under it bfloat16 is multiplied as float32)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@_jit
+def _visible(pos, max_tokens, window):
+    """The first and last key position a query at `pos` sees (window 0: no window); the last
+    within the bucket, so a bad position never reads past its table."""
+    last = tl.minimum(pos, max_tokens - 1)
+    first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    return first, last
+
+
+@_jit
+def _finish(out_base, sink_base, g, dv, live, top, total, acc, o_g, DV: tl.constexpr, SINKS: tl.constexpr):
+    """The output: the weighted values over the sum of weights, with each query head's sink
+    logit in the sum (SINKS; the max taken with it, so no weight overflows)."""
+    if SINKS:
+        sink = tl.load(sink_base + g, mask=live, other=0.0).to(tl.float32)
+        new_top = tl.maximum(top, sink)
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)
+        mine = tl.exp(top - shift)
+        total = total * mine + tl.exp(sink - shift)
+        acc = acc * mine[:, None]
+    out = acc / tl.where(live & (total > 0), total, 1.0)[:, None]
+    tl.store(out_base + g[:, None] * o_g + dv[None, :], out.to(out_base.dtype.element_ty), mask=live[:, None] & (dv[None, :] < DV))
+
+
+def split_count(batch: int, kv_heads: int, max_blocks: int, block_size: int, partition: int = PARTITION) -> int:
+    """How many programs share a row's context: one per `partition` key positions of the
+    bucket, fewer where the rows alone make TARGET_PROGRAMS programs. Static shapes only (a
+    CUDA graph's launch grid must not depend on the positions)."""
+    tiles = triton.cdiv(max_blocks * block_size, BLOCK_N)
+    by_length = triton.cdiv(tiles * BLOCK_N, max(partition, BLOCK_N))
+    by_fill = triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)
+    return max(1, min(by_length, by_fill, tiles))
+
+
+def paged_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                        block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                        window: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """`paged_decode` by the Triton kernels (one launch, or two when split). `splits`: how
+    many programs share a row's context (default `split_count`'s)."""
+    b, kv_heads, groups, dk = q.shape
+    dv = values.shape[-1]
+    max_blocks = tables.shape[1]
+    q, keys, values, tables = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, keys, values, tables))
+    out = torch.empty(b, kv_heads, groups, dv, device=q.device, dtype=q.dtype)
+    if b == 0:
+        return out
+    splits = splits or split_count(b, kv_heads, max_blocks, block_size)
+    tiles = triton.cdiv(max_blocks * block_size, BLOCK_N)
+    tiles_per_split = triton.cdiv(tiles, splits)
+    splits = triton.cdiv(tiles, tiles_per_split)  # none left empty by the rounding
+    block_m = max(16, triton.next_power_of_2(groups))  # tl.dot's smallest tile
+    dk_p2, dv_p2 = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    split = splits > 1
+    if split:
+        top = torch.empty(b * kv_heads * splits * block_m, device=q.device, dtype=torch.float32)
+        total = torch.empty_like(top)
+        acc = torch.empty(top.shape[0], dv_p2, device=q.device, dtype=torch.float32)
+    else:
+        top = total = acc = out  # unused
+    sink = sinks.to(device=q.device, dtype=torch.float32).reshape(kv_heads, groups).contiguous() if sinks is not None else out
+    window = window or 0
+    ieee = q.dtype == torch.float32
+    # NOTE: float32's IEEE dots run on the FMA units, not tensor cores: with 4 warps their tiles
+    # spill registers (sm_90 code built ahead of time), with 8 they fit.
+    common = dict(DV=dv, DV_P2=dv_p2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SINKS=sinks is not None, num_warps=8 if ieee else 4)
+    _decode[(b * kv_heads, splits)](
+        q, keys, values, tables, positions, out, top, total, acc, sink,
+        kv_heads, groups, block_size, max_blocks * block_size, tiles_per_split, window, float(scale), float(softcap or 1.0),
+        *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], tables.stride(0), positions.stride(0), *out.stride()[:3],
+        DK=dk, DK_P2=dk_p2, SPLIT=split, SOFTCAP=softcap is not None, IEEE=ieee,
+        UPCAST=INTERPRETED and q.dtype == torch.bfloat16, num_stages=2, **common)
+    if split:
+        _merge_splits[(b * kv_heads,)](positions, out, top, total, acc, sink, kv_heads, groups, splits, max_blocks * block_size,
+                                       tiles_per_split, window, positions.stride(0), *out.stride()[:3], **common)
+    return out
+
+
+def paged_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                           block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                           window: int | None = None) -> torch.Tensor:
+    """`paged_decode` as the eager formula in float32 over keys and values gathered by the
+    tables (the bucket's every position, masked)."""
+    b, kv_heads, groups, _ = q.shape
+    offsets = torch.arange(block_size, device=tables.device)
+    slots = (tables[:, :, None] * block_size + offsets).flatten(1)  # [B, L]
+    k_rows, v_rows = (x[:, slots].transpose(0, 1).float() for x in (keys, values))  # [B, Hkv, L, D]
+    scores = torch.matmul(q.float(), k_rows.transpose(-2, -1)) * scale  # [B, Hkv, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    key_positions = torch.arange(slots.shape[1], device=q.device)[None, :]
+    allowed = key_positions <= positions[:, None]
+    if window is not None:
+        allowed &= key_positions > positions[:, None] - window
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, kv_heads, groups, 1).expand(b, kv_heads, groups, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v_rows).to(q.dtype)
+
+
+def runs_triton(device: torch.device) -> bool:
+    """Whether the op runs the Triton kernels for tensors on `device`: on CUDA, and on CPU
+    under the interpreter (set before this module was imported, and still set)."""
+    if not TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@torch.library.custom_op("kvserve::paged_decode", mutates_args=())
+def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                 block_size: int, scale: float, softcap: float | None, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """q [B, Hkv, G, Dk] over one layer's pool keys [Hkv, S, Dk] / values [Hkv, S, Dv] through
+    `tables` [B, max_blocks] at `positions` [B] (see the module docstring) -> [B, Hkv, G, Dv] in
+    q's dtype. Padding rows (position 0, a table of trash blocks) give finite values."""
+    if runs_triton(q.device):
+        return paged_decode_triton(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
+    return paged_decode_reference(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
+
+
+@paged_decode.register_fake
+def _(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window):
+    return q.new_empty(*q.shape[:-1], values.shape[-1])

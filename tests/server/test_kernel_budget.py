@@ -1,0 +1,94 @@
+"""The kernels of one decode step (issue 47, bench/kernels.py) are exactly the budget in
+bench/kernel_budget.json: per decoder layer, in the rest of the model's forward ("fixed") and in
+the step's ops around it ("around"), counted on a 4-layer bf16 model at 1 and 64 rows.
+
+Exact both ways, so the file records every change: a count above the budget fails (a change added
+kernels: remove them or, if intended, raise the budget and say why in its "reason"); a count
+below it fails too (lower the budget to the new count, saying what lowered it). A layer's
+kernels must also be the same in every layer and at any number of rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench import kernels
+from tests.device import DEVICE
+
+BUDGET_FILE = Path(kernels.__file__).with_name("kernel_budget.json")
+BUDGET = json.loads(BUDGET_FILE.read_text())
+LAYERS = 4
+ROWS = (1, 64)
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict[int, kernels.Counts]:
+    model = kernels.build(LAYERS, DEVICE)
+    return {rows: kernels.count_decode_step(model, rows) for rows in ROWS}
+
+
+def _ops(ops: Counter) -> str:
+    return ", ".join(f"{name} {n}" for name, n in ops.most_common())
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("part", ["per_layer", "fixed", "around"])
+def test_the_kernels_of_a_decode_step_are_the_budget(counts, rows, part):
+    c = counts[rows]
+    ops = {"per_layer": c.layers[0], "fixed": c.fixed, "around": c.around}[part]
+    got, budget = kernels.split(ops), kernels.Split(**BUDGET[part])
+    counted = f"{part} at {rows} rows: {got.non_gemm} non-GEMM + {got.gemm} GEMM kernels"
+    if got.non_gemm > budget.non_gemm or got.gemm > budget.gemm:
+        pytest.fail(f"{counted}, over the budget of {budget.non_gemm} + {budget.gemm} in bench/kernel_budget.json. Ops: {_ops(ops)}. "
+                    'Remove the added kernels or, if they are intended, raise the budget and say why in its "reason".')
+    if got != budget:
+        pytest.fail(f"{counted}, under the budget of {budget.non_gemm} + {budget.gemm}: lower the budget in bench/kernel_budget.json "
+                    f'to these counts and say what lowered them in its "reason" (ops: {_ops(ops)}).')
+
+
+def test_every_layer_launches_the_same_kernels(counts):
+    for c in counts.values():
+        for i, layer in enumerate(c.layers):
+            assert layer == c.layers[0], f"at {c.rows} rows layer {i} launches {_ops(layer)}; layer 0 {_ops(c.layers[0])}"
+
+
+def test_the_kernels_do_not_grow_with_rows(counts):
+    one, many = counts[ROWS[0]], counts[ROWS[-1]]
+    for part in ("layers", "fixed", "around"):
+        a, b = getattr(one, part), getattr(many, part)
+        assert a == b, f"{part}: {ROWS[0]} row(s) launch {a}, {ROWS[-1]} rows {b}"
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        x = x.view(1, 4, 8).transpose(1, 2).reshape(8, 4).t()  # views only
+        x = x.to(torch.bfloat16).transpose(0, 1).reshape(4, 8)  # a copy: the transposed tensor is not viewable as [4, 8]
+        q = self.proj(x.float().to(torch.bfloat16)).view(1, 1, 4, 8)  # two dtype copies and one product
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_the_counter_counts_what_runs(inference):
+    """Views and same-dtype conversions launch nothing; composite ops count as what they run
+    (`reshape` a copy, `linear` a product); attention is one kernel."""
+    layers = torch.nn.ModuleList([_Block()])
+    model = torch.nn.Sequential(*layers)
+    x = torch.ones(32, dtype=torch.bfloat16)
+    with torch.inference_mode(inference), kernels.count_kernels(model, layers) as counter:
+        model(x)
+    ops = counter.counts(1).layers[0]
+    # sdpa is decomposed before the mode sees it outside inference mode: a name of its fused kernel
+    kinds = Counter({n if kernels.kind(n) != "attention" else "attention": k for n, k in ops.items()})
+    assert kinds == Counter({"clone": 1, "_to_copy": 2, "addmm": 1, "attention": 1}), ops
+    assert kernels.split(ops) == (4, 1) and not counter.counts(1).fixed and not counter.counts(1).around
+    assert not model._forward_pre_hooks and not layers[0]._forward_hooks  # the hooks are gone

@@ -1,0 +1,252 @@
+"""The paged decode kernel (server/engine/paged_kernel.py) against its torch reference and
+against the paged path it replaces (attention.py `_attend` over a gathered bucket with an
+additive mask), on random pools with scattered block tables, padding rows, GQA, Dk != Dv,
+head sizes that are not powers of two, windows, soft-capping, sinks and split contexts; and
+the custom op's dispatch, schema and fake implementation (torch.compile, fullgraph).
+
+On CPU Triton's interpreter runs the kernels (tests/conftest.py sets TRITON_INTERPRET=1): a
+program at a time with NumPy, slow, so the shapes are small."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cache_manager import kv
+from server.engine import paged_kernel
+from server.engine.attention import _additive, _attend
+from tests.device import DEVICE
+
+pytestmark = pytest.mark.skipif(not paged_kernel.runs_triton(DEVICE), reason=f"no Triton kernel on {DEVICE} (no Triton, or no interpreter)")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+class Case:
+    """A random pool and a decode batch over it: `lengths[b]` tokens held by row b (its query
+    at position length - 1), None for a padding row (position 0, a table of trash blocks);
+    each row's blocks scattered over the pool's `num_blocks`, the trash block (the last) past
+    its end."""
+
+    def __init__(self, lengths, groups=2, kv_heads=2, dk=32, dv=None, block_size=kv.BLOCK_SIZE, max_blocks=8, num_blocks=24,
+                 dtype=torch.float32, seed=0, softcap=None, sinks=False, window=None):
+        gen = torch.Generator().manual_seed(seed)
+        dv = dv or dk
+        slots = (num_blocks + 1) * block_size
+        self.trash = slice(num_blocks * block_size, slots)
+        self.block_size, self.softcap, self.window = block_size, softcap, window
+        self.scale = dk**-0.5
+        self.keys = torch.randn(kv_heads, slots, dk, generator=gen).to(DEVICE, dtype)
+        self.values = torch.randn(kv_heads, slots, dv, generator=gen).to(DEVICE, dtype)
+        self.q = torch.randn(len(lengths), kv_heads, groups, dk, generator=gen).to(DEVICE, dtype)
+        self.sinks = torch.randn(kv_heads, groups, generator=gen).to(DEVICE) if sinks else None
+        tables = torch.full((len(lengths), max_blocks), num_blocks, dtype=torch.int64)
+        for b, n in enumerate(lengths):
+            if n is not None:
+                used = -(-n // block_size)
+                tables[b, :used] = torch.randperm(num_blocks, generator=gen)[:used]
+        self.tables = tables.to(DEVICE)
+        self.positions = torch.tensor([0 if n is None else n - 1 for n in lengths], dtype=torch.int64, device=DEVICE)
+
+    def args(self):
+        return (self.q, self.keys, self.values, self.tables, self.positions, self.block_size, self.scale, self.softcap,
+                self.sinks, self.window)
+
+    def kernel(self, **kw):
+        return paged_kernel.paged_decode_triton(*self.args(), **kw)
+
+    def reference(self):
+        return paged_kernel.paged_decode_reference(*self.args())
+
+
+def assert_close(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    tolerance = TOLERANCE[got.dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+LENGTHS = [1, 16, 17, 45, 128, None]  # 1 token, a whole block, one past it, mid-block, the whole bucket, padding
+
+CASES = {
+    "mha": dict(groups=1, dk=64),
+    "gqa2": dict(groups=2, dk=32),
+    "gqa4-head80": dict(groups=4, dk=80),
+    "gqa7-dk48-dv80": dict(groups=7, kv_heads=1, dk=48, dv=80),
+    "gqa12-dk16": dict(groups=12, kv_heads=1, dk=16),
+    "window": dict(groups=2, window=20),
+    "softcap": dict(groups=2, softcap=5.0),
+    "sinks": dict(groups=4, sinks=True),
+    "block4-all": dict(groups=2, block_size=4, max_blocks=8, window=9, softcap=3.0, sinks=True),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_reference_fp32(name):
+    config = CASES[name]
+    lengths = LENGTHS if config.get("block_size", 16) == 16 else [1, 4, 5, 14, 32, None]
+    case = Case(lengths, **config)
+    assert_close(case.kernel(), case.reference())
+
+
+@pytest.mark.parametrize("name", ["gqa4-head80", "gqa7-dk48-dv80", "block4-all"])
+def test_matches_reference_bf16(name):
+    config = CASES[name]
+    lengths = LENGTHS if config.get("block_size", 16) == 16 else [1, 4, 5, 14, 32, None]
+    case = Case(lengths, dtype=torch.bfloat16, **config)
+    assert_close(case.kernel(), case.reference())
+
+
+def test_padding_rows_are_finite_whatever_the_trash_block_holds():
+    case = Case([None, None, 30], groups=2)
+    case.keys[:, case.trash] = 1e4 * torch.randn_like(case.keys[:, case.trash])
+    out = case.kernel()
+    assert torch.isfinite(out).all()
+    assert_close(out[2:], case.reference()[2:])
+
+
+def test_reads_only_what_the_row_sees():
+    """NaNs in every slot the rows cannot see (past their ends, before their windows, other
+    blocks of the pool) change nothing: those keys are never weighed, not weighed by zero."""
+    case = Case([40, 70, 3], groups=2, window=24, softcap=4.0)
+    want = case.reference()
+    seen = torch.zeros(case.keys.shape[1], dtype=torch.bool)
+    for b, pos in enumerate(case.positions.tolist()):
+        for p in range(max(0, pos - case.window + 1), pos + 1):
+            seen[case.tables[b, p // case.block_size] * case.block_size + p % case.block_size] = True
+    case.keys[:, ~seen] = float("nan")
+    case.values[:, ~seen] = float("nan")
+    assert_close(case.kernel(), want)
+
+
+def test_split_context_merges_to_the_same_result():
+    """Flash-decoding: the context spread over 1, 3 or 8 programs per (row, KV head), with a
+    window (leading splits never walked) and sinks (added after the merge)."""
+    case = Case([128, 100, 33, 1, None], groups=4, window=70, sinks=True, softcap=10.0)
+    whole = case.kernel(splits=1)
+    assert_close(whole, case.reference())
+    for splits in (3, 8):
+        torch.testing.assert_close(case.kernel(splits=splits), whole, atol=1e-6, rtol=1e-6)
+
+
+def test_long_row_splits_by_default():
+    """A bucket longer than PARTITION positions splits without being asked (one row, one KV
+    head: few programs), through the op."""
+    max_blocks = paged_kernel.PARTITION // 16 + 4
+    assert paged_kernel.split_count(1, 1, max_blocks, 16) == 2
+    case = Case([max_blocks * 16 - 5], groups=2, kv_heads=1, dk=16, max_blocks=max_blocks, num_blocks=max_blocks + 4)
+    assert_close(torch.ops.kvserve.paged_decode(*case.args()), case.reference())
+
+
+def test_split_count_follows_static_shapes_only():
+    """More splits for a longer bucket, fewer once the rows alone fill the device; never more
+    than the bucket has tiles."""
+    count = paged_kernel.split_count
+    assert count(1, 8, 8, 16) == 1  # 128 positions: one program per row
+    assert count(1, 8, 4096, 16) == paged_kernel.TARGET_PROGRAMS // 8  # 64k positions, one row: fill the device
+    assert count(1, 8, 2048, 16) == 2048 * 16 // paged_kernel.PARTITION
+    assert count(256, 8, 2048, 16) == 1  # 2048 programs already
+    assert count(1, 1, 64, 16, partition=1) == 64 * 16 // paged_kernel.BLOCK_N
+
+
+def test_matches_the_gathered_bucket_path():
+    """What the kernel replaces: attention.py's `_attend` over keys gathered by the tables with
+    an additive mask (`Batch.prepare`'s), sdpa and the eager formula (softcap, sinks)."""
+    case = Case([9, 33, 64, None], groups=4)
+    bs = case.block_size
+    slots = (case.tables[:, :, None] * bs + torch.arange(bs, device=DEVICE)).flatten(1)
+    k_rows, v_rows = (x[:, slots].transpose(0, 1) for x in (case.keys, case.values))  # [B, Hkv, L, D]
+    allowed = torch.arange(slots.shape[1], device=DEVICE)[None, :] <= case.positions[:, None]
+    mask = _additive(allowed, case.q.dtype)[:, None, None, :]
+    assert_close(case.kernel(), _attend(case.q, k_rows, v_rows, mask, case.scale, None))
+    case.softcap, case.sinks = 6.0, torch.randn(2, 4, device=DEVICE)
+    sinks = case.sinks.view(1, 2, 4, 1)
+    assert_close(case.kernel(), _attend(case.q, k_rows, v_rows, mask, case.scale, 6.0, sinks))
+
+
+def test_op_dispatch(monkeypatch):
+    """The op runs the kernel here, and the reference on CPU without the interpreter."""
+    case = Case([20, 50], groups=2)
+    op = torch.ops.kvserve.paged_decode
+    torch.testing.assert_close(op(*case.args()), case.kernel(), atol=0, rtol=0)
+    if DEVICE.type == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert not paged_kernel.runs_triton(DEVICE)
+        torch.testing.assert_close(op(*case.args()), case.reference(), atol=0, rtol=0)
+
+
+def test_opcheck():
+    """The op's schema, fake implementation and autograd registration agree with its runs."""
+    case = Case([5, 20], groups=2, dk=16, max_blocks=2, sinks=True)
+    torch.library.opcheck(torch.ops.kvserve.paged_decode.default, case.args(),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_compiles_as_one_opaque_op():
+    """torch.compile(fullgraph=True) keeps the op whole: one node in the graph AOT autograd
+    hands the backend, traced with the fake implementation's shape.
+
+    NOTE: AOT autograd's graph with eager execution (what inductor receives), not inductor
+    itself: inductor's C++ build of even a tiny CPU graph takes ~30 s cold here."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    case = Case([5, 30, None], groups=2, softcap=5.0)
+    bs, scale = case.block_size, case.scale
+
+    def step(q, keys, values, tables, positions):
+        out = torch.ops.kvserve.paged_decode(q * 2, keys, values, tables, positions, bs, scale, 5.0, None, None)
+        return out.sum(-1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=capture))
+    args = case.args()[:5]
+    torch.testing.assert_close(compiled(*args), step(*args))
+    (graph,) = graphs
+    calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is torch.ops.kvserve.paged_decode.default]
+    assert len(calls) == 1
+    assert math.isclose(calls[0].args[6], scale)
+
+
+# -- in the model runner: decode rows through the kernel give the gather path's tokens ------------
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2", "gpt_oss"])
+def test_the_runner_decodes_through_the_kernel_as_through_the_gather(family):
+    """The paged path's decode rows (bucket-padded, from the persistent buffers: the body a CUDA
+    graph replays) attend through the kernel (`decode_kernel=True`; under the interpreter on
+    CPU) and give the gather path's greedy tokens, with logits within float32 rounding: GQA,
+    sliding windows past their length, Gemma 2's soft-capping, gpt-oss's sinks. Three rows of
+    different lengths, one crossing a block boundary while it decodes."""
+    from bench import architectures
+    from cache_manager import kv
+    from server.engine.attention import Row
+    from server.engine.model_runner import ModelRunner
+
+    model = architectures.build(family, DEVICE)
+    prompts = [list(range(3 + r, 3 + r + n)) for r, n in enumerate((5, 14, 30))]
+    runs = {}
+    for kernel in (False, True):
+        pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, model.dtype) * 4, model.device, model.dtype)
+        runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=4, decode_kernel=kernel)
+        assert runner.paths == {} and runner.decode_kernel is kernel
+        caches = [pool.allocate(64) for _ in prompts]
+        logits = runner.forward([Row(c, len(p)) for c, p in zip(caches, prompts)], [t for p in prompts for t in p], [0, 1, 2])
+        tokens, steps = [logits.argmax(-1).tolist()], []
+        for _ in range(6):
+            logits = runner.forward([Row(c, 1) for c in caches], tokens[-1], [0, 1, 2])
+            steps.append(logits)
+            tokens.append(logits.argmax(-1).tolist())
+        assert runner.paths["decode_attention"] == ("kernel" if kernel else "gather")
+        runs[kernel] = tokens, torch.stack(steps)
+        for c in caches:
+            kv.free(c)
+    assert runs[True][0] == runs[False][0]
+    torch.testing.assert_close(runs[True][1], runs[False][1], atol=1e-4, rtol=1e-4)
