@@ -522,9 +522,10 @@ class Engine:
         if self.metrics is not None:  # kvserve_prefix_cache_misses{reason="rope_switch"}: one per recompute
             self.metrics.cache_misses.labels(ROPE_SWITCH).inc()
 
-    def _postprocess(self, plan: Plan, logits: torch.Tensor) -> None:
+    def _postprocess(self, plan: Plan, logits: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
         """Sample (or verify a draft), emit and finish the rows that completed (the forward
-        pass moved their KV lengths)."""
+        pass moved their KV lengths). `greedy`: the rows' argmax on the device, for a step of
+        decode rows alone (`model_runner.StepOutput`)."""
         completed, plain, drafted = [], [], []
         offset = 0
         for row in plan.rows:
@@ -541,8 +542,8 @@ class Engine:
         if not completed:
             return
         if drafted:
-            logits = logits[plain]
-        for seq, token in self._choose(completed, logits):
+            logits, greedy = logits[plain], None
+        for seq, token in self._choose(completed, logits, greedy):
             if token is None:
                 self._finish(seq, handles[seq], "error", error="internal")
                 continue
@@ -555,7 +556,7 @@ class Engine:
                 log.exception("request %s failed", seq.request_id)
                 self._finish(seq, handles[seq], "error", error="internal")
 
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, TokenInfo | None]]:
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[tuple[Sequence, TokenInfo | None]]:
         """`sampler.choose` for the rows; when it raises, each row is chosen alone and only
         the ones that raise again get None.
 
@@ -565,14 +566,14 @@ class Engine:
         try:
             if self._faults is not None:
                 self._faults.before_sampling(seqs)
-            return list(zip(seqs, sampler.choose(seqs, logits)))
+            return list(zip(seqs, sampler.choose(seqs, logits, greedy)))
         except Exception:
             if len(seqs) == 1:
                 log.exception("choosing the token of %s failed", seqs[0].request_id)
                 self._fault("sampling")
                 return [(seqs[0], None)]
             log.warning("choosing the tokens of %d rows failed: choosing each alone", len(seqs), exc_info=True)
-        return [pair for i, seq in enumerate(seqs) for pair in self._choose([seq], logits[i : i + 1])]
+        return [pair for i, seq in enumerate(seqs) for pair in self._choose([seq], logits[i : i + 1], None if greedy is None else greedy[i : i + 1])]
 
     def _verify(self, seq: Sequence, handle: RequestHandle, draft, logits: torch.Tensor) -> None:
         """Take a drafted row's tokens as `_take` would have taken them one step at a time: the
@@ -621,9 +622,10 @@ class Engine:
                 t_run = time.perf_counter()
                 if self._faults is not None:
                     self._faults.before_forward(part)
-                logits = self.runner.run(part)
-                self.runner.synchronize()  # the step's cost, not its launch's (sampling waits anyway)
-                self.speculator.observe(part.num_tokens, time.perf_counter() - t_run)
+                out = self.runner.run(part)
+                if self.speculator.timed:  # the step's cost, not its launch's: a sync
+                    self.runner.synchronize()
+                    self.speculator.observe(part.num_tokens, time.perf_counter() - t_run)
             except torch.OutOfMemoryError:
                 self.runner.release_memory()
                 smaller = self._shrink(part)
@@ -649,7 +651,7 @@ class Engine:
                 failed.append(row.seq)
             else:
                 ran = True
-                self._postprocess(part, logits)
+                self._postprocess(part, out.logits, out.greedy)
         for seq in failed:
             self._finish(seq, self._handle(seq), "error", error="internal")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -54,6 +55,17 @@ def block_bucket(n: int, largest: int) -> int:
     return min(b, largest)
 
 
+@dataclass(slots=True)
+class StepOutput:
+    """What a step computed: float32 `logits` [R, vocab] (`ModelRunner.forward`) and, for a
+    step of decode rows alone, `greedy` [R]: each row's argmax, on the device (in a captured
+    graph, computed inside it), so that a step whose rows are all plain greedy costs one
+    device-to-host copy of R ids (server/engine/sampler.py `choose`); None otherwise."""
+
+    logits: torch.Tensor
+    greedy: torch.Tensor | None = None
+
+
 class ModelRunner:
     """Runs `model` over sequences whose KV lives in `pool` (engine thread only, after `prepare`)."""
 
@@ -80,12 +92,13 @@ class ModelRunner:
         self.use_graphs = cuda_graphs and ((self.device.type == "cuda" and self.paged) or faults.switched_on("capture"))
         self.paths: dict[str, str] = {}  # how each fast path runs (`describe_paths`), once prepared
         self.fallbacks: dict[str, str] = {}  # path -> why it runs slower than it should (each logged once)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         # NOTE: transformers builds no mask when handed a 4D one; ours are built per row/batch.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._meta: torch.Tensor | None = None  # the decode inputs, one device buffer
         self._graph_pool = None
         self._logits: torch.Tensor | None = None  # the decode graphs' shared output [max_rows, vocab]
+        self._greedy: torch.Tensor | None = None  # ... and its argmax [max_rows]
         self.rope: rope.LongRope | None = None  # LongRoPE's per-sequence factors (server/engine/rope.py)
         self.observe = None  # StepContext.observe for the eager steps (families.check's probe)
         self._enabled = False
@@ -122,8 +135,9 @@ class ModelRunner:
 
     # -- a step ------------------------------------------------------------------------------
 
-    def run(self, plan: Plan) -> torch.Tensor:
-        """Compute every row's scheduled tokens in one forward pass.
+    def run(self, plan: Plan) -> StepOutput:
+        """Compute every row's scheduled tokens in one forward pass (`forward`'s logits; a step
+        of decode rows alone also gives their argmax on the device).
 
         Side effect: writes their KV into each sequence's cache (its length moves forward, drafted
         tokens included: postprocess crops the rejected ones).
@@ -138,9 +152,8 @@ class ModelRunner:
                 counts.append(1 + len(drafted))
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
         adapter_rows = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
-        return self.forward(rows, token_ids, logits_rows, counts, long_rows, adapter_rows)
+        return self._step(rows, token_ids, logits_rows, counts, long_rows, adapter_rows)
 
-    @torch.inference_mode()
     def forward(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None,
                 long_rows: list[bool] | None = None, adapter_rows: list[int] | None = None) -> torch.Tensor:
         """Run the step's tokens through the model; each row's KV is written into its own cache
@@ -153,6 +166,11 @@ class ModelRunner:
         this step). `adapter_rows`: each row's LoRA adapter slot (server/engine/lora.py; 0 or
         None: the base). Switches the model to kvserve's attention on first use (no graphs:
         `prepare` captures them)."""
+        return self._step(rows, token_ids, logits_rows, logits_counts, long_rows, adapter_rows).logits
+
+    @torch.inference_mode()
+    def _step(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None,
+              long_rows: list[bool] | None, adapter_rows: list[int] | None) -> StepOutput:
         self._enable()
         if sum(r.n for r in rows) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for rows of {sum(r.n for r in rows)}")
@@ -202,7 +220,7 @@ class ModelRunner:
         logits = self._forward(t["ids"][None], t["positions"][None], step, t["keep"])
         for row in rows:
             row.kv.length += row.n
-        return logits
+        return StepOutput(logits)
 
     def _state_inputs(self, segments: list[tuple[int, int, int | None, bool]]):
         """A hybrid's recurrent layers' view of the step (`recurrent.step_inputs`): its host
@@ -223,9 +241,9 @@ class ModelRunner:
         flags = [bool(long and r.kv.length < switch) for long, r in zip(long_rows, rows)]
         return flags if any(flags) else None
 
-    def _decode(self, rows: list[Row], token_ids: list[int], adapter_rows: list[int] | None = None) -> torch.Tensor:
-        """Decode rows only (one token each, logits at each): padded to a bucket, from the
-        persistent buffers; a captured graph replays where one fits."""
+    def _decode(self, rows: list[Row], token_ids: list[int], adapter_rows: list[int] | None = None) -> StepOutput:
+        """Decode rows only (one token each, logits and their argmax at each): padded to a
+        bucket, from the persistent buffers; a captured graph replays where one fits."""
         n = len(rows)
         size = bucket(n)
         blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
@@ -235,12 +253,13 @@ class ModelRunner:
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()
-            logits = graph[1][:n]
+            out = StepOutput(graph[1].logits[:n], graph[1].greedy[:n])
         else:
             logits = self._forward(ids, pos, step, None)[:n]
+            out = StepOutput(logits, logits.argmax(-1))
         for row in rows:
             row.kv.length += 1
-        return logits
+        return out
 
     @property
     def _per_row(self) -> int:
@@ -382,14 +401,14 @@ class ModelRunner:
                             "decode steps run eagerly, several times slower on a GPU")
             self.graphs.clear()
             self.use_graphs = False
-            self._graph_pool = self._logits = None
+            self._graph_pool = self._logits = self._greedy = None
             return
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         log.info("captured %d decode graphs in %.1f s (%.0f MiB)", len(self.graphs), time.perf_counter() - t0, used / 2**20)
 
     @torch.inference_mode()
-    def _capture(self, size: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, blocks: int) -> tuple[torch.cuda.CUDAGraph, StepOutput]:
         """One decode graph over the persistent buffers of (size, blocks); the buffers hold
         padding rows while capturing (they write the trash block only)."""
         # every row a padding row; a hybrid's state reads and writes, and the LoRA deltas of each
@@ -398,12 +417,14 @@ class ModelRunner:
         warm = self._forward(ids, pos, step, None)  # warm up outside the graph
         if self._logits is None:  # every graph's output, so none holds logits of its own
             self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
+            self._greedy = torch.empty(self.max_rows, dtype=torch.long, device=self.device)
         del warm
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             self._logits[:size].copy_(self._forward(ids, pos, step, None))
-        return graph, self._logits[:size]
+            torch.argmax(self._logits[:size], dim=-1, out=self._greedy[:size])
+        return graph, StepOutput(self._logits[:size], self._greedy[:size])
 
 
 # -- the layer patches ----------------------------------------------------------------------

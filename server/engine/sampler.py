@@ -34,12 +34,17 @@ from server.engine.sequence import Sequence, TokenInfo
 # -- one step's rows ---------------------------------------------------------------------------
 
 
-def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
+def choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[TokenInfo]:
     """The next token of each sequence from its row of raw logits [R, vocab].
 
+    `greedy` [R] (the model runner's argmax of each row, on the device, for a step of decode
+    rows alone): taken as it is when every row is plain greedy (`plain_greedy`), with one
+    device-to-host copy for the step and nothing else read from the logits.
     Logprobs are the model's own distribution (before constraints, bias and penalties).
     Side effects: constraint masks are added to `logits` in place; penalty counts move forward.
     """
+    if greedy is not None and all(plain_greedy(s) for s in seqs):
+        return [taken(seq, token_id, None) for seq, token_id in zip(seqs, greedy.tolist())]
     asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
     logprobs = softmax_rows(logits[asked], log=True) if asked else None
     apply_constraints(seqs, logits)
@@ -57,6 +62,20 @@ def choose(seqs: list[Sequence], logits: torch.Tensor) -> list[TokenInfo]:
     return [taken(seq, token_id, infos.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
 
 
+def plain_greedy(seq: Sequence) -> bool:
+    """Whether the sequence's next token is its raw logits' argmax: greedy, with no constraint
+    (`constraint` would give None), logit bias, penalties or logprobs."""
+    params = seq.params
+    return (params.greedy and not params.logprobs and not params.logit_bias and not params.uses_penalties
+            and seq.grammar is None and not _bans(seq))
+
+
+def _bans(seq: Sequence) -> bool:
+    """Whether a thinking model's spec bans tokens while the sequence thinks (now)."""
+    reasoning = seq.reasoning
+    return reasoning is not None and reasoning.thinking and bool(reasoning.spec.banned_ids)
+
+
 def constraint(seq: Sequence, vocab: int) -> torch.Tensor | None:
     """The additive mask [vocab] float32 on the CPU of what the sequence may write next (0
     allowed, -inf not), None when anything goes: its grammar's once it answers; while a
@@ -64,11 +83,10 @@ def constraint(seq: Sequence, vocab: int) -> torch.Tensor | None:
     grammar = seq.grammar
     if grammar is not None:
         return grammar.next_mask()
-    reasoning = seq.reasoning
-    if reasoning is not None and reasoning.thinking and reasoning.spec.banned_ids:
+    if _bans(seq):
         if seq.banned_mask is None:
             seq.banned_mask = torch.zeros(vocab, dtype=torch.float32)
-            seq.banned_mask[[t for t in reasoning.spec.banned_ids if t < vocab]] = -math.inf
+            seq.banned_mask[[t for t in seq.reasoning.spec.banned_ids if t < vocab]] = -math.inf
         return seq.banned_mask
     return None
 

@@ -339,6 +339,8 @@ class SpeculativeConfig:
 class NoSpeculation:
     """Speculation off: every verb does nothing."""
 
+    timed = False  # the engine need not wait for a step to end to time it (`observe`)
+
     def prepare(self) -> None:
         pass
 
@@ -357,6 +359,8 @@ class NoSpeculation:
 
 class Speculator:
     """Drafting before the forward pass and verification after it, for one engine."""
+
+    timed = True  # `observe` wants each step's time on the device (the draft-length choice)
 
     def __init__(self, proposer: Proposer, eos_ids: frozenset[int], config: SpeculativeConfig | None = None, metrics=None) -> None:
         self.proposer = proposer

@@ -124,3 +124,29 @@ def test_logprob_infos_give_each_row_its_chosen_and_top_logprobs():
     assert top0[0][1] == float(lp[0, 1])
     tied = torch.log_softmax(torch.tensor([[1.0, 2.0, 0.0, 2.0, 2.0]] * 3, device=DEVICE), -1)
     assert [t for t, _ in logprob_infos(tied, [0, 0, 0], [3, 2, 1])[1][1]] == [1, 3]  # ties: lower id first
+
+
+def test_a_step_of_plain_greedy_rows_takes_the_devices_argmax_and_others_the_sampler():
+    """`sampler.choose` with the model runner's argmax of each row (a decode step's `greedy`):
+    taken as it is when every row is plain greedy; a row with logprobs, a logit bias, penalties
+    or a sampled draw sends the whole step through the sampler, which reads the logits. The
+    argmax here is deliberately not the logits' own, so the test sees which was used."""
+    from server.engine import sampler
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import GenerationRequest, Sequence
+
+    def seq(**params):
+        return Sequence(GenerationRequest("r", [1], SamplingParams(**{"max_tokens": 4, "temperature": 0.0, **params})), None, DEVICE)
+
+    logits = torch.zeros(2, 8, device=DEVICE)
+    logits[:, 5] = 1.0  # the logits' own argmax: 5
+    given = torch.tensor([3, 4], device=DEVICE)
+    plain = [seq(), seq(top_k=1)]
+    assert all(sampler.plain_greedy(s) for s in plain)
+    assert [t.token_id for t in sampler.choose(plain, logits.clone(), given)] == [3, 4]
+    assert [t.token_id for t in sampler.choose(plain, logits.clone())] == [5, 5]
+    for other in (dict(logprobs=True), dict(logit_bias={1: 5.0}), dict(presence_penalty=0.5), dict(temperature=0.7, seed=1)):
+        mixed = [seq(), seq(**other)]
+        assert not sampler.plain_greedy(mixed[1])
+        got = [t.token_id for t in sampler.choose(mixed, logits.clone(), given)]
+        assert got[0] == 5 and 3 not in got and 4 not in got, other
