@@ -9,7 +9,7 @@ The model: random bf16 weights with Qwen2.5-1.5B's structure (biased q/k/v, 12 q
 depend on. R rows are prefilled with PROMPT tokens each; one decode step of all R then runs
 through `ModelRunner.forward` on the paged path (bucket padding, persistent buffers): the body
 that graph capture records, here eagerly (`cuda_graphs=False`; `packed=None` and the paged
-decode kernel, as on CUDA).
+decode kernel and merged projections, as the server runs).
 
 A TorchDispatchMode (`count_kernels`) counts the ops and forward hooks attribute them to a decoder
 layer, to "fixed" (the rest of the model's forward: embedding, rotary embedding, final norm, LM
@@ -184,7 +184,7 @@ def count_decode_step(model, rows: int) -> Counts:
     pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + 1, dtype) * rows, model.device, dtype)
     # NOTE: decode_kernel as on CUDA (server/engine/paged_kernel.py): one op a layer; on CPU it
     # runs the reference (or Triton's interpreter), but counts as the one kernel CUDA launches
-    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=rows, decode_kernel=True)
+    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=rows, decode_kernel=True, merge=True)
     caches = [pool.allocate(PROMPT + 1) for _ in range(rows)]
     try:
         prompts = [t for r in range(rows) for t in _prompt(r, vocab)]

@@ -177,6 +177,7 @@ class Engine:
             paged=config.paged,
             exact=config.deterministic,
             adapters=adapters,
+            merge=True,
         )
         self.scheduler = Scheduler(config.max_batch_tokens, config.max_running, chunk_alone=self.runner.paged)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()

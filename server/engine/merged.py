@@ -44,7 +44,7 @@ def merge(model: nn.Module, *, skip: frozenset[str] | set[str] = frozenset()) ->
     (`_why_apart` names what else keeps a group apart: a member named in `skip`, such as a
     LoRA adapter's target, a quantized layer, a layer already switched). The members'
     weights are freed: the fused weight is their only copy, so the parameter count and bytes
-    stay as they were. Idempotent.
+    stay as they were. Idempotent: a second call reports what the first merged.
 
     NOTE: before cpu_linear.pack_model, exact.enable and LoRA's attach, which switch the layers
     they find (a layer they switched first stays apart, "switched")."""
@@ -53,8 +53,11 @@ def merge(model: nn.Module, *, skip: frozenset[str] | set[str] = frozenset()) ->
     for path, parent in list(model.named_modules()):
         for fused_name, names in GROUPS.items():
             layers = [getattr(parent, name, None) for name in names]
-            if not all(isinstance(layer, nn.Module) for layer in layers) or any(isinstance(layer, _Slice) for layer in layers):
-                continue  # not this group, or merged already
+            if not all(isinstance(layer, nn.Module) for layer in layers):
+                continue  # not this group
+            if all(isinstance(layer, _Slice) for layer in layers):
+                report.merged[fused_name] += 1  # merged already (another runner of the model)
+                continue
             reason = _why_apart(layers, [f"{path}.{name}" if path else name for name in names], skip)
             if reason:
                 report.apart[reason] += 1

@@ -71,12 +71,15 @@ class ModelRunner:
 
     def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True,
                  max_rows: int = 64, paged: bool | None = None, exact: bool = False, adapters: lora.Adapters | None = None,
-                 decode_kernel: bool | None = None) -> None:
+                 decode_kernel: bool | None = None, merge: bool = False) -> None:
         self.model = model
         self.pool = pool
         self.adapters = adapters  # LoRA adapters (server/engine/lora.py): each row's slot, 0 the base
         self.device = pool.device
         self.packed = packed  # cpu_linear.pack_model's `packed`; None: the linear layers left as they are
+        # merge q/k/v and gate/up (server/engine/merged.py): a serving runner's choice, made after
+        # the LoRA adapters were read (they name the layers as the checkpoint has them)
+        self.merge = merge
         self.exact = exact  # exact mode (server/engine/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
         # decode rows read the pool in place (server/engine/paged_kernel.py) rather than gathered:
@@ -453,6 +456,8 @@ def _rope(runner: ModelRunner) -> dict[str, str]:
 
 
 def _merge(runner: ModelRunner) -> dict[str, str]:
+    if not runner.merge:
+        return {"merged": "off"}
     # NOTE: a LoRA adapter's targets stay apart (with run-time loading: every linear layer)
     skip = runner.adapters.modules if runner.adapters is not None and runner.adapters.modules else frozenset()
     return {"merged": merged.merge(runner.model, skip=skip).describe()}
