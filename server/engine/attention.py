@@ -30,9 +30,7 @@ the row path attends a row's queries in spans (`_attend_exact`), the paged path 
 
 from __future__ import annotations
 
-import math
 import sys
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -42,71 +40,10 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from cache_manager import kv
 from server.engine import context, exact, paged_kernel
-from server.engine.context import StepContext
+from server.engine.context import Batch, Row, StepContext, additive
 from server.engine.unsupported import UnsupportedModel
 
 ATTN_IMPLEMENTATION = "kvserve"
-
-
-@dataclass(slots=True)
-class Row:
-    """One sequence's part of a step on the row path: `n` new tokens at positions
-    kv.length.. (offset: where they start in the flattened batch)."""
-
-    kv: kv.SequenceKV
-    n: int
-    offset: int = 0
-    slots: torch.Tensor | None = None  # slot of every position 0..length+n-1, when gathered
-    masks: dict = field(default_factory=dict)  # window -> the row's additive mask
-
-
-class Batch:
-    """The paged path's per-step tensors for B rows of up to T (`width`) new tokens each, on
-    the pool's device: `slots` [B * T] (where each token's key/value goes: the trash block for
-    padding tokens), `tables` [B, max_blocks] (block tables, trash block past a row's end),
-    `positions` [B * T] (each token's position; a padding token repeats its row's last one).
-    `tokens` [B * T]: each token's index in the step's flattened batch (padding tokens: any);
-    None for decode rows (T = 1), which come first in the flattened batch. `real` [R]: which of
-    the B * T are real tokens (None: all). `prepare` derives the gather index and the masks; in a
-    CUDA graph these are persistent buffers, refilled before each replay. `kernel`: decode rows
-    attend through the paged decode kernel (server/engine/paged_kernel.py), which reads the pool
-    in place by block table: no gather index, no masks."""
-
-    def __init__(self, pool: kv.Pool, slots: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
-                 width: int = 1, tokens: torch.Tensor | None = None, real: torch.Tensor | None = None, kernel: bool = False) -> None:
-        self.pool, self.slots, self.tables, self.positions = pool, slots, tables, positions
-        self.width, self.tokens, self.real = width, tokens, real
-        self.kernel = kernel and width == 1
-        self.token_slots: torch.Tensor | None = None
-        self.targets: torch.Tensor | None = None  # tokens[real]: where the real outputs go
-        self.masks: dict[int | None, torch.Tensor] = {}
-
-    @property
-    def size(self) -> int:
-        return self.tables.shape[0]
-
-    def prepare(self, dtype: torch.dtype, groups: int) -> None:
-        """The gather index [B, L] and one additive mask [B, 1, groups * T, L] per window:
-        query at position q sees keys at positions <= q (and > q - window). Device ops only:
-        this runs inside graph capture. Nothing for the kernel's decode rows."""
-        if self.kernel:
-            return
-        bs = self.pool.block_size
-        offsets = torch.arange(bs, device=self.tables.device)
-        self.token_slots = (self.tables[:, :, None] * bs + offsets).flatten(1)
-        keys = torch.arange(self.token_slots.shape[1], device=self.tables.device)[None, None, :]
-        queries = self.positions.view(self.size, self.width, 1)
-        self.masks = {}
-        for window in set(self.pool.layout.windows):
-            allowed = keys <= queries
-            if window is not None:
-                allowed &= keys > queries - window
-            mask = _additive(allowed, dtype)
-            # a KV head's query heads side by side, as `_attend_batch` folds them (one query
-            # per row: the same mask for each, broadcast)
-            self.masks[window] = (mask.repeat(1, groups, 1) if self.width > 1 else mask)[:, None]
-        if self.tokens is not None:
-            self.targets = self.tokens if self.real is None else self.tokens[self.real]
 
 
 def enable(model) -> None:
@@ -178,8 +115,6 @@ def _refuse_unknown(step: StepContext, layer: int, kwargs: dict, attention_mask=
     keyword it does not know, a sliding window other than the one the pool's layout has for
     this layer, or a mask other than the model runner's placeholder (the step's rows carry
     the real masks: a model that builds its own, Doge's learned one, would lose it)."""
-    from server.engine.families import UnsupportedModel
-
     if attention_mask is not None and attention_mask.numel() != 1:
         raise UnsupportedModel("attention-mask", f"layer {layer} hands its attention a mask of its own "
                                f"{tuple(attention_mask.shape)}, which kvserve's attention would ignore")
@@ -292,7 +227,7 @@ def _mask(row: Row, layer: int, first: int, n_keys: int, groups: int, dtype: tor
     if mask is None:
         device = row.kv.pool.device
         allowed = _causal(row.kv.length, row.n, torch.arange(first, first + n_keys, device=device), window)
-        mask = row.masks[window] = _additive(allowed, dtype).repeat(groups, 1)
+        mask = row.masks[window] = additive(allowed, dtype).repeat(groups, 1)
     return mask
 
 
@@ -385,7 +320,7 @@ def _spans(row: Row, layer: int, first: int, groups: int, query: torch.Tensor) -
             k0, k1 = _first_key(base, window, exact.SPAN), base + exact.SPAN
             allowed = _causal(position, stop - position, torch.arange(k0, k1, device=device), window).repeat(groups, 1)
             rows = exact.query_rows(allowed.shape[0])
-            mask = F.pad(_additive(allowed, query.dtype), (0, 0, 0, rows - allowed.shape[0]))
+            mask = F.pad(additive(allowed, query.dtype), (0, 0, 0, rows - allowed.shape[0]))
             q = q_in = None
             if row.n > 1:
                 q = query.new_zeros(1, kv_heads, rows, head_dim)
@@ -394,11 +329,6 @@ def _spans(row: Row, layer: int, first: int, groups: int, query: torch.Tensor) -
             position = stop
         row.masks[window] = spans
     return spans
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask as an additive one: 0 where allowed, -inf elsewhere."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
 
 
 def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -9,6 +9,10 @@ model runner and entered in one place: `ModelRunner._forward`, the body that eag
 CUDA graph capture both run. A patch reads `current()`; outside a step (transformers' own
 `generate`, the families probe's reference) it is None and every patched module runs as it was.
 
+The step's parts live here too, so that the patches import the step and never each other:
+the row path's `Row`s and the paged path's `Batch`es (server/engine/attention.py attends them)
+and a hybrid's `StepRows` (server/engine/recurrent.py runs them).
+
 NOTE: one slot per thread: the engine thread runs the steps, and tests may run a second
 engine (or transformers' own forward) on another thread at the same time.
 """
@@ -16,18 +20,102 @@ engine (or transformers' own forward) on another thread at the same time.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from server.engine.attention import Batch, Row
-    from server.engine.recurrent import StepRows
+from cache_manager import kv
+from cache_manager.state import Slots
 
 _local = threading.local()
+
+
+@dataclass(slots=True)
+class Row:
+    """One sequence's part of a step on the row path: `n` new tokens at positions
+    kv.length.. (offset: where they start in the flattened batch)."""
+
+    kv: kv.SequenceKV
+    n: int
+    offset: int = 0
+    slots: torch.Tensor | None = None  # slot of every position 0..length+n-1, when gathered
+    masks: dict = field(default_factory=dict)  # window -> the row's additive mask
+
+
+class Batch:
+    """The paged path's per-step tensors for B rows of up to T (`width`) new tokens each, on
+    the pool's device: `slots` [B * T] (where each token's key/value goes: the trash block for
+    padding tokens), `tables` [B, max_blocks] (block tables, trash block past a row's end),
+    `positions` [B * T] (each token's position; a padding token repeats its row's last one).
+    `tokens` [B * T]: each token's index in the step's flattened batch (padding tokens: any);
+    None for decode rows (T = 1), which come first in the flattened batch. `real` [R]: which of
+    the B * T are real tokens (None: all). `prepare` derives the gather index and the masks; in a
+    CUDA graph these are persistent buffers, refilled before each replay. `kernel`: decode rows
+    attend through the paged decode kernel (server/engine/paged_kernel.py), which reads the pool
+    in place by block table: no gather index, no masks."""
+
+    def __init__(self, pool: kv.Pool, slots: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                 width: int = 1, tokens: torch.Tensor | None = None, real: torch.Tensor | None = None, kernel: bool = False) -> None:
+        self.pool, self.slots, self.tables, self.positions = pool, slots, tables, positions
+        self.width, self.tokens, self.real = width, tokens, real
+        self.kernel = kernel and width == 1
+        self.token_slots: torch.Tensor | None = None
+        self.targets: torch.Tensor | None = None  # tokens[real]: where the real outputs go
+        self.masks: dict[int | None, torch.Tensor] = {}
+
+    @property
+    def size(self) -> int:
+        return self.tables.shape[0]
+
+    def prepare(self, dtype: torch.dtype, groups: int) -> None:
+        """The gather index [B, L] and one additive mask [B, 1, groups * T, L] per window:
+        query at position q sees keys at positions <= q (and > q - window). Device ops only:
+        this runs inside graph capture. Nothing for the kernel's decode rows."""
+        if self.kernel:
+            return
+        bs = self.pool.block_size
+        offsets = torch.arange(bs, device=self.tables.device)
+        self.token_slots = (self.tables[:, :, None] * bs + offsets).flatten(1)
+        keys = torch.arange(self.token_slots.shape[1], device=self.tables.device)[None, None, :]
+        queries = self.positions.view(self.size, self.width, 1)
+        self.masks = {}
+        for window in set(self.pool.layout.windows):
+            allowed = keys <= queries
+            if window is not None:
+                allowed &= keys > queries - window
+            mask = additive(allowed, dtype)
+            # a KV head's query heads side by side, as `_attend_batch` folds them (one query
+            # per row: the same mask for each, broadcast)
+            self.masks[window] = (mask.repeat(1, groups, 1) if self.width > 1 else mask)[:, None]
+        if self.tokens is not None:
+            self.targets = self.tokens if self.real is None else self.tokens[self.real]
+
+
+@dataclass
+class StepRows:
+    """A step's rows as the recurrent layers see them: the decode rows' slots ([B] on the
+    device) and their token offsets (None: tokens 0..B-1, a pure decode step), and per other
+    row (offset, tokens, slot [1], whether it has a state)."""
+
+    slots: Slots
+    decode_offsets: torch.Tensor | None
+    decode_slots: torch.Tensor | None
+    others: list[tuple[int, int, torch.Tensor, bool]]
+    # what the layers wrote, stored once the whole forward pass has run: a pass that fails
+    # half-way (retried smaller by the engine) leaves every state as it was
+    written: list = field(default_factory=list)
+
+    def finish(self, stored: bool) -> None:
+        """The step's forward has ended: store what the layers wrote if it ran whole
+        (`stored`), and clear the trash slot the padding rows wrote either way."""
+        if stored:
+            for name, index, values in self.written:
+                self.slots.put(name, index, values)
+        self.written.clear()
+        self.slots.clear_trash()
 
 
 @dataclass(slots=True)
@@ -86,3 +174,8 @@ def entered(context: StepContext) -> Iterator[StepContext]:
         context.memo.clear()
         if context.recurrent is not None:
             context.recurrent.finish(stored=finished)
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as an additive one: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)

@@ -29,8 +29,7 @@ import torch
 from cache_manager import kv
 from server.engine import attention, context, cpu_linear, faults, lora, merged, paged_kernel, recurrent, rope
 from server.engine import exact as exact_mode
-from server.engine.attention import Batch, Row
-from server.engine.context import StepContext
+from server.engine.context import Batch, Row, StepContext, StepRows
 from server.engine.scheduler import Plan
 
 log = logging.getLogger(__name__)
@@ -132,7 +131,7 @@ class ModelRunner:
         self._enabled = True
 
     def _context(self, rows: list[Row], batches: list[Batch], *, long_tokens: torch.Tensor | None = None,
-                 adapters: torch.Tensor | None = None, states: recurrent.StepRows | None = None) -> StepContext:
+                 adapters: torch.Tensor | None = None, states: StepRows | None = None) -> StepContext:
         """A step's context (server/engine/context.py) with this runner's modes."""
         return StepContext(rows, batches, self.exact, long_tokens, adapters, states, self.observe)
 

@@ -21,7 +21,6 @@ as it was. Padding rows of a decode bucket use the trash slot, zeroed after the 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,30 +28,7 @@ import torch.nn.functional as F
 from cache_manager import state
 from cache_manager.state import Slots
 from server.engine import context
-
-@dataclass
-class StepRows:
-    """A step's rows as the recurrent layers see them: the decode rows' slots ([B] on the
-    device) and their token offsets (None: tokens 0..B-1, a pure decode step), and per other
-    row (offset, tokens, slot [1], whether it has a state)."""
-
-    slots: Slots
-    decode_offsets: torch.Tensor | None
-    decode_slots: torch.Tensor | None
-    others: list[tuple[int, int, torch.Tensor, bool]]
-    # what the layers wrote, stored once the whole forward pass has run: a pass that fails
-    # half-way (retried smaller by the engine) leaves every state as it was
-    written: list = field(default_factory=list)
-
-    def finish(self, stored: bool) -> None:
-        """The step's forward has ended: store what the layers wrote if it ran whole
-        (`stored`), and clear the trash slot the padding rows wrote either way."""
-        if stored:
-            for name, index, values in self.written:
-                self.slots.put(name, index, values)
-        self.written.clear()
-        self.slots.clear_trash()
-
+from server.engine.context import StepRows
 
 def step_inputs(slots: Slots, segments: list[tuple[int, int, int, bool]]):
     """A step's rows for the recurrent layers, `segments` per row (offset in the flattened

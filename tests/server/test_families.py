@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from cache_manager import disk, kv
 from cache_manager.manager import CacheConfig, CacheManager
-from server.engine import attention, families
+from server.engine import attention, context, families
 from server.engine.core import Engine, EngineConfig
 from server.engine.prompt_lookup import NgramProposer
 from server.engine.sampling import SamplingParams
@@ -152,7 +152,7 @@ def test_sinks_join_the_softmax_denominator_as_gpt_oss_does():
     q, k, v = torch.randn(1, kv_heads * groups, t, d), torch.randn(1, kv_heads, length, d), torch.randn(1, kv_heads, length, d)
     sinks = torch.randn(kv_heads * groups)
     allowed = attention._causal(length - t, t, torch.arange(length), None)
-    mask = attention._additive(allowed, torch.float32)
+    mask = context.additive(allowed, torch.float32)
     got = attention._attend(q.reshape(1, kv_heads, groups * t, d), k, v, mask.repeat(groups, 1), 0.5, None,
                             attention._sink_rows(sinks.view(kv_heads, groups, 1), t))
     scores = torch.einsum("bhtd,bhld->bhtl", q.double(), k.double().repeat_interleave(groups, 1)) * 0.5 + mask.double()

@@ -16,7 +16,8 @@ import torch
 
 from cache_manager import kv
 from server.engine import paged_kernel
-from server.engine.attention import _additive, _attend
+from server.engine.attention import _attend
+from server.engine.context import additive
 from tests.device import DEVICE
 
 pytestmark = pytest.mark.skipif(not paged_kernel.runs_triton(DEVICE), reason=f"no Triton kernel on {DEVICE} (no Triton, or no interpreter)")
@@ -159,7 +160,7 @@ def test_matches_the_gathered_bucket_path():
     slots = (case.tables[:, :, None] * bs + torch.arange(bs, device=DEVICE)).flatten(1)
     k_rows, v_rows = (x[:, slots].transpose(0, 1) for x in (case.keys, case.values))  # [B, Hkv, L, D]
     allowed = torch.arange(slots.shape[1], device=DEVICE)[None, :] <= case.positions[:, None]
-    mask = _additive(allowed, case.q.dtype)[:, None, None, :]
+    mask = additive(allowed, case.q.dtype)[:, None, None, :]
     assert_close(case.kernel(), _attend(case.q, k_rows, v_rows, mask, case.scale, None))
     case.softcap, case.sinks = 6.0, torch.randn(2, 4, device=DEVICE)
     sinks = case.sinks.view(1, 2, 4, 1)
