@@ -62,8 +62,13 @@ NO_KERNEL = frozenset({  # allocations, metadata and host-side copies (views and
 })
 GEMM = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "_addmm_activation", "_int_mm", "_scaled_mm", "mkldnn_linear",
+    "_grouped_mm", "grouped_mm",  # MoE experts (transformers' grouped_mm implementation)
 })
 GEMM_PREFIXES = ("_weight_int",)  # _weight_int4pack_mm, _weight_int8pack_mm, ...
+# ops whose result the host must read (a device-to-host sync): none may run in a captured decode
+# step (CUDA graph capture fails on them, and an eager step waits on each)
+SYNC = frozenset({"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "masked_select",
+                  "equal", "is_nonzero", "_assert_async", "item"})
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "paged_decode")  # one fused kernel, never decomposed
 
 
@@ -105,6 +110,7 @@ class Counts:
     layers: list[Counter]
     fixed: Counter
     around: Counter
+    syncs: Counter  # SYNC ops anywhere in the step, by name
 
     @property
     def per_layer(self) -> Split:
@@ -118,7 +124,7 @@ class Counts:
     def as_dict(self) -> dict:
         return {"rows": self.rows, "layers": len(self.layers), "per_layer": self.per_layer._asdict(), "fixed": split(self.fixed)._asdict(),
                 "total": self.total, "around": split(self.around)._asdict(),
-                "layer_ops": dict(self.layers[0]), "fixed_ops": dict(self.fixed), "around_ops": dict(self.around)}
+                "layer_ops": dict(self.layers[0]), "fixed_ops": dict(self.fixed), "around_ops": dict(self.around), "syncs": dict(self.syncs)}
 
 
 class KernelCounter(TorchDispatchMode):
@@ -134,10 +140,13 @@ class KernelCounter(TorchDispatchMode):
         super().__init__()
         self.model, self.layers, self.where = model, list(layers), "around"
         self.ops: dict[object, Counter] = {}
+        self.syncs: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
+        if name in SYNC:
+            self.syncs[name] += 1
         if kind(name) != "attention":
             with self:
                 out = func.decompose(*args, **kwargs)
@@ -149,7 +158,7 @@ class KernelCounter(TorchDispatchMode):
 
     def counts(self, rows: int) -> Counts:
         layers = [self.ops.get(i, Counter()) for i in range(len(self.layers))]
-        return Counts(rows, layers, self.ops.get("fixed", Counter()), self.ops.get("around", Counter()))
+        return Counts(rows, layers, self.ops.get("fixed", Counter()), self.ops.get("around", Counter()), self.syncs)
 
 
 @contextlib.contextmanager

@@ -462,6 +462,16 @@ def _merge(runner: ModelRunner) -> dict[str, str]:
     return {"merged": merged.merge(runner.model, skip=skip).describe()}
 
 
+def _experts(runner: ModelRunner) -> dict[str, str]:
+    """MoE experts run as transformers' experts implementation has them: its default,
+    grouped_mm, reads no routing result on the host, so a captured decode step holds them (on
+    "eager" it loops over the experts hit, and graph capture falls back, naming why)."""
+    layers = sum(type(m).__name__.endswith("Experts") for m in runner.model.modules())
+    if not layers:
+        return {}
+    return {"experts": f"{runner.model.config._experts_implementation}, {layers} layers"}
+
+
 def _linear(runner: ModelRunner) -> dict[str, str]:
     path = "n/a" if runner.device.type != "cpu" else "off"
     if runner.packed is not None:
@@ -492,7 +502,7 @@ def _lora(runner: ModelRunner) -> dict[str, str]:
     return {"lora": f"{len(runner.adapters.slots)} slots of rank {runner.adapters.rank}"}
 
 
-PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _recurrent, _rope, _merge, _linear, _exact, _lora)
+PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _recurrent, _rope, _experts, _merge, _linear, _exact, _lora)
 
 
 def _finite(logits: torch.Tensor, what: str) -> torch.Tensor:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from bench import kernels
+from cache_manager import kv
+from server.engine.model_runner import ModelRunner
 from tests.device import DEVICE
 
 BUDGET_FILE = Path(kernels.__file__).with_name("kernel_budget.json")
@@ -92,3 +94,29 @@ def test_the_counter_counts_what_runs(inference):
     assert kinds == Counter({"clone": 1, "_to_copy": 2, "addmm": 1, "attention": 1}), ops
     assert kernels.split(ops) == (4, 1) and not counter.counts(1).fixed and not counter.counts(1).around
     assert not model._forward_pre_hooks and not layers[0]._forward_hooks  # the hooks are gone
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_moe_experts_run_inside_the_captured_step(family):
+    """MoE families (issue 47): a decode step on the capture path reads nothing back on the host
+    (no `item`, `nonzero` or the like: CUDA graph capture fails on them), so their experts run
+    inside the graph, through transformers' grouped_mm experts; the paths name it."""
+    from bench import architectures
+
+    model = architectures.build(family, DEVICE, torch.bfloat16)
+    c = kernels.count_decode_step(model, 4)
+    assert not c.syncs, f"{family}: a decode step waits for the device at {dict(c.syncs)}"
+    assert any(kernels.kind(name) == "gemm" and "grouped" in name for name in c.layers[-1]), dict(c.layers[-1])
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, 32, model.dtype), model.device, model.dtype)
+    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None)
+    runner.prepare()
+    assert runner.paths["experts"].startswith("grouped_mm, "), runner.paths
+
+
+def test_a_sync_in_the_step_is_seen():
+    """The counter sees an op that reads a result back (what the test above rules out)."""
+    with kernels.count_kernels(torch.nn.Identity(), []) as counter:
+        x = torch.arange(4, device=DEVICE)
+        x.nonzero()
+        int(x.sum())
+    assert counter.syncs["nonzero"] == 1 and counter.syncs["_local_scalar_dense"] == 1
