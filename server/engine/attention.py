@@ -92,10 +92,18 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     sinks = None if s_aux is None else s_aux.float().view(kv_heads, groups, 1)  # [Hkv, groups, 1]
-    out = query.new_empty(1, query.shape[2], heads, value_dim)
     attend = exact.attend if step.exact else _attend
-    for batch in step.batches:
-        _attend_batch(batch, layer, query[0], key[0], value[0], out[0], groups, scale, softcap, sinks, attend)
+    batches = step.batches
+    if not step.rows and len(batches) == 1 and batches[0].tokens is None and batches[0].size == query.shape[2]:
+        # decode rows alone (what a CUDA graph replays): their output is the layer's, no copy
+        return _attend_batch(batches[0], layer, query[0], key[0], value[0], groups, scale, softcap, sinks, attend)[None], None
+    out = query.new_empty(1, query.shape[2], heads, value_dim)
+    for batch in batches:
+        o = _attend_batch(batch, layer, query[0], key[0], value[0], groups, scale, softcap, sinks, attend)
+        if batch.tokens is None:
+            out[0, : batch.size] = o
+        else:
+            out[0].index_copy_(0, batch.targets, o if batch.real is None else o[batch.real])
     if step.exact and step.rows:
         _attend_exact(step, layer, query, key, value, out, groups, scale, softcap, sinks)
         return out, None
@@ -143,10 +151,10 @@ def _sink_rows(sinks: torch.Tensor | None, t: int, rows: int | None = None) -> t
     return out if rows is None else F.pad(out, (0, 0, 0, rows - groups * t))
 
 
-def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int, scale, softcap, sinks, attend) -> None:
-    """The paged path for one batch: query [H, N, Dk] (as transformers hands it), key/value
-    [Hkv, N, Dk/Dv] and out [N, H, Dv] of the whole step; `attend`: `_attend` or, in exact
-    mode, `exact.attend`."""
+def _attend_batch(batch: Batch, layer: int, query, key, value, groups: int, scale, softcap, sinks, attend) -> torch.Tensor:
+    """The paged path for one batch: query [H, N, Dk] (as transformers hands it) and key/value
+    [Hkv, N, Dk/Dv] of the whole step -> the batch's outputs [B * T, H, Dv] (padding tokens
+    included); `attend`: `_attend` or, in exact mode, `exact.attend`."""
     b, t = batch.size, batch.width
     heads, kv_heads, head_dim, value_dim = query.shape[0], key.shape[0], query.shape[2], value.shape[2]
     if batch.tokens is None:  # decode rows: the step's first B tokens
@@ -160,8 +168,7 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int,
     if batch.kernel:
         o = paged_kernel.paged_decode(q, batch.pool.keys[layer], batch.pool.values[layer], batch.tables, batch.positions,
                                       batch.pool.block_size, scale, softcap, None if sinks is None else sinks.view(kv_heads, groups), window)
-        out[:b] = o.view(b, heads, value_dim)
-        return
+        return o.view(b, heads, value_dim)
     # [Hkv, B, L, D] -> [B, Hkv, L, D]
     k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
     extra = {} if sinks is None else {"sinks": _sink_rows(sinks, t)}
@@ -170,11 +177,7 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, out, groups: int,
     else:
         o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, **extra)
     # [B, Hkv, groups * T, Dv] -> [B * T, H, Dv]
-    o = o.view(b, kv_heads, groups, t, value_dim).permute(0, 3, 1, 2, 4).reshape(b * t, heads, value_dim)
-    if batch.tokens is None:
-        out[:b] = o
-    else:
-        out.index_copy_(0, batch.targets, o if batch.real is None else o[batch.real])
+    return o.view(b, kv_heads, groups, t, value_dim).permute(0, 3, 1, 2, 4).reshape(b * t, heads, value_dim)
 
 
 def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, span: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
