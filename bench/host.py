@@ -1,0 +1,115 @@
+"""The host's share of a decode step (issue 47): microseconds per engine step outside the
+model's forward, with the forward stubbed, at 1 and 64 rows.
+
+    .venv/bin/python -m bench.host [--rows 1 64] [--steps 200]
+
+The engine runs as the server runs it (its own thread, the paged path with its bucket padding
+and persistent buffers), over a tiny Qwen2-shaped model (a vocabulary of VOCAB, so that the
+logits' argmax, device work on a GPU, stays small here) whose forward is replaced by a stub that
+hands back fixed logits: what is left of a step is scheduling, the inputs' preparation and
+copy, sampling, stop checks, detokenizing and emitting. Three ways in the same run:
+
+* now: greedy rows take the device's argmax (`StepOutput.greedy`, one copy of R ids), and
+  each row's text comes from the Rust tokenizer's decode (`detokenizer.decoder`);
+* through the sampler: the same rows sample from the [R, vocab] logits (today's path for rows
+  with logprobs, bias, penalties or a grammar; on a GPU it also waits for the step's kernels);
+* before: through the sampler, and transformers' `tokenizer.decode` for each piece of text
+  (the way both went before issue 47).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from cache_manager.manager import CacheConfig, CacheManager
+from server.engine import detokenizer, model_runner
+from server.engine.core import Engine, EngineConfig
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
+
+VOCAB = 2048  # the first ids of SmolLM2's vocabulary: the tokenizer detokenizes what the stub picks
+
+
+def build():
+    config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def stub(runner: model_runner.ModelRunner) -> None:
+    """Replace the runner's forward with fixed logits (a token that is no end of turn)."""
+    logits = torch.zeros(512, VOCAB)
+    logits[:, 1000] = 1.0
+
+    def forward(ids, pos, step, keep):
+        n = ids.shape[1] if keep is None else keep.numel()
+        return logits[:n]
+
+    runner._forward = forward
+
+
+WAYS = ("now", "through the sampler", "before")
+
+
+def measure(tokenizer, rows: int, steps: int, way: str) -> float:
+    """Median seconds of an engine step with `rows` rows decoding (the forward stubbed), one of
+    WAYS."""
+    model = build()
+    cache = CacheManager(model.config, "cpu", torch.float32, 4096, CacheConfig(budget_bytes=2**28))
+    engine = Engine(model, tokenizer, EngineConfig(max_context=4096, max_running=max(rows, 1), paged=True), cache)
+    stub(engine.runner)
+    if way != "now":
+        run = engine.runner.run
+        engine.runner.run = lambda plan: model_runner.StepOutput(run(plan).logits)
+    times: list[float] = []
+    step = engine.step
+
+    def timed() -> None:
+        t0 = time.perf_counter()
+        step()
+        if len(engine._running) == rows:
+            times.append(time.perf_counter() - t0)
+
+    engine.step = timed
+    loop = asyncio.new_event_loop()
+    engine.start()
+    original = detokenizer.decoder
+    if way == "before":
+        detokenizer.decoder = lambda tok: (lambda ids: tok.decode(ids, skip_special_tokens=True))
+    try:
+        params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
+        for i in range(rows):
+            engine.submit(GenerationRequest(f"r{i}", [1 + i, 2 + i, 3 + i], params), loop)
+        while len(times) < steps:
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+        loop.close()
+        detokenizer.decoder = original
+    return statistics.median(times[steps // 4 :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    from bench.architectures import tokenizer
+
+    tok = tokenizer()
+    print("| rows | " + " | ".join(f"{way} (us/step)" for way in WAYS) + " | now / before |")
+    print("|---:|" + "---:|" * (len(WAYS) + 1))
+    for rows in args.rows:
+        t = {way: measure(tok, rows, args.steps, way) for way in WAYS}
+        print(f"| {rows} | " + " | ".join(f"{t[way] * 1e6:.0f}" for way in WAYS) + f" | {t['now'] / t['before']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
