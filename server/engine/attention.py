@@ -13,7 +13,9 @@ layer with query [1, H, N, D] and the new keys/values [1, Hkv, N, D]. The step's
   step makes one or two calls per layer, not one per row). Padding tokens and padding rows
   write the pool's trash block only, so padding never touches a slot a sequence reads. Fixed
   shapes for a given (B, max_blocks): the runner replays a decode batch from a CUDA graph. On
-  CPU only when asked for (tests), since it gathers what the row path reads in place.
+  CPU only when asked for (tests), since it gathers what the row path reads in place. Where
+  Triton runs (`Batch.kernel`), decode rows skip the gather: the paged decode kernel
+  (server/engine/paged_kernel.py) reads the pool in place through the block tables.
 * `Row`s, the row path (every row on CPU): any number of tokens, one attention call per row
   over a view of the row's own keys (a gather when its blocks are not consecutive), with a
   causal mask.
