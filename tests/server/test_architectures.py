@@ -46,7 +46,6 @@ REFUSED = {
     "codegen": "attention-backend",
     "xglm": "attention-backend",
     "stablelm": "attention-backend",
-    "nemotron": "kv-layers",  # its decoder layer drops the keywords that carry kvserve's step
 }
 
 
