@@ -128,6 +128,7 @@ def test_serve_check_prints_capacity_and_paths_then_exits_0(tmp_path):
     assert summary["max_model_len"] == 4096
     assert summary["kv_cache"]["capacity_tokens"] >= 4096 and summary["kv_cache"]["sequences_at_max_model_len"] >= 1
     assert summary["engine"]["attention"] in ("rows", "paged") and summary["engine"]["fallbacks"] == {}
+    assert summary["engine"]["merged"] == "qkv 30, gate_up 30"  # SmolLM2: each layer's projections, one GEMM each
 
 
 def test_serve_check_exits_1_with_the_reason(tmp_path):
