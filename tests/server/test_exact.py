@@ -705,6 +705,8 @@ def test_a_position_has_the_same_logits_however_the_prompt_is_split(kind, dtype,
     in one chunk, in chunks of 7, split 33 + 1 + 1 + rest, and in chunks of 16 beside another
     sequence's decode rows: the same bits."""
     if path == "kernel":
+        if DEVICE.type == "cpu" and not numpy_rows_invariant():
+            pytest.skip("Triton's interpreter multiplies with numpy, whose BLAS here rounds a row by its neighbours")
         request.getfixturevalue("kernel")
     torch.manual_seed(0)
     config = TINY[kind](vocab_size=1024, hidden_size=96, intermediate_size=128, num_hidden_layers=3, max_position_embeddings=MAX_CONTEXT)
