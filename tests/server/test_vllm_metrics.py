@@ -9,7 +9,8 @@ pytestmark = pytest.mark.anyio
 
 
 def samples(text: str) -> dict[str, float]:
-    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    # NOTE: the value is after the last space (label values may hold spaces: the engine paths)
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
 async def test_vllm_gauges_follow_kvserves_own(app_client):
