@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from torch._library.custom_ops import OPDEFS
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
@@ -131,7 +133,8 @@ class KernelCounter(TorchDispatchMode):
     """Counts the kernels launched while active (`count_kernels`), by where they run: "around"
     `model`'s forward, "fixed" inside it, or the index of the one of `layers` running. Composite
     ops are decomposed (with the mode active) so that what is counted is what runs: `to` is a
-    copy or nothing, `reshape` a view or a copy, `linear` a view and a product.
+    copy or nothing, `reshape` a view or a copy, `linear` a view and a product; so are kvserve's
+    own custom ops but the one-kernel attention (`decode_attention` is a store and a read).
 
     NOTE: under inference mode the mode sees composite ops undecomposed (torch 2.13), and their
     schemas mark `to` and `reshape` as views: filtered by schema, their copies would vanish."""
@@ -147,6 +150,9 @@ class KernelCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in SYNC:
             self.syncs[name] += 1
+        if func.namespace == "kvserve" and kind(name) != "attention":  # kvserve's own op of several: what it launches
+            with self:
+                return OPDEFS[func.name()]._init_fn(*args, **kwargs)
         if kind(name) != "attention":
             with self:
                 out = func.decompose(*args, **kwargs)
@@ -207,6 +213,79 @@ def count_decode_step(model, rows: int) -> Counts:
     return counter.counts(rows)
 
 
+# a kvserve op's kernels, as the eager counter counts them inside it (plain KV, the paged decode kernel)
+INSIDE = {"decode_attention": Counter({"index_copy_": 2, "paged_decode": 1})}
+_CALL = re.compile(r"^\s+(?:\w+ = )?(?:extern_kernels\.(\w+)\(|torch\.ops\.\w+\.(\w+)\.\w+\(|(cpp_fused_\w+|triton_\w+)(?:\.run)?\()", re.M)
+
+
+@dataclass(slots=True)
+class CompiledCounts:
+    """The kernels of one compiled decode step (`count_compiled_step`): per layer, fixed (the rest
+    of the forward) and the compilations and graph breaks its warm-up made."""
+
+    rows: int
+    per_layer: Counter
+    fixed: Counter
+    compilations: int
+    graph_breaks: int
+
+    def as_dict(self) -> dict:
+        return {"rows": self.rows, "per_layer": split(self.per_layer)._asdict(), "fixed": split(self.fixed)._asdict(),
+                "compilations": self.compilations, "graph_breaks": self.graph_breaks, "layer_ops": dict(self.per_layer)}
+
+
+def kernel_calls(code: str) -> list[str]:
+    """The kernels inductor's generated `call` launches, in order, by name: its fused kernels
+    ("fused"), extern kernels (`mm`) and ops it calls as they are (`decode_attention`, expanded
+    to what runs inside it by INSIDE)."""
+    body = code[code.index("def call("):]
+    calls = []
+    for extern, op, fused in _CALL.findall(body):
+        name = extern or op or "fused"
+        calls += list(INSIDE[name].elements()) if name in INSIDE else [name]
+    return calls
+
+
+def count_compiled_steps(layers: int, device: torch.device | str = "cpu") -> list[CompiledCounts]:
+    """The decode forward compiled (server/engine/compiled.py) on the model of `build(layers)`, its
+    kernels read from the code inductor generates at warm-up: for one row and for more (dynamic
+    in the rows: one graph for every bucket above 1, counted as 2 rows). Per layer: the calls
+    from one layer's attention to the next (the code is unrolled, so every such period is the
+    same; at least 3 layers). The compilations and graph breaks are the warm-up's (both graphs).
+
+    NOTE: on CPU the fused kernels are inductor's C++ ones; its fusion decisions follow the same
+    scheduler as on CUDA, so the count is a proxy for Triton's, not the same number."""
+    from torch._inductor.utils import run_and_get_code
+
+    from server.engine import compiled
+
+    torch._dynamo.reset()
+    model = build(layers, device)
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + 1, model.dtype) * 2, model.device, model.dtype)
+    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2, decode_kernel=True, merge=True,
+                         compile="require")
+    before, breaks = compiled.compilations(), compiled.graph_breaks()
+    try:
+        _, codes = run_and_get_code(runner.prepare)
+    finally:
+        pool.release()
+    if runner.paths.get("compile") != "decode":
+        raise RuntimeError(f"the decode forward did not compile: {runner.fallbacks.get('compile')}")
+    made, broke = compiled.compilations() - before, compiled.graph_breaks() - breaks
+    out = []
+    for rows, code in ((1, codes[0]), (2, codes[-1])):
+        calls = kernel_calls(code)
+        starts = [i for i, name in enumerate(calls) if kind(name) == "attention"]
+        periods = {tuple(calls[a:b]) for a, b in zip(starts, starts[1:])}
+        if len(starts) != layers or len(periods) != 1:
+            raise RuntimeError(f"the compiled layers are not alike: {len(starts)} attention calls, {len(periods)} periods")
+        per_layer = Counter(periods.pop())
+        fixed = Counter(calls)
+        fixed.subtract({name: n * layers for name, n in per_layer.items()})
+        out.append(CompiledCounts(rows, per_layer, +fixed, made, broke))
+    return out
+
+
 @torch.inference_mode()
 def count_transformers_step(model, rows: int) -> Counts:
     """Plain transformers' decode step on `model`'s weights: a fresh model with sdpa attention
@@ -263,6 +342,20 @@ def table(pairs: list[tuple[Counts, Counts]]) -> str:
     return "\n".join(lines)
 
 
+def compiled_table(compiled: list[CompiledCounts], theirs: Counts, layers: int) -> str:
+    """The compiled step's counts beside transformers' (its per-layer and fixed counts at `layers`)."""
+    lines = ["", f"Compiled (inductor, its generated code on CPU; one graph for 1 row, one for every other bucket), at {layers} layers:", "",
+             "| rows | non-GEMM / layer | GEMM / layer | fixed | model total | vs transformers | compilations | graph breaks |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in compiled:
+        layer, fixed = split(c.per_layer), split(c.fixed)
+        total = (layer.non_gemm + layer.gemm) * layers + fixed.non_gemm + fixed.gemm
+        lines.append(f"| {c.rows if c.rows == 1 else '2+'} | {layer.non_gemm} | {layer.gemm} | {fixed.non_gemm} + {fixed.gemm} | {total:,} | "
+                     f"{_ratio(total, theirs.total)} | {c.compilations} | {c.graph_breaks} |")
+    lines.append("\nOne compiled layer: " + ", ".join(f"{n} {k}" for n, k in compiled[-1].per_layer.most_common()))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=LAYERS)
@@ -273,10 +366,13 @@ def main() -> None:
     # NOTE: transformers first: kvserve's runner merges the model's projections (server/engine/merged.py)
     theirs = [count_transformers_step(model, rows) for rows in args.rows]
     pairs = list(zip([count_decode_step(model, rows) for rows in args.rows], theirs))
+    compiled = count_compiled_steps(max(args.layers, 3))
     if args.json:
-        print(json.dumps({str(o.rows): {"kvserve": o.as_dict(), "transformers": t.as_dict()} for o, t in pairs}, indent=2))
+        print(json.dumps({**{str(o.rows): {"kvserve": o.as_dict(), "transformers": t.as_dict()} for o, t in pairs},
+                          "compiled": [c.as_dict() for c in compiled]}, indent=2))
     else:
         print(table(pairs))
+        print(compiled_table(compiled, pairs[0][1], args.layers))
 
 
 if __name__ == "__main__":

@@ -425,11 +425,8 @@ class Pool:
     def store(self, layer: int, slots: torch.Tensor | slice, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keys [kv_heads, n, key_dim] and values [kv_heads, n, value_dim] (compute dtype) into `slots` [n] of `layer`
         (a slice: consecutive slots), quantized to the pool's format."""
-        for data, scales, x in ((self.keys, self.key_scales, keys), (self.values, self.value_scales, values)):
-            q, scale = self.format.encode(x)
-            _put(data[layer], slots, q)
-            if scale is not None:
-                _put(scales[layer], slots, scale)
+        put_vectors(self.format, self.keys[layer], self.key_scales[layer], slots, keys)
+        put_vectors(self.format, self.values[layer], self.value_scales[layer], slots, values)
 
     def gather(self, layer: int, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at the slots of `index` (any shape S) of `layer`: [kv_heads, *S,
@@ -475,6 +472,15 @@ def _copy(source: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
     """source[:, index] as a tensor of its own (indexing by slots copies already)."""
     picked = source[:, index]
     return picked.clone() if isinstance(index, slice) else picked
+
+
+def put_vectors(fmt, data: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor | slice, x: torch.Tensor) -> None:
+    """x [heads, n, width] (compute dtype) quantized to `fmt` into one layer's `data` (and
+    `scales`) at `index` [n] (`Pool.store`'s body)."""
+    q, scale = fmt.encode(x)
+    _put(data, index, q)
+    if scale is not None:
+        _put(scales, index, scale)
 
 
 def _put(target: torch.Tensor, index: torch.Tensor | slice, x: torch.Tensor) -> None:

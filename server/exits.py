@@ -18,7 +18,7 @@ MODEL_SOURCE = 4  # the model cannot be found or loaded
 UNSUPPORTED = 5  # the model's family or layers are refused by name, or transformers does not know it
 KV_BUDGET = 6  # the KV budget does not hold one sequence at the context
 MODEL_CANNOT_RUN = 7  # the start-up forward pass (prefill and decode) failed
-REQUIRED_PATH = 8  # a path asked for as required is unavailable (--cuda-graphs=require)
+REQUIRED_PATH = 8  # a path asked for as required is unavailable (--cuda-graphs=require, --compile=require)
 ENGINE_DEAD = 9  # the model stopped running while serving (a known-good forward pass fails)
 
 STATUSES = {
@@ -30,7 +30,7 @@ STATUSES = {
     UNSUPPORTED: "the model's family or layers are not supported (refused by name), or transformers does not know its architecture",
     KV_BUDGET: "the KV budget does not hold one sequence at the context (the line says what to lower)",
     MODEL_CANNOT_RUN: "the model failed its start-up forward pass (prefill and decode) or a warm-up request",
-    REQUIRED_PATH: "a required fast path is unavailable (--cuda-graphs=require without graphs)",
+    REQUIRED_PATH: "a required fast path is unavailable (--cuda-graphs=require without graphs, --compile=require uncompiled)",
     ENGINE_DEAD: "the engine died while serving: the model stopped running",
 }
 

@@ -203,6 +203,15 @@ class Settings(BaseSettings):
         "(--no-cuda-graphs) = every step runs eagerly.",
         json_schema_extra={"negated": "off"},
     )
+    compile: Literal["auto", "off", "require"] = Field(
+        "auto",
+        description="Compile the decode steps' forward with torch.compile (inductor) at start-up, "
+        "inside the CUDA graphs: auto = on CUDA (a failed compilation logs a WARNING and runs "
+        "eagerly; on CPU, where it is not faster, off), require = compile on any device or refuse "
+        "to start (exit status 8), off (--no-compile) = eager. Compiled kernels are cached under "
+        "--cache-dir, so a restart skips most of the compilation.",
+        json_schema_extra={"negated": "off"},
+    )
     deterministic: bool = Field(
         False,
         description="Exact mode: a request's tokens and logprobs are bit-identical whatever else "
@@ -266,9 +275,9 @@ class Settings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
-    @field_validator("cuda_graphs", mode="before")
+    @field_validator("cuda_graphs", "compile", mode="before")
     @classmethod
-    def _graphs_as_bool(cls, value: object) -> object:
+    def _mode_as_bool(cls, value: object) -> object:
         """true/on (the flag's old boolean form) = auto; false = off."""
         if isinstance(value, bool) or str(value).lower() in ("true", "false", "on", "1", "0"):
             return "auto" if str(value).lower() in ("true", "on", "1") else "off"

@@ -26,7 +26,7 @@ from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
-from server.engine import exact, families, lora
+from server.engine import compiled, exact, families, lora
 from server.engine.core import Engine, EngineConfig
 from server.api import reasoning
 from server.api.errors import APIError, install_handlers
@@ -223,6 +223,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     if pool.states is not None:
         log.info("recurrent state: %s; %d slots (%.2f GiB) for running and kept sequences and their checkpoints",
                  pool.states.spec.describe(), pool.states.num_slots, pool.states.num_slots * pool.states.spec.nbytes / 2**30)
+    if settings.compile != "off":
+        compiled.use_cache_dir(settings.cache_dir)  # before the first compilation reads it
     engine = Engine(
         loaded.model,
         loaded.tokenizer,
@@ -235,6 +237,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
             speculative=SpeculativeConfig(max_draft=settings.speculative_max_draft),
             cpu_packed_weights=settings.cpu_packed_weights,
             cuda_graphs=settings.cuda_graphs != "off",
+            compile=settings.compile,
             deterministic=settings.deterministic,
         ),
         cache_manager,
@@ -384,6 +387,9 @@ def report_paths(ctx: ServingContext, metrics: Metrics, settings: Settings) -> N
     paths = {**runner.paths, "speculative": settings.speculative}
     metrics.engine_paths.info({**paths, "fallbacks": ",".join(sorted(runner.fallbacks))})
     ctx.engine_paths = {**paths, "fallbacks": dict(runner.fallbacks)}
+    if settings.compile == "require" and paths.get("compile") != "decode":
+        why = runner.fallbacks.get("compile", "")
+        raise exits.StartupError(exits.REQUIRED_PATH, f"--compile=require, but the decode forward is not compiled: {why}")
     if settings.cuda_graphs == "require" and paths.get("cuda_graphs") != "captured":
         why = runner.fallbacks.get("cuda_graphs") or f"they need CUDA and the paged path (this device: {runner.device.type})"
         raise exits.StartupError(exits.REQUIRED_PATH, f"--cuda-graphs=require, but no CUDA graph was captured: {why}")

@@ -163,14 +163,17 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, groups: int, scal
         q, k_new, v_new = query[:, :b], key[:, :b], value[:, :b]
     else:
         q, k_new, v_new = query[:, batch.tokens], key[:, batch.tokens], value[:, batch.tokens]
-    batch.pool.store(layer, batch.slots, k_new, v_new)
     # queries [H, B * T, D] -> [B, Hkv, groups * T, D]
     q = q.reshape(kv_heads, groups, b, t, head_dim).permute(2, 0, 1, 3, 4).reshape(b, kv_heads, groups * t, head_dim)
     window = batch.pool.layout.windows[layer]
-    if batch.kernel:
-        o = paged_kernel.paged_decode(q, batch.pool.keys[layer], batch.pool.values[layer], batch.tables, batch.positions,
-                                      batch.pool.block_size, scale, softcap, None if sinks is None else sinks.view(kv_heads, groups), window)
+    pool = batch.pool
+    if batch.tokens is None and attend is _attend:  # decode rows: store and attend in one opaque op
+        o = torch.ops.kvserve.decode_attention(
+            q, k_new, v_new, pool.keys[layer], pool.values[layer], pool.key_scales[layer], pool.value_scales[layer], batch.slots,
+            batch.tables, batch.positions, batch.token_slots, batch.masks.get(window), pool.format.name, pool.block_size,
+            scale, softcap, None if sinks is None else sinks.view(kv_heads, groups), window, batch.kernel)
         return o.view(b, heads, value_dim)
+    pool.store(layer, batch.slots, k_new, v_new)
     # [Hkv, B, L, D] -> [B, Hkv, L, D]
     k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
     extra = {} if sinks is None else {"sinks": _sink_rows(sinks, t)}
@@ -365,6 +368,42 @@ def _attend(q, keys, values, mask, scale, softcap, sinks=None):
         scores = torch.cat([scores.float(), sinks.expand(*scores.shape[:-1], 1)], dim=-1)
         probs = torch.softmax(scores, dim=-1)[..., :-1]
     return torch.matmul(probs.to(q.dtype), values)
+
+
+@torch.library.custom_op("kvserve::decode_attention", mutates_args=("keys", "values", "key_scales", "value_scales"))
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     key_scales: torch.Tensor | None, value_scales: torch.Tensor | None, slots: torch.Tensor, tables: torch.Tensor,
+                     positions: torch.Tensor, token_slots: torch.Tensor | None, mask: torch.Tensor | None, kv_format: str,
+                     block_size: int, scale: float, softcap: float | None, sinks: torch.Tensor | None, window: int | None,
+                     kernel: bool) -> torch.Tensor:
+    """Decode rows' attention in one layer, store included: B rows' new key [Hkv, B, Dk] and
+    value [Hkv, B, Dv] into the layer's pool storage (`keys`, `values` and, for a quantized
+    `kv_format`, their scales) at `slots` [B]; then query [B, Hkv, G, Dk] over each row's keys
+    through its block table (`tables` [B, max_blocks], `positions` [B]) -> [B, Hkv, G, Dv].
+    `kernel`: the paged decode kernel reads the pool in place (server/engine/paged_kernel.py);
+    otherwise the keys at `token_slots` [B, L] are gathered and attended under the additive
+    `mask` [B, 1, 1, L] (`Batch.prepare`). `sinks` [Hkv, G].
+
+    An opaque op (torch.library), so that a compiled decode forward (server/engine/compiled.py)
+    calls it as it is: no specialising on the layer's pool, no functional copy of the pool for
+    the store; eager steps and CUDA graphs call the same op."""
+    fmt = kv.kv_format(kv_format)
+    kv.put_vectors(fmt, keys, key_scales, slots, key)
+    kv.put_vectors(fmt, values, value_scales, slots, value)
+    if kernel:
+        return paged_kernel.paged_decode(query, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
+    dtype = query.dtype
+    # [Hkv, B, L, D] -> [B, Hkv, L, D]
+    k_rows, v_rows = (fmt.decode(data[:, token_slots], None if s is None else s[:, token_slots], dtype).transpose(0, 1)
+                      for data, s in ((keys, key_scales), (values, value_scales)))
+    extra = {} if sinks is None else {"sinks": _sink_rows(sinks.view(*sinks.shape, 1), 1)}
+    return _attend(query, k_rows, v_rows, mask, scale, softcap, **extra)
+
+
+@decode_attention.register_fake
+def _(query, key, value, keys, values, key_scales, value_scales, slots, tables, positions, token_slots, mask, kv_format,
+      block_size, scale, softcap, sinks, window, kernel):
+    return query.new_empty(*query.shape[:-1], values.shape[-1])
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)

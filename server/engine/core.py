@@ -67,6 +67,7 @@ class EngineConfig:
     cpu_packed_weights: bool = True  # cpu_linear.pack_model's `packed`
     cuda_graphs: bool = True  # capture decode steps (CUDA only; --no-cuda-graphs)
     paged: bool | None = None  # ModelRunner's `paged`: the paged attention path (None: on CUDA)
+    compile: str = "off"  # the decode forward compiled (--compile: auto, off, require; server/engine/compiled.py)
     deterministic: bool = False  # exact mode (server/engine/exact.py): outputs independent of batching
 
     def __post_init__(self) -> None:
@@ -175,6 +176,7 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
             max_rows=config.max_running,
             paged=config.paged,
+            compile=config.compile,
             exact=config.deterministic,
             adapters=adapters,
             merge=True,

@@ -98,7 +98,21 @@ def _packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _packed_product(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # inductor lowers oneDNN's op for weights it packed itself only
+        return packed_linear(x, layer.kvserve_packed, layer.bias, layer.out_features)
     return torch.ops.mkldnn._linear_pointwise(x, layer.kvserve_packed, layer.bias, "none", [], "")
+
+
+@torch.library.custom_op("kvserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., in] through a weight packed for oneDNN (`_pack`) -> [..., out_features]: opaque
+    to a compiled forward (server/engine/compiled.py), which calls it as it is."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 ROW_BLOCK = 8  # on CPU, linear layers over 9-32 positions run on a multiple of this many

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import kv
-from server.engine import attention, context, cpu_linear, faults, lora, merged, paged_kernel, recurrent, rope
+from server.engine import attention, compiled, context, cpu_linear, faults, lora, merged, paged_kernel, recurrent, rope
 from server.engine import exact as exact_mode
 from server.engine.context import Batch, Row, StepContext, StepRows
 from server.engine.scheduler import Plan
@@ -70,7 +70,7 @@ class ModelRunner:
 
     def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True,
                  max_rows: int = 64, paged: bool | None = None, exact: bool = False, adapters: lora.Adapters | None = None,
-                 decode_kernel: bool | None = None, merge: bool = False) -> None:
+                 decode_kernel: bool | None = None, merge: bool = False, compile: str = "off") -> None:
         self.model = model
         self.pool = pool
         self.adapters = adapters  # LoRA adapters (server/engine/lora.py): each row's slot, 0 the base
@@ -86,6 +86,10 @@ class ModelRunner:
         if decode_kernel is None:
             decode_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not pool.format.quantized and not exact
         self.decode_kernel = self.paged and decode_kernel
+        # the decode steps' forward compiled (server/engine/compiled.py): "off", "auto" (on CUDA) or
+        # "require" (on any device), at `prepare`; the app refuses to start without it under "require"
+        self.compile = compile
+        self._compiled: Callable[..., object] | None = None
         self.max_rows = bucket(max_rows)
         self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
         text_config = model.config.get_text_config(decoder=True)
@@ -109,12 +113,38 @@ class ModelRunner:
         """Switch the model to kvserve's attention, pack CPU weights, capture the decode graphs
         (CUDA). On the engine thread: packing runs multi-threaded (cpu_linear.pack_model)."""
         self._enable()
+        if (self.compile == "require" or (self.compile == "auto" and self.device.type == "cuda")) and self._compiled is None:
+            self._compile()
+        self.paths.setdefault("compile", "off")
         if self.use_graphs and not self.graphs:
             self._capture_all()
         self.paths["cuda_graphs"] = (
             "captured" if self.graphs else "eager" if "cuda_graphs" in self.fallbacks else
             "off" if self.device.type == "cuda" and self.paged else "n/a"
         )
+
+    @torch.inference_mode()
+    def _compile(self) -> None:
+        """Compile the decode forward now (`compiled.decode_forward`), warming it up on padding
+        rows at one and two rows (the two compilations dynamo makes); a feature that keeps the
+        eager forward, or a failed compilation, logs a fallback and leaves the eager one."""
+        why = compiled.why_eager(self)
+        if why is None:
+            t0, before = time.perf_counter(), compiled.compilations()
+            self._compiled = compiled.decode_forward(self.model)
+            try:
+                for size in (1, 2):
+                    ids, pos, step = self._fill([], [], size, block_bucket(1, self.max_blocks), capture=True)
+                    self._forward(ids, pos, step, None, self._compiled)
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named
+                log.debug("compiling the decode forward failed", exc_info=True)
+                self._compiled = None
+                why = f"compiling the decode forward failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            else:
+                log.info("compiled the decode forward in %.1f s (%d graphs)", time.perf_counter() - t0, compiled.compilations() - before)
+        if why is not None:
+            self._fall_back("compile", f"{why}; decode steps run the eager forward")
+        self.paths["compile"] = "decode" if self._compiled is not None else "eager"
 
     def _fall_back(self, path: str, reason: str) -> None:
         """Record (and log once, as a WARNING) that `path` runs slower than asked, and why."""
@@ -126,7 +156,7 @@ class ModelRunner:
             return
         for install in PATCHES:
             self.paths.update(install(self))
-        if self.paged:
+        if self.paged or self.compile != "off":
             self._meta = torch.zeros(self.max_rows * (self._per_row + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
 
@@ -181,7 +211,7 @@ class ModelRunner:
             raise ValueError(f"logits counts {counts} do not fit rows {logits_rows}")
         long_tokens = self._long_tokens(rows, long_rows)
         adapter_rows = adapter_rows if self.adapters is not None and adapter_rows and any(adapter_rows) else None
-        if long_tokens is None and self.paged and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
+        if long_tokens is None and (self.paged or self._compiled is not None) and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
             return self._decode(rows, token_ids, adapter_rows)
         # decode rows first (the paged path's decode batch), then the others in plan order;
         # logits are kept in plan order
@@ -257,7 +287,7 @@ class ModelRunner:
             graph[0].replay()
             out = StepOutput(graph[1].logits[:n], graph[1].greedy[:n])
         else:
-            logits = self._forward(ids, pos, step, None)[:n]
+            logits = self._forward(ids, pos, step, None, self._compiled)[:n]
             out = StepOutput(logits, logits.argmax(-1))
         for row in rows:
             row.kv.length += 1
@@ -335,14 +365,15 @@ class ModelRunner:
         return lists, lambda t: Batch(self.pool, t["slots"], t["tables"].view(size, blocks), t["positions"], width, t["tokens"],
                                       None if every else t["real"])
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext, keep: torch.Tensor | None) -> torch.Tensor:
-        """One model forward over the flattened tokens as `step`; float32 logits at `keep`
-        (all: None). The one place a step's context is entered: eager steps and graph capture
-        both run it."""
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext, keep: torch.Tensor | None,
+                 model: Callable[..., object] | None = None) -> torch.Tensor:
+        """One forward of `model` (default: the eager one) over the flattened tokens as `step`;
+        float32 logits at `keep` (all: None). The one place a step's context is entered: eager
+        steps, compiled decode steps and graph capture all run it."""
         for batch in step.batches:
             batch.prepare(self.pool.dtype, self.groups)
         with context.entered(step):
-            out = self.model(
+            out = (self.model if model is None else model)(
                 input_ids=ids,
                 attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
                 position_ids=pos,
@@ -416,7 +447,7 @@ class ModelRunner:
         # every row a padding row; a hybrid's state reads and writes, and the LoRA deltas of each
         # row's adapter slot, are in the graph too
         ids, pos, step = self._fill([], [], size, blocks, capture=True)
-        warm = self._forward(ids, pos, step, None)  # warm up outside the graph
+        warm = self._forward(ids, pos, step, None, self._compiled)  # warm up outside the graph
         if self._logits is None:  # every graph's output, so none holds logits of its own
             self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
             self._greedy = torch.empty(self.max_rows, dtype=torch.long, device=self.device)
@@ -424,7 +455,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._logits[:size].copy_(self._forward(ids, pos, step, None))
+            self._logits[:size].copy_(self._forward(ids, pos, step, None, self._compiled))
             torch.argmax(self._logits[:size], dim=-1, out=self._greedy[:size])
         return graph, StepOutput(self._logits[:size], self._greedy[:size])
 

@@ -104,6 +104,14 @@ def test_required_cuda_graphs_that_are_not_captured_exit_8(tmp_path):
     assert 200 not in seen
 
 
+def test_a_required_compilation_that_cannot_happen_exits_8_saying_why(tmp_path):
+    # exact mode keeps its own kernels: no compiled forward, on any device
+    status, out, seen = serve(tmp_path, "--compile", "require", "--deterministic")
+    assert status == exits.REQUIRED_PATH, out
+    assert "--compile=require" in last_line(out) and "exact mode" in last_line(out)
+    assert 200 not in seen
+
+
 def test_invalid_settings_exit_2_and_a_taken_port_exits_3(tmp_path):
     status, out, _ = serve(tmp_path, "--max-running", "0")
     assert status == exits.SETTINGS and "max_running" in out, out

@@ -54,6 +54,24 @@ def test_the_kernels_of_a_decode_step_are_the_budget(counts, rows, part):
                     f'to these counts and say what lowered them in its "reason" (ops: {_ops(ops)}).')
 
 
+@pytest.fixture(scope="module")
+def compiled_counts() -> list[kernels.CompiledCounts]:
+    return kernels.count_compiled_steps(3, DEVICE)
+
+
+def test_the_compiled_decode_step_is_its_budget(compiled_counts):
+    """Compiled (server/engine/compiled.py): the kernels inductor generates per layer and outside
+    the layers, for one row and for more, and the warm-up's compilations and graph breaks: a
+    graph break, a compilation per layer or per bucket, or an added kernel fails here."""
+    budget = BUDGET["compiled"]
+    for c in compiled_counts:
+        got = {"per_layer": kernels.split(c.per_layer)._asdict(), "fixed": kernels.split(c.fixed)._asdict(),
+               "compilations": c.compilations, "graph_breaks": c.graph_breaks}
+        want = {name: budget[name] for name in got}
+        assert got == want, (f"at {c.rows} row(s) the compiled step has {got} (layer: {_ops(c.per_layer)}), the budget "
+                             f'{want}: change the code or the budget in bench/kernel_budget.json, saying why in its "reason"')
+
+
 def test_every_layer_launches_the_same_kernels(counts):
     for c in counts.values():
         for i, layer in enumerate(c.layers):

@@ -1,0 +1,93 @@
+"""A compiled decode forward: the model's forward for the paged path's decode steps (decode rows
+alone, padded to a bucket) through `torch.compile` (inductor), compiled at warm-up and, on CUDA,
+captured inside the model runner's own graphs.
+
+What makes one graph of the whole forward possible:
+* The step reaches the layer patches through its context (server/engine/context.py), which
+  dynamo reads like any attribute; nothing is passed through a keyword the modeling code drops.
+* Each layer's attention (the store and the paged read) is one opaque op,
+  `torch.ops.kvserve.decode_attention` (server/engine/attention.py): dynamo never specialises
+  on a layer's pool tensor, and the store mutates the pool in place rather than through a
+  functional copy of it. On CPU the linear layers packed for oneDNN run through the opaque
+  `kvserve::packed_linear` (inductor lowers oneDNN's op only for weights it packed itself).
+* Dynamic in the rows and the context bucket (`dynamic=True`), so one graph serves every
+  bucket: a compilation for one row (dynamo specialises sizes of 1) and one for the others,
+  never one per layer or per bucket. `fullgraph=True`: a graph break is an error, which the
+  warm-up turns into a named fallback (or exit 8 under `--compile require`).
+
+Features whose patches keep per-step Python state the compiled graph would freeze (LoRA
+slots, a hybrid's deferred state writes, LongRoPE's switch, exact mode's own kernels, a probe's
+observer) keep the eager forward, named by `why_eager`. Prefill and mixed steps stay eager: their
+shapes vary with every prompt.
+
+Inductor's cache lives under kvserve's cache dir (`use_cache_dir`), so a restart loads the
+compiled kernels instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.fx.experimental._config
+
+from server.engine.cpu_linear import dense
+
+MODES = ("auto", "off", "require")
+
+
+def decode_forward(model) -> Callable[..., object]:
+    """`model` compiled for decode steps (lazily: the first call compiles)."""
+    forward = torch.compile(model, fullgraph=True, dynamic=True)
+
+    def call(**inputs):
+        # NOTE: without duck sizing: with it, dynamo equates sizes that happen to be equal when
+        # it compiles (a pool's 2 KV heads and a 2-row bucket's storage offset) and recompiles
+        # at the first step where they differ
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return forward(**inputs)
+
+    return call
+
+
+def why_eager(runner) -> str | None:
+    """Why `runner`'s decode steps keep the eager forward (None: they can compile)."""
+    if runner.exact:
+        return "exact mode runs its own batch-invariant kernels"
+    if runner.adapters is not None:
+        return "LoRA adapters pick each row's slot per step"
+    if runner.pool.states is not None:
+        return "a hybrid's recurrent layers store their states after the step"
+    if runner.rope is not None:
+        return "LongRoPE switches factors by each row's length"
+    if runner.observe is not None:
+        return "an observed forward (the families probe)"
+    quantized = sum(isinstance(m, torch.nn.Linear) and not dense(m) for m in runner.model.modules())
+    if quantized:
+        return f"{quantized} quantized linear layers run their own kernels"
+    return None
+
+
+def compilations() -> int:
+    """Graphs dynamo has compiled in this process so far (a recompilation counts again)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def graph_breaks() -> int:
+    """Graph breaks dynamo has met in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def use_cache_dir(cache_dir: Path) -> Path:
+    """Keep inductor's (and Triton's) compiled kernels under `cache_dir`/compile, unless the
+    environment names other places; returns the directory."""
+    path = Path(cache_dir) / "compile"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(path / "triton"))
+    return path

@@ -1,0 +1,112 @@
+"""The compiled decode forward (server/engine/compiled.py): inductor compiles the paged path's
+decode steps in one graph without a break, twice at most (one row; any other bucket), and gives
+the eager forward's greedy tokens; features that keep the eager forward say so by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench import architectures
+from cache_manager import kv
+from server.engine import compiled
+from server.engine.context import Row
+from server.engine.model_runner import ModelRunner
+from tests.device import DEVICE, DTYPE
+
+STEPS = 12
+# rows per step across the row buckets 1, 2, 4 and 8 (dynamic in the rows: no recompilation)
+ROW_COUNTS = (1, 2, 3, 5)
+
+
+def build(family: str):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(architectures.FAMILIES[family].config(), dtype=DTYPE).to(DEVICE).eval()
+
+
+def prompt(row: int, vocab: int) -> list[int]:
+    return [(row * 131 + t * 17 + 3) % vocab for t in range(4 + 3 * row)]
+
+
+def greedy_steps(runner: ModelRunner, rows: int) -> list[list[int]]:
+    """`rows` prompts prefilled, then STEPS decode steps of all of them, each row's argmax fed back."""
+    vocab, pool = runner.model.config.vocab_size, runner.pool
+    prompts = [prompt(r, vocab) for r in range(rows)]
+    caches = [pool.allocate(len(p) + STEPS + 1) for p in prompts]
+    try:
+        ids = runner.forward([Row(c, len(p)) for c, p in zip(caches, prompts)], sum(prompts, []), list(range(rows))).argmax(-1).tolist()
+        out = [ids]
+        for _ in range(STEPS):
+            ids = runner.forward([Row(c, 1) for c in caches], ids, list(range(rows))).argmax(-1).tolist()
+            out.append(ids)
+        return out
+    finally:
+        for cache in caches:
+            kv.free(cache)
+
+
+def runner_for(model, *, compile: str, paged: bool | None = None, **kwargs) -> ModelRunner:
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, DTYPE) * max(ROW_COUNTS), DEVICE, DTYPE)
+    runner = ModelRunner(model, pool, cuda_graphs=False, paged=paged, max_rows=max(ROW_COUNTS), merge=True, compile=compile, **kwargs)
+    runner.prepare()
+    return runner
+
+
+@pytest.mark.parametrize("family, packed", [("qwen2", True), ("gemma2", None)], ids=["qwen2-packed", "gemma2-dense"])
+def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family, packed):
+    """qwen2: biased q/k/v merged, a sliding-window layer, the CPU's packed linear layers;
+    gemma2: soft-capping, alternating windows, dense weights. Against the same paged decode
+    path run eagerly, and against the row path the CPU serves by default."""
+    model = build(family)
+    torch._dynamo.reset()
+    before, breaks = compiled.compilations(), compiled.graph_breaks()
+    fast = runner_for(model, compile="require", packed=packed)
+    assert fast.paths["compile"] == "decode", fast.fallbacks
+    # the warm-up compiled both graphs: the steps below add none, whatever their bucket
+    assert compiled.compilations() - before == 2
+    got = {rows: greedy_steps(fast, rows) for rows in ROW_COUNTS}
+    assert compiled.compilations() - before == 2, "a recompilation during the steps"
+    assert compiled.graph_breaks() == breaks
+    for paged in (True, None):
+        eager = runner_for(model, compile="off", paged=paged, packed=packed)
+        assert eager.paths["compile"] == "off"
+        for rows in ROW_COUNTS:
+            assert greedy_steps(eager, rows) == got[rows], (paged, rows)
+
+
+def test_features_that_keep_the_eager_forward_are_named():
+    model = build("llama")
+    runner = runner_for(model, compile="require", exact=True)
+    assert runner.paths["compile"] == "eager"
+    assert "exact mode" in runner.fallbacks["compile"]
+    # its decode steps run as without compilation: the row path
+    assert greedy_steps(runner, 2) == greedy_steps(runner_for(model, compile="off", exact=True), 2)
+
+
+@pytest.mark.anyio
+async def test_a_server_with_a_required_compilation_answers_as_the_eager_one(tokenizer):
+    """The official client on an app serving a tiny Llama with `compile="require"`: the engine
+    paths say "decode" in /v1/models and /metrics, and concurrent greedy chats (batched decode
+    steps) give the tokens of the same app without compilation."""
+    import asyncio
+
+    from tests import thinking
+    from tests.inprocess import openai_client
+
+    loaded = thinking.tiny_model(thinking.family_tokenizer(tokenizer, "qwen3"))
+    asks = [[{"role": "user", "content": f"Count to {n}, please."}] for n in range(3)]
+
+    async def answers(**settings) -> tuple[list[str], dict, str]:
+        async with openai_client(loaded, **settings) as (client, http):
+            done = await asyncio.gather(*(client.chat.completions.create(
+                model=loaded.model_id, messages=ask, temperature=0, max_tokens=12) for ask in asks))
+            engine = (await http.get("/v1/models")).json()["data"][0]["engine"]
+            return [c.choices[0].message.content for c in done], engine, (await http.get("/metrics")).text
+
+    got, engine, metrics = await answers(compile="require")
+    assert engine["compile"] == "decode" and "compile" not in engine["fallbacks"]
+    assert 'compile="decode"' in metrics
+    expected, engine, _ = await answers(compile="off")
+    assert engine["compile"] == "off"
+    assert got == expected
