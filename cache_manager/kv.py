@@ -431,10 +431,8 @@ class Pool:
     def gather(self, layer: int, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at the slots of `index` (any shape S) of `layer`: [kv_heads, *S,
         key_dim / value_dim] in the compute dtype; copies (a slice of an `auto` pool: views)."""
-        fmt, dtype = self.format, self.dtype
-        ks, vs = self.key_scales[layer], self.value_scales[layer]
-        keys = fmt.decode(self.keys[layer][:, index], None if ks is None else ks[:, index], dtype)
-        values = fmt.decode(self.values[layer][:, index], None if vs is None else vs[:, index], dtype)
+        keys = read_vectors(self.format, self.keys[layer], self.key_scales[layer], index, self.dtype)
+        values = read_vectors(self.format, self.values[layer], self.value_scales[layer], index, self.dtype)
         return keys, values
 
     def stored(self, layer: int, index: torch.Tensor | slice) -> dict[str, torch.Tensor]:
@@ -481,6 +479,12 @@ def put_vectors(fmt, data: torch.Tensor, scales: torch.Tensor | None, index: tor
     _put(data, index, q)
     if scale is not None:
         _put(scales, index, scale)
+
+
+def read_vectors(fmt, data: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+    """One layer's vectors at `index` (any shape S) dequantized from `fmt`: [heads, *S, width]
+    in `dtype` (`Pool.gather`'s body)."""
+    return fmt.decode(data[:, index], None if scales is None else scales[:, index], dtype)
 
 
 def _put(target: torch.Tensor, index: torch.Tensor | slice, x: torch.Tensor) -> None:

@@ -15,7 +15,9 @@ layer with query [1, H, N, D] and the new keys/values [1, Hkv, N, D]. The step's
   shapes for a given (B, max_blocks): the runner replays a decode batch from a CUDA graph. On
   CPU only when asked for (tests), since it gathers what the row path reads in place. Where
   Triton runs (`Batch.kernel`), decode rows skip the gather: the paged decode kernel
-  (server/engine/paged_kernel.py) reads the pool in place through the block tables.
+  (server/engine/paged_kernel.py) reads the pool in place through the block tables. A decode
+  batch's store and read are one opaque op, `torch.ops.kvserve.decode_attention`, which the
+  compiled decode forward (server/engine/compiled.py) calls as it is.
 * `Row`s, the row path (every row on CPU): any number of tokens, one attention call per row
   over a view of the row's own keys (a gather when its blocks are not consecutive), with a
   causal mask.
@@ -392,10 +394,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     kv.put_vectors(fmt, values, value_scales, slots, value)
     if kernel:
         return paged_kernel.paged_decode(query, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
-    dtype = query.dtype
     # [Hkv, B, L, D] -> [B, Hkv, L, D]
-    k_rows, v_rows = (fmt.decode(data[:, token_slots], None if s is None else s[:, token_slots], dtype).transpose(0, 1)
-                      for data, s in ((keys, key_scales), (values, value_scales)))
+    k_rows = kv.read_vectors(fmt, keys, key_scales, token_slots, query.dtype).transpose(0, 1)
+    v_rows = kv.read_vectors(fmt, values, value_scales, token_slots, query.dtype).transpose(0, 1)
     extra = {} if sinks is None else {"sinks": _sink_rows(sinks.view(*sinks.shape, 1), 1)}
     return _attend(query, k_rows, v_rows, mask, scale, softcap, **extra)
 

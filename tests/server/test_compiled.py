@@ -46,22 +46,23 @@ def greedy_steps(runner: ModelRunner, rows: int) -> list[list[int]]:
             kv.free(cache)
 
 
-def runner_for(model, *, compile: str, paged: bool | None = None, **kwargs) -> ModelRunner:
-    pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, DTYPE) * max(ROW_COUNTS), DEVICE, DTYPE)
+def runner_for(model, *, compile: str, paged: bool | None = None, kv_dtype: str = "auto", **kwargs) -> ModelRunner:
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, DTYPE, kv_dtype) * max(ROW_COUNTS), DEVICE, DTYPE, kv_dtype=kv_dtype)
     runner = ModelRunner(model, pool, cuda_graphs=False, paged=paged, max_rows=max(ROW_COUNTS), merge=True, compile=compile, **kwargs)
     runner.prepare()
     return runner
 
 
-@pytest.mark.parametrize("family, packed", [("qwen2", True), ("gemma2", None)], ids=["qwen2-packed", "gemma2-dense"])
-def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family, packed):
-    """qwen2: biased q/k/v merged, a sliding-window layer, the CPU's packed linear layers;
-    gemma2: soft-capping, alternating windows, dense weights. Against the same paged decode
-    path run eagerly, and against the row path the CPU serves by default."""
+@pytest.mark.parametrize("family, packed, kv_dtype", [("qwen2", True, "fp8"), ("gemma2", None, "auto")], ids=["qwen2-packed-fp8", "gemma2-dense"])
+def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family, packed, kv_dtype):
+    """qwen2: biased q/k/v merged, a sliding-window layer, the CPU's packed linear layers, fp8
+    KV (the store writes scales too); gemma2: soft-capping, alternating windows, dense weights.
+    Against the same paged decode path run eagerly, and against the row path the CPU serves by
+    default."""
     model = build(family)
     torch._dynamo.reset()
     before, breaks = compiled.compilations(), compiled.graph_breaks()
-    fast = runner_for(model, compile="require", packed=packed)
+    fast = runner_for(model, compile="require", packed=packed, kv_dtype=kv_dtype)
     assert fast.paths["compile"] == "decode", fast.fallbacks
     # the warm-up compiled both graphs: the steps below add none, whatever their bucket
     assert compiled.compilations() - before == 2
@@ -69,7 +70,7 @@ def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family,
     assert compiled.compilations() - before == 2, "a recompilation during the steps"
     assert compiled.graph_breaks() == breaks
     for paged in (True, None):
-        eager = runner_for(model, compile="off", paged=paged, packed=packed)
+        eager = runner_for(model, compile="off", paged=paged, packed=packed, kv_dtype=kv_dtype)
         assert eager.paths["compile"] == "off"
         for rows in ROW_COUNTS:
             assert greedy_steps(eager, rows) == got[rows], (paged, rows)
