@@ -35,9 +35,6 @@ import torch.fx.experimental._config
 
 from server.engine.cpu_linear import dense
 
-MODES = ("auto", "off", "require")
-
-
 def decode_forward(model) -> Callable[..., object]:
     """`model` compiled for decode steps (lazily: the first call compiles)."""
     forward = torch.compile(model, fullgraph=True, dynamic=True)
