@@ -220,7 +220,7 @@ _CALL = re.compile(r"^\s+(?:\w+ = )?(?:extern_kernels\.(\w+)\(|torch\.ops\.\w+\.
 
 @dataclass(slots=True)
 class CompiledCounts:
-    """The kernels of one compiled decode step (`count_compiled_step`): per layer, fixed (the rest
+    """The kernels of one compiled decode step (`count_compiled_steps`): per layer, fixed (the rest
     of the forward) and the compilations and graph breaks its warm-up made."""
 
     rows: int

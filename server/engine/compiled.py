@@ -35,6 +35,7 @@ import torch.fx.experimental._config
 
 from server.engine.cpu_linear import dense
 
+
 def decode_forward(model) -> Callable[..., object]:
     """`model` compiled for decode steps (lazily: the first call compiles)."""
     forward = torch.compile(model, fullgraph=True, dynamic=True)
@@ -81,10 +82,9 @@ def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
 
-def use_cache_dir(cache_dir: Path) -> Path:
+def use_cache_dir(cache_dir: Path) -> None:
     """Keep inductor's (and Triton's) compiled kernels under `cache_dir`/compile, unless the
-    environment names other places; returns the directory."""
+    environment names other places."""
     path = Path(cache_dir) / "compile"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(path / "triton"))
-    return path

@@ -86,9 +86,10 @@ class ModelRunner:
         if decode_kernel is None:
             decode_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not pool.format.quantized and not exact
         self.decode_kernel = self.paged and decode_kernel
-        # the decode steps' forward compiled (server/engine/compiled.py): "off", "auto" (on CUDA) or
-        # "require" (on any device), at `prepare`; the app refuses to start without it under "require"
-        self.compile = compile
+        # whether `prepare` compiles the decode steps' forward (server/engine/compiled.py): `compile`
+        # "require" on any device, "auto" on CUDA, "off" never; the app refuses to start without it
+        # under "require"
+        self.compile = compile == "require" or (compile == "auto" and self.device.type == "cuda")
         self._compiled: Callable[..., object] | None = None
         self.max_rows = bucket(max_rows)
         self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
@@ -113,7 +114,7 @@ class ModelRunner:
         """Switch the model to kvserve's attention, pack CPU weights, capture the decode graphs
         (CUDA). On the engine thread: packing runs multi-threaded (cpu_linear.pack_model)."""
         self._enable()
-        if (self.compile == "require" or (self.compile == "auto" and self.device.type == "cuda")) and self._compiled is None:
+        if self.compile and self._compiled is None:
             self._compile()
         self.paths.setdefault("compile", "off")
         if self.use_graphs and not self.graphs:
@@ -156,7 +157,7 @@ class ModelRunner:
             return
         for install in PATCHES:
             self.paths.update(install(self))
-        if self.paged or self.compile != "off":
+        if self.paged or self.compile:
             self._meta = torch.zeros(self.max_rows * (self._per_row + self.max_blocks), dtype=torch.long, device=self.device)
         self._enabled = True
 
