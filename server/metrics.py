@@ -56,7 +56,7 @@ class Metrics:
         self.info = Info("kvserve", "Model, dtype, device and kvserve version.", registry=r)
         self.engine_paths = Info(
             "kvserve_engine_paths",
-            "How each fast path runs (attention, decode_attention, merged, compile, cuda_graphs, cpu_linear, exact, "
+            "How each fast path runs (attention, decode_attention, merged, compile, cuda_graphs, overlap, cpu_linear, exact, "
             "speculative; experts, lora, recurrent where the model has them) and "
             "`fallbacks`: the paths running slower than asked (none: \"\").",
             registry=r,

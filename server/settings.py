@@ -212,6 +212,16 @@ class Settings(BaseSettings):
         "--cache-dir, so a restart skips most of the compilation.",
         json_schema_extra={"negated": "off"},
     )
+    overlap: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Launch each greedy decode step before the previous step's tokens reach the "
+        "host, so the device computes it while the host samples, detokenizes and streams: a row "
+        "that stopped loses the token computed past its stop (never sent, never kept in its "
+        "session). auto = on CUDA; on = on CPU too (where steps do not overlap: for tests); "
+        "off (--no-overlap) = each step waits for the previous one. Hybrid and LongRoPE models "
+        "and decode steps off the paged path run without it (a logged fallback).",
+        json_schema_extra={"negated": "off"},
+    )
     deterministic: bool = Field(
         False,
         description="Exact mode: a request's tokens and logprobs are bit-identical whatever else "

@@ -238,6 +238,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
             cpu_packed_weights=settings.cpu_packed_weights,
             cuda_graphs=settings.cuda_graphs != "off",
             compile=settings.compile,
+            overlap=None if settings.overlap == "auto" else settings.overlap == "on",
             deterministic=settings.deterministic,
         ),
         cache_manager,

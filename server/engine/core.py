@@ -28,7 +28,7 @@ from cache_manager.prefix import ROPE_SWITCH
 from grammars.matcher import start_masks
 from server import memory
 from server.engine import faults, families, lora, sampler
-from server.engine.model_runner import ModelRunner
+from server.engine.model_runner import ModelRunner, StepOutput
 from server.engine.scheduler import Plan, ScheduledRow, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
 from server.engine.speculative import NoSpeculation, SpeculativeConfig, Speculator
@@ -68,6 +68,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps (CUDA only; --no-cuda-graphs)
     paged: bool | None = None  # ModelRunner's `paged`: the paged attention path (None: on CUDA)
     compile: str = "off"  # the decode forward compiled (--compile: auto, off, require; server/engine/compiled.py)
+    overlap: bool | None = None  # launch a greedy decode step before the previous one's tokens reach the host (None: on CUDA)
     deterministic: bool = False  # exact mode (server/engine/exact.py): outputs independent of batching
 
     def __post_init__(self) -> None:
@@ -77,6 +78,18 @@ class EngineConfig:
             raise ValueError("max_queue and max_running must be >= 1")
         if self.max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
+
+
+@dataclass(slots=True)
+class Ahead:
+    """A greedy decode step launched before the previous one's tokens reached the host (the
+    overlap, `Engine._launch_ahead`): its plan and output, and each row's length of `all_ids`
+    once that previous token is appended (any other length: the row stopped or tokens were
+    forced after it, and what the step computed for it is dropped)."""
+
+    plan: Plan
+    out: StepOutput
+    lengths: list[int]
 
 
 def _deliver(items: list[tuple["RequestHandle", RequestOutput]]) -> None:
@@ -177,6 +190,7 @@ class Engine:
             max_rows=config.max_running,
             paged=config.paged,
             compile=config.compile,
+            overlap=config.overlap,
             exact=config.deterministic,
             adapters=adapters,
             merge=True,
@@ -190,6 +204,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
         self._prepared: Future[None] = Future()  # settled by the thread once the models are ready
         self._outbox: list[tuple[RequestHandle, RequestOutput]] = []  # engine thread only: `_flush`
+        self._ahead: Ahead | None = None  # a step launched before the previous one was postprocessed
         self._calls: list[tuple[Callable[[], object], Future]] = []  # run on the engine thread between steps (`call`)
         self._faults = faults.Faults.from_env()  # None unless a test switched faults on
         self._fault_hooks = self._faults.install(model) if self._faults is not None else []
@@ -479,6 +494,9 @@ class Engine:
                 self._finish(seq, handle, "stop")
             elif seq.expired(now):
                 self._finish(seq, handle, "error", error="timeout")
+        if self._ahead is not None:
+            self._land(t0)
+            return
         if self._rope_switch is not None:
             for seq, _ in self._running:
                 self._cross_rope_switch(seq)
@@ -493,10 +511,87 @@ class Engine:
         self._relax()
         if prefill_tokens >= max(64, plan.num_tokens // 2):  # a prefill step: its speed weighs restores
             self.cache_manager.observe_prefill(plan.num_tokens, time.perf_counter() - t0)
+        self._observe(plan, t0)
+
+    def _observe(self, plan: Plan, t0: float) -> None:
         if self.metrics is not None:
             self.metrics.batch_rows.observe(len(plan.rows))
             self.metrics.batch_tokens.observe(plan.num_tokens)
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    # -- the overlap: a greedy decode step launched before the previous one is postprocessed --
+
+    def _after(self, plan: Plan, out: StepOutput) -> None:
+        """Postprocess a step that ran; first, where the next step needs nothing from the host,
+        launch it (`_launch_ahead`), so that the device computes it while the host samples,
+        detokenizes and emits this one."""
+        launched = self._launch_ahead(plan, out)
+        if launched is None:
+            self._postprocess(plan, out.logits, out.greedy)
+            return
+        ahead, greedy = launched
+        self._postprocess(plan, out.logits, greedy())
+        self._ahead = self._settle(ahead)
+
+    def _launch_ahead(self, plan: Plan, out: StepOutput) -> tuple[Ahead, Callable[[], torch.Tensor]] | None:
+        """The next decode step of `plan`'s rows, launched now from this step's argmax on the
+        device (`ModelRunner.run_ahead`), with the wait for that argmax's copy to the host;
+        None where it cannot be: the overlap is off, some row samples, drafts, is constrained
+        or reports logprobs (its token is not the argmax), or the engine has requests to admit
+        or calls to run (they take the next step). A row whose next token cannot exist
+        (max_tokens, its cache full) is left out; one that stops at this step's token (the end
+        of its turn, a stop string) is found out only afterwards (`_settle`)."""
+        if not self.runner.overlap or out.greedy is None or self._faults is not None:
+            return None
+        if not all(row.completes and row.n_tokens == 1 and row.draft is None and sampler.plain_greedy(row.seq) for row in plan.rows):
+            return None
+        with self._cond:
+            if self._waiting or self._calls:
+                return None
+        pick = [i for i, row in enumerate(plan.rows) if _continues(row.seq)]
+        if not pick:
+            return None
+        greedy = self.runner.to_host(out.greedy)  # before the next step overwrites a graph's output
+        rows = [ScheduledRow(plan.rows[i].seq, 1) for i in pick]
+        for row in rows:
+            row.completes = True  # its pending token is the one this step samples
+        try:
+            launched = self.runner.run_ahead(Plan(rows), out.greedy, pick)
+        except Exception:  # noqa: BLE001 - the step runs again, scheduled as usual, with the fault handling
+            log.warning("a decode step launched ahead failed: it runs again after this one", exc_info=True)
+            self.runner.release_memory()
+            return None
+        for row in rows:
+            row.seq.ahead = 1
+        return Ahead(Plan(rows), launched, [len(row.seq.all_ids) + 1 for row in rows]), greedy
+
+    def _settle(self, ahead: Ahead) -> Ahead | None:
+        """After the previous step's postprocess: the rows of the step launched ahead that
+        went on with exactly the token it computed from. The others lose what it computed for
+        them (`_undo_ahead`): a finished row did at `_finish`; a row with tokens forced after
+        it computes them all in the next scheduled step, as it would have without the overlap."""
+        keep = []
+        for i, (row, length) in enumerate(zip(ahead.plan.rows, ahead.lengths)):
+            seq = row.seq
+            if seq.status is Status.FINISHED:
+                continue
+            if len(seq.all_ids) == length and seq.num_pending == 0:
+                seq.ahead = 0
+                keep.append(i)
+            else:
+                _undo_ahead(seq)
+        return _only(ahead, keep)
+
+    def _land(self, t0: float) -> None:
+        """This step: the one launched ahead, postprocessed (and the next one launched from it)
+        for its rows still running (a row cancelled or expired since was finished above)."""
+        ahead, self._ahead = self._ahead, None
+        ahead = _only(ahead, [i for i, row in enumerate(ahead.plan.rows) if row.seq.status is not Status.FINISHED])
+        if ahead is None:
+            return
+        self._after(ahead.plan, ahead.out)
+        self._relax()
+        self._observe(ahead.plan, t0)
 
     def _checkpoint(self, plan: Plan) -> None:
         """A hybrid model: keep the recurrent state of each prompt computed up to one token
@@ -654,7 +749,7 @@ class Engine:
                 failed.append(row.seq)
             else:
                 ran = True
-                self._postprocess(part, out.logits, out.greedy)
+                self._after(part, out)
         for seq in failed:
             self._finish(seq, self._handle(seq), "error", error="internal")
 
@@ -797,6 +892,7 @@ class Engine:
         """Commit (or roll back) the sequence's KV, then send the final output."""
         seq.status = Status.FINISHED
         self.speculator.finish(seq, committed=reason in ("stop", "length"))
+        _undo_ahead(seq)  # a step launched ahead computed past this end: the session never holds it
         if seq.lease is not None:
             try:
                 if reason in ("stop", "length"):
@@ -820,6 +916,28 @@ class Engine:
         # NOTE: the gauges are updated before the client hears the end, so a client that reads
         # /metrics right after its response sees its request gone.
         handle._put(seq.final_output(reason, error=error, rest=rest))
+
+
+def _continues(seq: Sequence) -> bool:
+    """Whether the sequence can take one more token after the one being sampled for it (not
+    at max_tokens, room in its cache): a step launched ahead may compute it."""
+    return not seq.cancelled and len(seq.generated) + 1 < seq.params.max_tokens and seq.cache is not None and seq.n_computed < kv.capacity(seq.cache)
+
+
+def _undo_ahead(seq: Sequence) -> None:
+    """Drop the KV a step launched ahead computed for the sequence (`Sequence.ahead`)."""
+    if seq.ahead and seq.cache is not None:
+        kv.crop(seq.cache, seq.n_computed - seq.ahead)
+    seq.ahead = 0
+
+
+def _only(ahead: Ahead, keep: list[int]) -> Ahead | None:
+    """`ahead` with the rows `keep` (indices, in order) alone; None for none."""
+    if not keep:
+        return None
+    if len(keep) == len(ahead.plan.rows):
+        return ahead
+    return Ahead(Plan([ahead.plan.rows[i] for i in keep]), ahead.out.rows(keep), [ahead.lengths[i] for i in keep])
 
 
 def _halves(plan: Plan) -> list[Plan]:

@@ -64,13 +64,18 @@ class StepOutput:
     logits: torch.Tensor
     greedy: torch.Tensor | None = None
 
+    def rows(self, keep: list[int]) -> "StepOutput":
+        """The output of rows `keep` (indices, in order) alone, without waiting for the device."""
+        index = _to_device({"keep": keep}, self.logits.device)["keep"]
+        return StepOutput(self.logits[index], None if self.greedy is None else self.greedy[index])
+
 
 class ModelRunner:
     """Runs `model` over sequences whose KV lives in `pool` (engine thread only, after `prepare`)."""
 
     def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True,
                  max_rows: int = 64, paged: bool | None = None, exact: bool = False, adapters: lora.Adapters | None = None,
-                 decode_kernel: bool | None = None, merge: bool = False, compile: str = "off") -> None:
+                 decode_kernel: bool | None = None, merge: bool = False, compile: str = "off", overlap: bool | None = None) -> None:
         self.model = model
         self.pool = pool
         self.adapters = adapters  # LoRA adapters (server/engine/lora.py): each row's slot, 0 the base
@@ -91,6 +96,9 @@ class ModelRunner:
         # under "require"
         self.compile = compile == "require" or (compile == "auto" and self.device.type == "cuda")
         self._compiled: Callable[..., object] | None = None
+        # whether the engine may launch a decode step before the previous one's tokens reach the
+        # host (`run_ahead`); None: on CUDA. `prepare` turns it off where a step cannot be undone.
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_rows = bucket(max_rows)
         self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
         text_config = model.config.get_text_config(decoder=True)
@@ -117,6 +125,7 @@ class ModelRunner:
         if self.compile and self._compiled is None:
             self._compile()
         self.paths.setdefault("compile", "off")
+        self._decide_overlap()
         if self.use_graphs and not self.graphs:
             self._capture_all()
         self.paths["cuda_graphs"] = (
@@ -146,6 +155,18 @@ class ModelRunner:
         if why is not None:
             self._fall_back("compile", f"{why}; decode steps run the eager forward")
         self.paths["compile"] = "decode" if self._compiled is not None else "eager"
+
+    def _decide_overlap(self) -> None:
+        """Keep `overlap` only where a step launched ahead can be taken back: its rows' KV is
+        cropped by one token when their previous token stopped them."""
+        if self.overlap:
+            why = ("a hybrid's recurrent state moves in place and cannot be cropped" if self.pool.states is not None else
+                   "LongRoPE picks a row's factors from its host-side length" if self.rope is not None else
+                   "decode steps take the eager path (the paged path is off)" if not (self.paged or self._compiled is not None) else None)
+            if why is not None:
+                self.overlap = False
+                self._fall_back("overlap", f"{why}; each step waits for the previous one's tokens")
+        self.paths["overlap"] = "on" if self.overlap else "off"
 
     def _fall_back(self, path: str, reason: str) -> None:
         """Record (and log once, as a WARNING) that `path` runs slower than asked, and why."""
@@ -186,6 +207,17 @@ class ModelRunner:
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
         adapter_rows = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
         return self._step(rows, token_ids, logits_rows, counts, long_rows, adapter_rows)
+
+    @torch.inference_mode()
+    def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int]) -> StepOutput:
+        """`run` for decode rows whose pending token is still on the device, launched before
+        the host has read it (the engine's overlap): row i's token is `ids[pick[i]]` (`ids`:
+        the previous step's argmax). Each row computes one token; `run`'s side effects."""
+        self._enable()
+        rows = [Row(row.seq.cache, 1) for row in plan.rows]
+        adapter_rows = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
+        adapter_rows = adapter_rows if adapter_rows and any(adapter_rows) else None
+        return self._decode(rows, pick, adapter_rows, ids)
 
     def forward(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None,
                 long_rows: list[bool] | None = None, adapter_rows: list[int] | None = None) -> torch.Tensor:
@@ -274,15 +306,19 @@ class ModelRunner:
         flags = [bool(long and r.kv.length < switch) for long, r in zip(long_rows, rows)]
         return flags if any(flags) else None
 
-    def _decode(self, rows: list[Row], token_ids: list[int], adapter_rows: list[int] | None = None) -> StepOutput:
+    def _decode(self, rows: list[Row], token_ids: list[int], adapter_rows: list[int] | None = None,
+                device_ids: torch.Tensor | None = None) -> StepOutput:
         """Decode rows only (one token each, logits and their argmax at each): padded to a
-        bucket, from the persistent buffers; a captured graph replays where one fits."""
+        bucket, from the persistent buffers; a captured graph replays where one fits.
+        With `device_ids` (on the device) row i's token is `device_ids[token_ids[i]]`."""
         n = len(rows)
         size = bucket(n)
         blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
         if size > self.max_rows:
             size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
         ids, pos, step = self._fill(rows, token_ids, size, blocks, adapter_rows)
+        if device_ids is not None:  # the tokens where the buffer's one host copy put their indices
+            ids[0, :n].copy_(device_ids[ids[0, :n]])
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()
@@ -382,6 +418,23 @@ class ModelRunner:
                 logits_to_keep=0 if keep is None else keep,
             )
         return out.logits[0].float()
+
+    def to_host(self, ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start copying `ids` (on the device) to the host now, without waiting: what is
+        launched next may overwrite them. The returned call waits for the copy alone (not for
+        later steps) and gives the host tensor."""
+        if self.device.type != "cuda":
+            host = ids.clone()
+            return lambda: host
+        host = ids.to("cpu", non_blocking=True)  # into pinned memory
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def wait() -> torch.Tensor:
+            copied.synchronize()
+            return host
+
+        return wait
 
     def synchronize(self) -> None:
         """Wait for the device to finish what was launched (on CUDA `run` returns once the

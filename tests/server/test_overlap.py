@@ -1,0 +1,156 @@
+"""The overlap (server/engine/core.py `_launch_ahead`): a greedy decode step launched before the
+previous step's tokens reach the host gives the tokens, texts, finish reasons and sessions of
+an engine whose steps wait for each other, with a stop at every position: a stop string, the
+end of max_tokens, a thinking budget whose end marker the engine forces, a cancel. On CPU the
+steps do not run concurrently, but every line of the overlap runs: the step launched ahead,
+its argmax taken on the device, the rows it drops and the KV it crops."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cache_manager.manager import CacheConfig, CacheManager
+from cache_manager.sessions import Principal
+from server.engine.core import Engine, EngineConfig
+from server.engine.reasoning import ReasoningSpec
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
+
+POSITIONS = range(1, 9)  # a stop at each of these generated tokens
+PROMPTS = ["Name three rivers.", "What is a harbor?", "Count to five.", "Why is the sky blue?"]
+
+
+class Engines:
+    """The same model behind two paged engines, overlapping and not; counts what the overlap did."""
+
+    def __init__(self, loaded):
+        self.tokenizer = loaded.tokenizer
+        self.engines = {}
+        for overlap in (True, False):
+            cache = CacheManager(loaded.model.config, loaded.device, loaded.dtype, loaded.max_context, CacheConfig(budget_bytes=2**30))
+            engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_context=loaded.max_context, paged=True, overlap=overlap), cache)
+            engine.start()
+            self.engines[overlap] = engine
+        runner = self.engines[True].runner
+        self.launched = 0
+        launch = runner.run_ahead
+
+        def counted(*args):
+            self.launched += 1
+            return launch(*args)
+
+        runner.run_ahead = counted
+
+    def prompt(self, text):
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    async def run_all(self, overlap: bool, requests: list[GenerationRequest], cancel_after: dict[str, int] | None = None):
+        engine, loop = self.engines[overlap], asyncio.get_running_loop()
+
+        async def one(request):
+            handle = engine.submit(request, loop)
+            tokens, text, reasoning, final = [], "", "", None
+            async for out in handle:
+                tokens += [t.token_id for t in out.tokens]
+                text += out.text
+                reasoning += out.reasoning
+                if cancel_after and len(tokens) >= cancel_after.get(request.request_id, 1 << 30):
+                    handle.cancel()
+                final = out
+            return tokens, text, reasoning, final.finish_reason, final.completion_tokens, final.cached_tokens
+
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    def sessions(self, overlap: bool) -> dict[str, tuple[list[int], int]]:
+        """Each named session's committed tokens and the length of its KV."""
+        store = self.engines[overlap].cache_manager.store
+        return {e.session_id: (list(e.tokens), e.kv.length) for e in store.list(Principal("anonymous")) if not e.session_id.startswith("anon-")}
+
+    def stop(self):
+        for engine in self.engines.values():
+            engine.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2):
+    both = Engines(smollm2)
+    yield both
+    both.stop()
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kw)
+
+
+@pytest.mark.anyio
+async def test_the_runner_overlaps_on_the_paged_path(engines):
+    assert engines.engines[True].runner.paths["overlap"] == "on"
+    assert engines.engines[False].runner.paths["overlap"] == "off"
+
+
+@pytest.mark.anyio
+async def test_a_stop_at_every_position_gives_the_same_tokens_and_sessions(engines):
+    """Every request of one batch stops at its own position, by a stop string, max_tokens or a
+    thinking budget (whose end marker is forced after the sampled token); each also leaves a
+    session. Outputs and sessions equal the engine without overlap's, and the next turn of each
+    session reuses the same tokens."""
+    reference = (await engines.run_all(False, [GenerationRequest("ref", engines.prompt(PROMPTS[0]), greedy(max_tokens=max(POSITIONS) + 4))]))[0]
+    ids = reference[0]
+    assert len(ids) > max(POSITIONS), "the reference must run past every stop position"
+    tok = engines.tokenizer
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>"])[0], tuple(tok("<|im_end|>\n<|im_start|>", add_special_tokens=False)["input_ids"])
+
+    def requests(turn: int) -> list[GenerationRequest]:
+        out = []
+        for k in POSITIONS:
+            prompt = engines.prompt(PROMPTS[0])
+            stop = [tok.decode(ids[:k])]  # the text through the k-th token: complete exactly there
+            out.append(GenerationRequest(f"stop{k}-{turn}", prompt, greedy(max_tokens=32, stop=stop), session_id=f"stop{k}"))
+            out.append(GenerationRequest(f"len{k}-{turn}", engines.prompt(PROMPTS[k % len(PROMPTS)]), greedy(max_tokens=k), session_id=f"len{k}"))
+            think = ReasoningSpec(start_ids=(start,), end_ids=end, inside=True, budget=k - 1)
+            out.append(GenerationRequest(f"think{k}-{turn}", engines.prompt(PROMPTS[(k + 1) % len(PROMPTS)]), greedy(max_tokens=k + 6),
+                                         session_id=f"think{k}", reasoning=think))
+        return out
+
+    launched = engines.launched
+    got = {overlap: await engines.run_all(overlap, requests(0)) for overlap in (True, False)}
+    assert got[True] == got[False]
+    assert engines.launched > launched, "no step was launched ahead"
+    assert {r[3] for r in got[True]} == {"stop", "length"}
+    assert [r[4] for r in got[True][1::3]] == list(POSITIONS)  # max_tokens = k: k tokens, no more
+    assert engines.sessions(True) == engines.sessions(False)
+    # the next turn of every session: the same reuse, the same tokens
+    again = {overlap: await engines.run_all(overlap, requests(1)) for overlap in (True, False)}
+    assert again[True] == again[False]
+    assert all(r[5] > 0 for r in again[True])
+
+
+@pytest.mark.anyio
+async def test_cancels_arrivals_and_sampled_rows_mid_stream(engines):
+    """A row cancelled while a step is ahead, requests that arrive mid-stream (they take the
+    next step: the overlap pauses for their prefill) and a sampled row (no step is launched
+    ahead while it runs) leave every greedy output as the engine without overlap gives it."""
+
+    async def scenario(overlap: bool):
+        first = [GenerationRequest(f"a{i}", engines.prompt(p), greedy(max_tokens=20)) for i, p in enumerate(PROMPTS)]
+        running = asyncio.ensure_future(engines.run_all(overlap, first, cancel_after={"a1": 5}))
+        while engines.engines[overlap].idle:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        later = [GenerationRequest("b0", engines.prompt("Tell me about owls."), greedy(max_tokens=12)),
+                 GenerationRequest("b1", engines.prompt("Tell me about bread."), SamplingParams(temperature=0.9, seed=3, max_tokens=12))]
+        arrived = await engines.run_all(overlap, later)
+        return await running, arrived
+
+    with_overlap, without = await scenario(True), await scenario(False)
+    cancelled = 1
+
+    def outputs(results, skip=None):  # (anonymous reuse follows each engine's earlier tests: not compared)
+        return [r[:5] for i, r in enumerate(results) if i != skip]
+
+    assert outputs(with_overlap[0], cancelled) == outputs(without[0], cancelled)
+    assert with_overlap[0][cancelled][3] == "abort" and without[0][cancelled][3] == "abort"
+    assert outputs(with_overlap[1]) == outputs(without[1])
