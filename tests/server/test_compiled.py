@@ -89,7 +89,8 @@ def test_features_that_keep_the_eager_forward_are_named():
 async def test_a_server_with_a_required_compilation_answers_as_the_eager_one(tokenizer):
     """The official client on an app serving a tiny Llama with `compile="require"`: the engine
     paths say "decode" in /v1/models and /metrics, and concurrent greedy chats (batched decode
-    steps) give the tokens of the same app without compilation."""
+    steps, each launched before the previous one is postprocessed: `overlap="on"`) give the
+    tokens of the same app without compilation nor overlap."""
     import asyncio
 
     from tests import thinking
@@ -105,9 +106,10 @@ async def test_a_server_with_a_required_compilation_answers_as_the_eager_one(tok
             engine = (await http.get("/v1/models")).json()["data"][0]["engine"]
             return [c.choices[0].message.content for c in done], engine, (await http.get("/metrics")).text
 
-    got, engine, metrics = await answers(compile="require")
+    got, engine, metrics = await answers(compile="require", overlap="on")
     assert engine["compile"] == "decode" and "compile" not in engine["fallbacks"]
-    assert 'compile="decode"' in metrics
+    assert engine["overlap"] == "on"  # the compiled steps launched ahead of their postprocess too
+    assert 'compile="decode"' in metrics and 'overlap="on"' in metrics
     expected, engine, _ = await answers(compile="off")
-    assert engine["compile"] == "off"
+    assert engine["compile"] == "off" and engine["overlap"] == "off"
     assert got == expected
