@@ -20,6 +20,7 @@ Each step's inputs reach the device in one host-to-device copy.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_GRAPH_BLOCKS = 16  # the smallest block count a graph reads (x BLOCK_SIZE = 256 tokens)
 MAX_GRAPH_TOKENS = 1 << 20  # rows x read length of the largest graph (its gather's size)
 CHECK_TOKENS = 8  # the prompt of `check`'s scratch sequence
+BIAS_SLOTS = 8  # logit bias entries a decode row's inputs carry (a row with more: its step's argmax on the host)
 
 
 def bucket(n: int, buckets=BUCKETS) -> int:
@@ -57,9 +59,10 @@ def block_bucket(n: int, largest: int) -> int:
 @dataclass(slots=True)
 class StepOutput:
     """What a step computed: float32 `logits` [R, vocab] (`ModelRunner.forward`) and, for a
-    step of decode rows alone, `greedy` [R]: each row's argmax, on the device (in a captured
-    graph, computed inside it), so that a step whose rows are all plain greedy costs one
-    device-to-host copy of R ids (server/engine/sampler.py `choose`); None otherwise."""
+    step of decode rows alone, `greedy` [R]: each row's argmax after its logit bias, on the
+    device (in a captured graph, computed inside it), so that a step whose rows are all plain
+    greedy costs one device-to-host copy of R ids (server/engine/sampler.py `choose`); None
+    otherwise, and where a row's bias has more than `BIAS_SLOTS` entries."""
 
     logits: torch.Tensor
     greedy: torch.Tensor | None = None
@@ -144,7 +147,7 @@ class ModelRunner:
             self._compiled = compiled.decode_forward(self.model)
             try:
                 for size in (1, 2):
-                    ids, pos, step = self._fill([], [], size, block_bucket(1, self.max_blocks), capture=True)
+                    ids, pos, step, _ = self._fill([], [], size, block_bucket(1, self.max_blocks), capture=True)
                     self._forward(ids, pos, step, None, self._compiled)
             except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named
                 log.debug("compiling the decode forward failed", exc_info=True)
@@ -179,7 +182,7 @@ class ModelRunner:
         for install in PATCHES:
             self.paths.update(install(self))
         if self.paged or self.compile:
-            self._meta = torch.zeros(self.max_rows * (self._per_row + self.max_blocks), dtype=torch.long, device=self.device)
+            self._meta = torch.zeros(self.max_rows * (self._per_row + self.max_blocks + 2 * BIAS_SLOTS), dtype=torch.long, device=self.device)
         self._enabled = True
 
     def _context(self, rows: list[Row], batches: list[Batch], *, long_tokens: torch.Tensor | None = None,
@@ -206,7 +209,8 @@ class ModelRunner:
                 counts.append(1 + len(drafted))
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
         adapter_rows = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
-        return self._step(rows, token_ids, logits_rows, counts, long_rows, adapter_rows)
+        biases = [row.seq.params.logit_bias for row in plan.rows]
+        return self._step(rows, token_ids, logits_rows, counts, long_rows, adapter_rows, biases)
 
     @torch.inference_mode()
     def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int]) -> StepOutput:
@@ -217,7 +221,7 @@ class ModelRunner:
         rows = [Row(row.seq.cache, 1) for row in plan.rows]
         adapter_rows = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
         adapter_rows = adapter_rows if adapter_rows and any(adapter_rows) else None
-        return self._decode(rows, pick, adapter_rows, ids)
+        return self._decode(rows, pick, adapter_rows, [row.seq.params.logit_bias for row in plan.rows], ids)
 
     def forward(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None,
                 long_rows: list[bool] | None = None, adapter_rows: list[int] | None = None) -> torch.Tensor:
@@ -235,7 +239,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _step(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None,
-              long_rows: list[bool] | None, adapter_rows: list[int] | None) -> StepOutput:
+              long_rows: list[bool] | None, adapter_rows: list[int] | None, biases: list[dict[int, float]] | None = None) -> StepOutput:
         self._enable()
         if sum(r.n for r in rows) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for rows of {sum(r.n for r in rows)}")
@@ -245,7 +249,7 @@ class ModelRunner:
         long_tokens = self._long_tokens(rows, long_rows)
         adapter_rows = adapter_rows if self.adapters is not None and adapter_rows and any(adapter_rows) else None
         if long_tokens is None and (self.paged or self._compiled is not None) and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
-            return self._decode(rows, token_ids, adapter_rows)
+            return self._decode(rows, token_ids, adapter_rows, biases)
         # decode rows first (the paged path's decode batch), then the others in plan order;
         # logits are kept in plan order
         singles = [i for i, r in enumerate(rows) if r.n == 1] if self.paged else []
@@ -307,25 +311,28 @@ class ModelRunner:
         return flags if any(flags) else None
 
     def _decode(self, rows: list[Row], token_ids: list[int], adapter_rows: list[int] | None = None,
-                device_ids: torch.Tensor | None = None) -> StepOutput:
-        """Decode rows only (one token each, logits and their argmax at each): padded to a
-        bucket, from the persistent buffers; a captured graph replays where one fits.
-        With `device_ids` (on the device) row i's token is `device_ids[token_ids[i]]`."""
+                biases: list[dict[int, float]] | None = None, device_ids: torch.Tensor | None = None) -> StepOutput:
+        """Decode rows only (one token each, logits and their argmax after each row's logit
+        bias `biases[i]`): padded to a bucket, from the persistent buffers; a captured graph
+        replays where one fits. With `device_ids` (on the device) row i's token is
+        `device_ids[token_ids[i]]`."""
         n = len(rows)
         size = bucket(n)
         blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
         if size > self.max_rows:
             size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
-        ids, pos, step = self._fill(rows, token_ids, size, blocks, adapter_rows)
+        fits = biases is None or all(len(b) <= BIAS_SLOTS for b in biases)
+        ids, pos, step, bias = self._fill(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
         if device_ids is not None:  # the tokens where the buffer's one host copy put their indices
             ids[0, :n].copy_(device_ids[ids[0, :n]])
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()
-            out = StepOutput(graph[1].logits[:n], graph[1].greedy[:n])
+            out = StepOutput(graph[1].logits[:n], graph[1].greedy[:n] if fits else None)
         else:
             logits = self._forward(ids, pos, step, None, self._compiled)[:n]
-            out = StepOutput(logits, logits.argmax(-1))
+            biased = _biased(logits, bias[0][:n], bias[1][:n]) if fits and biases and any(biases) else logits
+            out = StepOutput(logits, biased.argmax(-1) if fits else None)
         for row in rows:
             row.kv.length += 1
         return out
@@ -337,18 +344,26 @@ class ModelRunner:
         return 3 + (self.pool.states is not None) + (self.adapters is not None)
 
     def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int, adapter_rows: list[int] | None = None,
-              capture: bool = False) -> tuple[torch.Tensor, torch.Tensor, StepContext]:
+              biases: list[dict[int, float]] | None = None, capture: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, StepContext, tuple[torch.Tensor, torch.Tensor]]:
         """The decode inputs of `rows` in the persistent device buffer, with ONE host-to-device
-        copy: views (ids [1, size], positions [1, size]) and the step's context over them (its
+        copy: views (ids [1, size], positions [1, size]), the step's context over them (its
         batch, the recurrent layers' rows, the rows' adapter slots [size] where some row has
-        an adapter or for a graph's `capture`). Padding rows: token 0 at position 0, writing
-        and reading the trash block only (a hybrid's trash state slot, the base)."""
+        an adapter or for a graph's `capture`) and the rows' logit bias (token ids and float32
+        values [size, BIAS_SLOTS], padded with token 0 and 0.0, which adds nothing). Padding
+        rows: token 0 at position 0, writing and reading the trash block only (a hybrid's trash
+        state slot, the base)."""
         positions, slots, tables = self._paged_inputs([r.kv for r in rows], [1] * len(rows), size, 1, blocks)
         states, pad = self.pool.states, size - len(rows)
         extra = [r.kv.state for r in rows] + [states.trash] * pad if states is not None else []
         if self.adapters is not None:
             extra += (adapter_rows or [0] * len(rows)) + [0] * pad
-        host = torch.tensor(token_ids + [0] * pad + positions + slots + extra + tables, dtype=torch.long)
+        bias_ids, bias_bits = [], []
+        for bias in (biases or []) + [{}] * (size - len(biases or [])):
+            bias_ids += list(bias) + [0] * (BIAS_SLOTS - len(bias))
+            # a float32's bits (as the bias op rounds a value): the buffer holds longs
+            bias_bits += [struct.unpack("<i", struct.pack("<f", v))[0] for v in bias.values()] + [0] * (BIAS_SLOTS - len(bias))
+        host = torch.tensor(token_ids + [0] * pad + positions + slots + extra + tables + bias_ids + bias_bits, dtype=torch.long)
         meta = self._buffers(size, blocks)
         meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
         per_row = self._per_row
@@ -357,8 +372,12 @@ class ModelRunner:
         rows_t = recurrent.decode_rows(states, meta[3 * size : 4 * size]) if states is not None else None
         with_adapters = self.adapters is not None and (capture or bool(adapter_rows))
         adapters_t = meta[(per_row - 1) * size : per_row * size] if with_adapters else None
+        at = size * (per_row + blocks)
+        bias_t = meta[at : at + size * BIAS_SLOTS].view(size, BIAS_SLOTS)
+        # NOTE: a view, not a kernel: the low 32 bits of each long (little-endian) as float32
+        values_t = meta[at + size * BIAS_SLOTS : at + 2 * size * BIAS_SLOTS].view(torch.int32)[0::2].view(size, BIAS_SLOTS).view(torch.float32)
         batch = Batch(self.pool, slots_t, tables_t, pos, kernel=self.decode_kernel)
-        return ids[None], pos[None], self._context([], [batch], adapters=adapters_t, states=rows_t)
+        return ids[None], pos[None], self._context([], [batch], adapters=adapters_t, states=rows_t), (bias_t, values_t)
 
     def _paged_inputs(self, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
         """Positions and slots [size * width] and block tables [size, blocks], flat, of
@@ -379,7 +398,7 @@ class ModelRunner:
         return positions + [0] * (pad * width), slots + [trash * bs] * (pad * width), tables + [trash] * (pad * blocks)
 
     def _buffers(self, size: int, blocks: int) -> torch.Tensor:
-        need = size * (self._per_row + blocks)
+        need = size * (self._per_row + blocks + 2 * BIAS_SLOTS)
         if self._meta is None or self._meta.numel() < need:  # past the largest bucket: eager only
             return torch.empty(need, dtype=torch.long, device=self.device)
         return self._meta[:need]
@@ -500,7 +519,7 @@ class ModelRunner:
         padding rows while capturing (they write the trash block only)."""
         # every row a padding row; a hybrid's state reads and writes, and the LoRA deltas of each
         # row's adapter slot, are in the graph too
-        ids, pos, step = self._fill([], [], size, blocks, capture=True)
+        ids, pos, step, bias = self._fill([], [], size, blocks, capture=True)
         warm = self._forward(ids, pos, step, None, self._compiled)  # warm up outside the graph
         if self._logits is None:  # every graph's output, so none holds logits of its own
             self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
@@ -510,7 +529,7 @@ class ModelRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
             self._logits[:size].copy_(self._forward(ids, pos, step, None, self._compiled))
-            torch.argmax(self._logits[:size], dim=-1, out=self._greedy[:size])
+            torch.argmax(_biased(self._logits[:size], *bias), dim=-1, out=self._greedy[:size])
         return graph, StepOutput(self._logits[:size], self._greedy[:size])
 
 
@@ -588,6 +607,13 @@ def _lora(runner: ModelRunner) -> dict[str, str]:
 
 
 PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _recurrent, _rope, _experts, _merge, _linear, _exact, _lora)
+
+
+def _biased(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Logits [R, vocab] plus each row's logit bias (token ids and values [R, BIAS_SLOTS]): a
+    new tensor (the logits stay the model's, for logprobs), as `sampling.apply_logit_bias`
+    adds it."""
+    return logits.scatter_add(1, ids, values)
 
 
 def _finite(logits: torch.Tensor, what: str) -> torch.Tensor:

@@ -37,9 +37,10 @@ from server.engine.sequence import Sequence, TokenInfo
 def choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[TokenInfo]:
     """The next token of each sequence from its row of raw logits [R, vocab].
 
-    `greedy` [R] (the model runner's argmax of each row, on the device, for a step of decode
-    rows alone): taken as it is when every row is plain greedy (`plain_greedy`), with one
-    device-to-host copy for the step and nothing else read from the logits.
+    `greedy` [R] (the model runner's argmax of each row after its logit bias, on the device,
+    for a step of decode rows alone): taken as it is when every row is plain greedy
+    (`plain_greedy`), with one device-to-host copy for the step and nothing else read from the
+    logits.
     Logprobs are the model's own distribution (before constraints, bias and penalties).
     Side effects: constraint masks are added to `logits` in place; penalty counts move forward.
     """
@@ -63,11 +64,11 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | No
 
 
 def plain_greedy(seq: Sequence) -> bool:
-    """Whether the sequence's next token is its raw logits' argmax: greedy, with no constraint
-    (`constraint` would give None), logit bias, penalties or logprobs."""
+    """Whether the sequence's next token is the argmax of its logits plus its logit bias (what
+    a decode step computes on the device): greedy, with no constraint (`constraint` would give
+    None), penalties or logprobs."""
     params = seq.params
-    return (params.greedy and not params.logprobs and not params.logit_bias and not params.uses_penalties
-            and seq.grammar is None and not _bans(seq))
+    return params.greedy and not params.logprobs and not params.uses_penalties and seq.grammar is None and not _bans(seq)
 
 
 def _bans(seq: Sequence) -> bool:

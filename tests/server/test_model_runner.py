@@ -102,13 +102,46 @@ def test_capture_writes_only_the_trash_block_and_allocates_nothing():
 
 def test_a_bucket_of_no_rows_is_all_padding():
     """What a graph is captured over: every row token 0 at position 0, writing the trash
-    block's first slot, reading the trash block."""
+    block's first slot, reading the trash block, with no logit bias."""
     model = tiny(torch.device("cpu"))
     pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, torch.float32), "cpu", torch.float32)
     runner = ModelRunner(model, pool, paged=True, max_rows=4)
     runner.prepare()
-    ids, pos, step = runner._fill([], [], 4, 16)
+    ids, pos, step, (bias_ids, bias_values) = runner._fill([], [], 4, 16)
     (batch,) = step.batches
     trash = pool.trash_block
     assert ids.tolist() == [[0] * 4] and pos.tolist() == [[0] * 4] and batch.positions.tolist() == [0] * 4
+    assert not bias_ids.any() and not bias_values.any()  # token 0 plus 0.0: no bias
     assert batch.slots.tolist() == [trash * pool.block_size] * 4 and batch.tables.tolist() == [[trash] * 16] * 4
+
+
+def test_a_decode_steps_argmax_adds_each_rows_logit_bias():
+    """`StepOutput.greedy` is each row's argmax after its logit bias, exactly as the sampler's
+    host path adds it (`sampling.apply_logit_bias`), in a captured graph where there is one:
+    biases that ban a row's own argmax and lift another token, a row without, padding rows;
+    a row with more than BIAS_SLOTS entries leaves the step's argmax to the host (None)."""
+    from server.engine.model_runner import BIAS_SLOTS
+    from server.engine.sampling import apply_logit_bias
+    from tests.device import DEVICE
+
+    model = tiny(DEVICE)
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, torch.float32) * len(PROMPTS), DEVICE, torch.float32)
+    runner = ModelRunner(model, pool, paged=True, max_context=512, max_rows=8)
+    runner.prepare()
+    caches = [pool.allocate(64) for _ in PROMPTS]
+    last = [int(runner.forward([Row(c, len(ids))], ids, [0])[0].argmax()) for c, ids in zip(caches, PROMPTS)]
+    for step in range(3):
+        raw = runner.forward([Row(c, 1) for c in caches], last, list(range(len(caches)))).clone()
+        for cache in caches:
+            kv.crop(cache, cache.length - 1)
+        own = raw.argmax(-1).tolist()
+        biases = [{own[0]: -100.0, (own[0] + 1) % 128: 0.25}, {}, {t: 0.5 * t / 128 for t in range(BIAS_SLOTS)}, {own[3]: -0.01}, {7: 3.0}]
+        out = runner._step([Row(c, 1) for c in caches], last, list(range(len(caches))), None, None, None, biases)
+        assert torch.equal(out.logits, raw)  # the logits stay the model's (logprobs)
+        assert out.greedy.tolist() == apply_logit_bias(raw.clone(), biases).argmax(-1).tolist()
+        assert out.greedy.tolist() != own
+        for cache in caches:
+            kv.crop(cache, cache.length - 1)
+        over = biases[:2] + [{t: 0.1 for t in range(BIAS_SLOTS + 1)}] + biases[3:]
+        assert runner._step([Row(c, 1) for c in caches], last, list(range(len(caches))), None, None, None, over).greedy is None
+        last = out.greedy.tolist()

@@ -128,9 +128,10 @@ def test_logprob_infos_give_each_row_its_chosen_and_top_logprobs():
 
 def test_a_step_of_plain_greedy_rows_takes_the_devices_argmax_and_others_the_sampler():
     """`sampler.choose` with the model runner's argmax of each row (a decode step's `greedy`):
-    taken as it is when every row is plain greedy; a row with logprobs, a logit bias, penalties
-    or a sampled draw sends the whole step through the sampler, which reads the logits. The
-    argmax here is deliberately not the logits' own, so the test sees which was used."""
+    taken as it is when every row is plain greedy (a logit bias included: the runner's argmax
+    adds it); a row with logprobs, penalties or a sampled draw sends the whole step through the
+    sampler, which reads the logits. The argmax here is deliberately not the logits' own, so
+    the test sees which was used."""
     from server.engine import sampler
     from server.engine.sampling import SamplingParams
     from server.engine.sequence import GenerationRequest, Sequence
@@ -140,12 +141,12 @@ def test_a_step_of_plain_greedy_rows_takes_the_devices_argmax_and_others_the_sam
 
     logits = torch.zeros(2, 8, device=DEVICE)
     logits[:, 5] = 1.0  # the logits' own argmax: 5
-    given = torch.tensor([3, 4], device=DEVICE)
-    plain = [seq(), seq(top_k=1)]
+    given = torch.tensor([3, 4, 2], device=DEVICE)
+    plain = [seq(), seq(top_k=1), seq(logit_bias={1: 5.0})]
     assert all(sampler.plain_greedy(s) for s in plain)
-    assert [t.token_id for t in sampler.choose(plain, logits.clone(), given)] == [3, 4]
-    assert [t.token_id for t in sampler.choose(plain, logits.clone())] == [5, 5]
-    for other in (dict(logprobs=True), dict(logit_bias={1: 5.0}), dict(presence_penalty=0.5), dict(temperature=0.7, seed=1)):
+    assert [t.token_id for t in sampler.choose(plain, logits.clone(), given)] == [3, 4, 2]
+    assert [t.token_id for t in sampler.choose(plain, torch.zeros(3, 8, device=DEVICE).index_fill_(1, torch.tensor([5], device=DEVICE), 1.0))] == [5, 5, 1]
+    for other in (dict(logprobs=True), dict(presence_penalty=0.5), dict(temperature=0.7, seed=1)):
         mixed = [seq(), seq(**other)]
         assert not sampler.plain_greedy(mixed[1])
         got = [t.token_id for t in sampler.choose(mixed, logits.clone(), given)]
