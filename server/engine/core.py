@@ -537,16 +537,18 @@ class Engine:
         """The next decode step of `plan`'s rows, launched now from this step's argmax on the
         device (`ModelRunner.run_ahead`), with the wait for that argmax's copy to the host;
         None where it cannot be: the overlap is off, some row samples, drafts, is constrained
-        or reports logprobs (its token is not the argmax), or the engine has requests to admit
-        or calls to run (they take the next step). A row whose next token cannot exist
-        (max_tokens, its cache full) is left out; one that stops at this step's token (the end
-        of its turn, a stop string) is found out only afterwards (`_settle`)."""
+        or reports logprobs (its token is not the argmax), or the next step has other work: a
+        running sequence outside this step (a prompt to prefill, forced tokens), requests that
+        may be admitted, calls to run. A row whose next token cannot exist (max_tokens, its
+        cache full) is left out; one that stops at this step's token (the end of its turn, a
+        stop string) is found out only afterwards (`_settle`)."""
         if not self.runner.overlap or out.greedy is None or self._faults is not None:
             return None
         if not all(row.completes and row.n_tokens == 1 and row.draft is None and sampler.plain_greedy(row.seq) for row in plan.rows):
             return None
         with self._cond:
-            if self._waiting or self._calls:
+            admitting = self._waiting and len(self._running) < self.config.max_running
+            if self._calls or admitting or len(self._running) != len(plan.rows):
                 return None
         pick = [i for i, row in enumerate(plan.rows) if _continues(row.seq)]
         if not pick:
@@ -562,7 +564,7 @@ class Engine:
             self.runner.release_memory()
             return None
         for row in rows:
-            row.seq.ahead = 1
+            row.seq.ahead = 1  # until the step lands (`_land`): its rows computed one token more than waiting steps would have
         return Ahead(Plan(rows), launched, [len(row.seq.all_ids) + 1 for row in rows]), greedy
 
     def _settle(self, ahead: Ahead) -> Ahead | None:
@@ -576,7 +578,6 @@ class Engine:
             if seq.status is Status.FINISHED:
                 continue
             if len(seq.all_ids) == length and seq.num_pending == 0:
-                seq.ahead = 0
                 keep.append(i)
             else:
                 _undo_ahead(seq)
@@ -584,11 +585,14 @@ class Engine:
 
     def _land(self, t0: float) -> None:
         """This step: the one launched ahead, postprocessed (and the next one launched from it)
-        for its rows still running (a row cancelled or expired since was finished above)."""
+        for its rows still running (a row cancelled, stopped or expired since was finished
+        above, the token it computed cropped)."""
         ahead, self._ahead = self._ahead, None
         ahead = _only(ahead, [i for i, row in enumerate(ahead.plan.rows) if row.seq.status is not Status.FINISHED])
         if ahead is None:
             return
+        for row in ahead.plan.rows:
+            row.seq.ahead = 0  # its KV is now what a step that waited would have computed
         self._after(ahead.plan, ahead.out)
         self._relax()
         self._observe(ahead.plan, t0)

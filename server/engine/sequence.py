@@ -118,8 +118,9 @@ class Sequence:
         self.generator = make_generator(request.params.seed, device)  # where the logits are
         self.counts: torch.Tensor | None = None  # token counts, only when penalties are on
         self.spec = None  # a speculative.SpecState once the sequence drafts
-        # tokens whose KV a step launched ahead computed before the host saw this sequence's
-        # previous token (Engine._launch_ahead): cropped when that token ended or diverged it
+        # tokens of KV computed by a step launched ahead (Engine._launch_ahead) that a step
+        # waiting for the previous one's tokens would not have computed yet: cropped when the
+        # sequence ends or diverges before that step lands
         self.ahead = 0
         self.cancelled = False
         self.stop_requested = False  # RequestHandle.stop: finish as "stop" at the next step

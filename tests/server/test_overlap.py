@@ -131,18 +131,20 @@ async def test_a_stop_at_every_position_gives_the_same_tokens_and_sessions(engin
 @pytest.mark.anyio
 async def test_cancels_arrivals_and_sampled_rows_mid_stream(engines):
     """A row cancelled while a step is ahead, requests that arrive mid-stream (they take the
-    next step: the overlap pauses for their prefill) and a sampled row (no step is launched
-    ahead while it runs) leave every greedy output as the engine without overlap gives it."""
+    next step: the overlap pauses for their prefill, and they finish while the others still
+    run) and a sampled row (no step is launched ahead while it runs) leave every greedy output
+    as the engine without overlap gives it."""
 
     async def scenario(overlap: bool):
-        first = [GenerationRequest(f"a{i}", engines.prompt(p), greedy(max_tokens=20)) for i, p in enumerate(PROMPTS)]
+        first = [GenerationRequest(f"a{i}", engines.prompt(p), greedy(max_tokens=48)) for i, p in enumerate(PROMPTS)]
         running = asyncio.ensure_future(engines.run_all(overlap, first, cancel_after={"a1": 5}))
         while engines.engines[overlap].idle:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)
-        later = [GenerationRequest("b0", engines.prompt("Tell me about owls."), greedy(max_tokens=12)),
-                 GenerationRequest("b1", engines.prompt("Tell me about bread."), SamplingParams(temperature=0.9, seed=3, max_tokens=12))]
+        later = [GenerationRequest("b0", engines.prompt("Tell me about owls."), greedy(max_tokens=4)),
+                 GenerationRequest("b1", engines.prompt("Tell me about bread."), SamplingParams(temperature=0.9, seed=3, max_tokens=4))]
         arrived = await engines.run_all(overlap, later)
+        assert not running.done(), "the requests that arrived waited for the others to end"
         return await running, arrived
 
     with_overlap, without = await scenario(True), await scenario(False)
