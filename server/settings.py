@@ -219,7 +219,8 @@ class Settings(BaseSettings):
         "that stopped loses the token computed past its stop (never sent, never kept in its "
         "session). auto = on CUDA; on = on CPU too (where steps do not overlap: for tests); "
         "off (--no-overlap) = each step waits for the previous one. Hybrid and LongRoPE models "
-        "and decode steps off the paged path run without it (a logged fallback).",
+        "and decode steps off the paged path run without it (a logged fallback), and so does "
+        "speculative decoding (it drafts from each step's tokens on the host).",
         json_schema_extra={"negated": "off"},
     )
     deterministic: bool = Field(
@@ -307,6 +308,8 @@ class Settings(BaseSettings):
             raise ValueError("--speculative draft needs --draft-model")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError("--speculative-ngram-min must not exceed --speculative-ngram-max")
+        if self.speculative != "off" and self.overlap == "on":
+            raise ValueError("--overlap on and --speculative exclude each other: speculation drafts from each step's tokens on the host")
         return self
 
     @model_validator(mode="after")

@@ -190,7 +190,7 @@ class Engine:
             max_rows=config.max_running,
             paged=config.paged,
             compile=config.compile,
-            overlap=config.overlap,
+            overlap=False if proposer is not None else config.overlap,  # speculation drafts from the host's tokens each step
             exact=config.deterministic,
             adapters=adapters,
             merge=True,
