@@ -20,3 +20,18 @@ def test_an_unset_flag_keeps_the_env_var(monkeypatch):
     monkeypatch.setenv("KVSERVE_MAX_RUNNING", "3")
     assert settings_from_args(build_parser().parse_args(["serve"])).max_running == 3
     assert settings_from_args(build_parser().parse_args(["serve", "--max-running", "5"])).max_running == 5
+
+
+def test_the_overlap_flag_and_its_refusal_beside_speculation():
+    """--overlap MODE and --no-overlap; asked "on" beside --speculative, the settings refuse it
+    (speculation drafts from each step's tokens on the host), "auto" lets speculation run."""
+    import pytest
+    from pydantic import ValidationError
+
+    parse = build_parser().parse_args
+    assert settings_from_args(parse(["serve"])).overlap == "auto"
+    assert settings_from_args(parse(["serve", "--overlap", "on"])).overlap == "on"
+    assert settings_from_args(parse(["serve", "--no-overlap"])).overlap == "off"
+    assert settings_from_args(parse(["serve", "--speculative", "ngram"])).overlap == "auto"
+    with pytest.raises(ValidationError, match="--overlap on and --speculative"):
+        settings_from_args(parse(["serve", "--overlap", "on", "--speculative", "ngram"]))
