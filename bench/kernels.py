@@ -72,6 +72,7 @@ GEMM_PREFIXES = ("_weight_int",)  # _weight_int4pack_mm, _weight_int8pack_mm, ..
 SYNC = frozenset({"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "masked_select",
                   "equal", "is_nonzero", "_assert_async", "item"})
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "paged_decode")  # one fused kernel, never decomposed
+ONE_KERNEL = (*ATTENTION, "store_kv")  # ops counted as the one kernel they launch on CUDA, not by what runs in them here
 
 
 def kind(name: str) -> str:
@@ -134,7 +135,7 @@ class KernelCounter(TorchDispatchMode):
     `model`'s forward, "fixed" inside it, or the index of the one of `layers` running. Composite
     ops are decomposed (with the mode active) so that what is counted is what runs: `to` is a
     copy or nothing, `reshape` a view or a copy, `linear` a view and a product; so are kvserve's
-    own custom ops but the one-kernel attention (`decode_attention` is a store and a read).
+    own custom ops but the one-kernel ones, ONE_KERNEL (`decode_attention` is a store and a read).
 
     NOTE: under inference mode the mode sees composite ops undecomposed (torch 2.13), and their
     schemas mark `to` and `reshape` as views: filtered by schema, their copies would vanish."""
@@ -150,15 +151,16 @@ class KernelCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in SYNC:
             self.syncs[name] += 1
-        if func.namespace == "kvserve" and kind(name) != "attention":  # kvserve's own op of several: what it launches
+        one = any(k in name for k in ONE_KERNEL)
+        if func.namespace == "kvserve" and not one:  # kvserve's own op of several: what it launches
             with self:
                 return OPDEFS[func.name()]._init_fn(*args, **kwargs)
-        if kind(name) != "attention":
+        if not one:
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        if launches_kernel(func):
+        if one or launches_kernel(func):  # (a store returns nothing, and launches its kernel)
             self.ops.setdefault(self.where, Counter())[name] += 1
         return func(*args, **kwargs)
 
@@ -213,8 +215,9 @@ def count_decode_step(model, rows: int) -> Counts:
     return counter.counts(rows)
 
 
-# a kvserve op's kernels, as the eager counter counts them inside it (plain KV, the paged decode kernel)
-INSIDE = {"decode_attention": Counter({"index_copy_": 2, "paged_decode": 1})}
+# a kvserve op's kernels, as the eager counter counts them inside it (plain KV: the K and V store
+# kernel, the paged decode kernel)
+INSIDE = {"decode_attention": Counter({"store_kv": 1, "paged_decode": 1})}
 _CALL = re.compile(r"^\s+(?:\w+ = )?(?:extern_kernels\.(\w+)\(|torch\.ops\.\w+\.(\w+)\.\w+\(|(cpp_fused_\w+|triton_\w+)(?:\.run)?\()", re.M)
 
 

@@ -382,7 +382,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     value [Hkv, B, Dv] into the layer's pool storage (`keys`, `values` and, for a quantized
     `kv_format`, their scales) at `slots` [B]; then query [B, Hkv, G, Dk] over each row's keys
     through its block table (`tables` [B, max_blocks], `positions` [B]) -> [B, Hkv, G, Dv].
-    `kernel`: the paged decode kernel reads the pool in place (server/engine/paged_kernel.py);
+    `kernel`: the paged decode kernel reads the pool in place (server/engine/paged_kernel.py),
+    and plain storage is written by one store kernel for both K and V;
     otherwise the keys at `token_slots` [B, L] are gathered and attended under the additive
     `mask` [B, 1, 1, L] (`Batch.prepare`). `sinks` [Hkv, G].
 
@@ -390,8 +391,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     calls it as it is: no specialising on the layer's pool, no functional copy of the pool for
     the store; eager steps and CUDA graphs call the same op."""
     fmt = kv.kv_format(kv_format)
-    kv.put_vectors(fmt, keys, key_scales, slots, key)
-    kv.put_vectors(fmt, values, value_scales, slots, value)
+    if kernel and not fmt.quantized:  # the K and V stores in one launch
+        paged_kernel.store_kv(key, value, keys, values, slots)
+    else:
+        kv.put_vectors(fmt, keys, key_scales, slots, key)
+        kv.put_vectors(fmt, values, value_scales, slots, value)
     if kernel:
         return paged_kernel.paged_decode(query, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
     # [Hkv, B, L, D] -> [B, Hkv, L, D]

@@ -168,6 +168,21 @@ def _finish(out_base, sink_base, g, dv, live, top, total, acc, o_g, DV: tl.const
     tl.store(out_base + g[:, None] * o_g + dv[None, :], out.to(out_base.dtype.element_ty), mask=live[:, None] & (dv[None, :] < DV))
 
 
+@_jit
+def _store(key_ptr, value_ptr, keys_ptr, values_ptr, slot_ptr, kn_h, kn_b, vn_h, vn_b, k_h, k_s, v_h, v_s, slot_b,
+           DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr):
+    """Program (row, KV head): the row's new key and value into the pool at its slot."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + b * slot_b).to(tl.int64)
+    dk = tl.arange(0, DK_P2)
+    key = tl.load(key_ptr + h * kn_h + b * kn_b + dk, mask=dk < DK)
+    tl.store(keys_ptr + h * k_h + slot * k_s + dk, key, mask=dk < DK)
+    dv = tl.arange(0, DV_P2)
+    value = tl.load(value_ptr + h * vn_h + b * vn_b + dv, mask=dv < DV)
+    tl.store(values_ptr + h * v_h + slot * v_s + dv, value, mask=dv < DV)
+
+
 def split_count(batch: int, kv_heads: int, max_blocks: int, block_size: int, partition: int = PARTITION) -> int:
     """How many programs share a row's context: one per `partition` key positions of the
     bucket, fewer where the rows alone make TARGET_PROGRAMS programs. Static shapes only (a
@@ -254,6 +269,25 @@ def runs_triton(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@torch.library.custom_op("kvserve::store_kv", mutates_args=("keys", "values"))
+def store_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+    """B rows' new key [Hkv, B, Dk] and value [Hkv, B, Dv] into one layer's plain pool storage
+    `keys` [Hkv, S, Dk] / `values` [Hkv, S, Dv] at `slots` [B]: the K and V stores of a decode
+    step in one Triton launch where the kernels run (`runs_triton`), two index copies elsewhere
+    (what `kv.put_vectors` does for plain storage)."""
+    if not runs_triton(key.device):
+        keys.index_copy_(1, slots, key)
+        values.index_copy_(1, slots, value)
+        return
+    kv_heads, b, dk = key.shape
+    if b == 0:
+        return
+    dv = value.shape[-1]
+    key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
+    _store[(b, kv_heads)](key, value, keys, values, slots, *key.stride()[:2], *value.stride()[:2], *keys.stride()[:2], *values.stride()[:2],
+                          slots.stride(0), DK=dk, DV=dv, DK_P2=triton.next_power_of_2(dk), DV_P2=triton.next_power_of_2(dv))
 
 
 @torch.library.custom_op("kvserve::paged_decode", mutates_args=())

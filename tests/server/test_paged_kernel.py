@@ -251,3 +251,30 @@ def test_the_runner_decodes_through_the_kernel_as_through_the_gather(family):
             kv.free(c)
     assert runs[True][0] == runs[False][0]
     torch.testing.assert_close(runs[True][1], runs[False][1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_store_kernel_writes_what_two_index_copies_write(dtype, monkeypatch):
+    """`kvserve::store_kv`: a decode step's new keys and values (views into the step's larger
+    K/V, as attention hands them over; Dk != Dv, neither a power of two) land at their slots
+    of a plain pool exactly as `index_copy_` puts them, and nowhere else; off the kernels (CPU
+    without the interpreter) the op is those two copies. Its schema declares what it mutates."""
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, slots_n, dk, dv, rows = 2, 64, 24, 40, 5
+    step_k = torch.randn(kv_heads, rows + 3, dk, generator=gen).to(DEVICE, dtype)
+    step_v = torch.randn(kv_heads, rows + 3, dv, generator=gen).to(DEVICE, dtype)
+    key, value = step_k[:, :rows], step_v[:, :rows]  # the decode rows come first
+    slots = torch.tensor([7, 33, 2, 63, 63], device=DEVICE)  # two padding rows on the trash slot
+    keys, values = torch.randn(kv_heads, slots_n, dk, generator=gen).to(DEVICE, dtype), torch.randn(kv_heads, slots_n, dv, generator=gen).to(DEVICE, dtype)
+    want_k, want_v = keys.clone().index_copy_(1, slots[:4], key[:, :4]), values.clone().index_copy_(1, slots[:4], value[:, :4])
+    got_k, got_v = keys.clone(), values.clone()
+    torch.ops.kvserve.store_kv(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k[:, :63], want_k[:, :63]) and torch.equal(got_v[:, :63], want_v[:, :63])
+    assert any(torch.equal(got_k[:, 63], key[:, r]) for r in (3, 4))  # the trash slot holds one of its rows
+    torch.library.opcheck(torch.ops.kvserve.store_kv.default, (key, value, keys.clone(), values.clone(), slots), test_utils=("test_schema",))
+    if DEVICE.type == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert not paged_kernel.runs_triton(DEVICE)
+        plain_k, plain_v = keys.clone(), values.clone()
+        torch.ops.kvserve.store_kv(key[:, :4], value[:, :4], plain_k, plain_v, slots[:4])
+        assert torch.equal(plain_k, want_k) and torch.equal(plain_v, want_v)
