@@ -28,7 +28,7 @@ MAX_TOKENS = 128
 
 @pytest.fixture(scope="module")
 def ctx(smollm2):
-    context = build_context(Settings(max_running=16, max_queue=256), smollm2, Metrics())
+    context = build_context(Settings(max_running=64, max_queue=256), smollm2, Metrics())
     context.engine.start()
     yield context
     context.engine.stop()

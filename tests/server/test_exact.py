@@ -1,8 +1,9 @@
-"""Exact mode (`--deterministic`, server/engine/exact.py) on the real model, in float32 AND bfloat16
-on the test device: every request's tokens and logprobs are bit-identical to the same request
-run alone, whatever runs beside it, whatever the prefill chunk size (16, 128, 512), reused from
-its session or restored from the disk tier, with prompt lookup or a draft model on or off,
-with an fp8 KV cache, greedy and seeded sampling alike. Nothing here allows a near-tie: identical or failed.
+"""Exact mode (`--deterministic`, server/engine/exact.py) on the real model, in the suite's dtype
+(and, with an fp8 KV cache, in float32 AND bfloat16) on the test device: every request's tokens
+and logprobs are bit-identical to the same request run alone, whatever runs beside it, whatever
+the prefill chunk size (16, 128, 512), reused from its session or restored from the disk tier,
+with prompt lookup or a draft model on or off, with an fp8 KV cache, greedy and seeded sampling
+alike. Nothing here allows a near-tie: identical or failed.
 
 Plus the building blocks: tiny random models (a sliding window, soft-capping, MHA) give every
 position the same logits however its prompt is split, on both attention paths; `exact.attend`
@@ -62,11 +63,12 @@ def loaded(request):
     return model_in(request.param)
 
 
-# NOTE: the mechanisms of the tests marked so (the paged path, session turns, speculation, tier
-# restores) keep the bits because the batch-invariant layers do, which the engine tests in both
-# dtypes check (together vs alone, fp8 KV; and the unit tests further down, layer by layer); their
-# engine runs take the suite's dtype only, since bfloat16 on a CPU without bf16 instructions
-# costs ~2.5x (~6 of CI's minutes). The GPU suite (KVSERVE_TEST_DTYPE=bfloat16) runs them in bf16.
+# NOTE: the mechanisms of the tests marked so (chunk sizes, the paged path, session turns,
+# speculation, tier restores) keep the bits because the batch-invariant layers do, which the
+# fp8-KV engine test checks end to end in both dtypes (requests together in chunks of 16, with
+# sessions, vs each alone), as do the unit tests further down, layer by layer; their engine runs
+# take the suite's dtype only, since bfloat16 on a CPU without bf16 instructions costs ~2.5x
+# (~10 of CI's minutes). The GPU suite (KVSERVE_TEST_DTYPE=bfloat16) runs them in bf16.
 suite_dtype_only = pytest.mark.parametrize("loaded", [DTYPE_NAME], indirect=True)
 
 
@@ -150,6 +152,7 @@ def compare(requests, got, want) -> int:
     return sum(identical)
 
 
+@suite_dtype_only
 def test_together_equals_alone_at_every_chunk_size(loaded, engines):
     """18 mixed requests at once (decode rows beside prefill chunks, sessions reusing their
     first turn) on engines whose steps carry 16, 128 and 512 tokens, against each request
