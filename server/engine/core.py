@@ -530,8 +530,10 @@ class Engine:
             self._postprocess(plan, out.logits, out.greedy)
             return
         ahead, greedy = launched
-        self._postprocess(plan, out.logits, greedy())
-        self._ahead = self._settle(ahead)
+        try:
+            self._postprocess(plan, out.logits, greedy())
+        finally:  # a row postprocess did not reach has not appended its token: `_settle` undoes its step
+            self._ahead = self._settle(ahead)
 
     def _launch_ahead(self, plan: Plan, out: StepOutput) -> tuple[Ahead, Callable[[], torch.Tensor]] | None:
         """The next decode step of `plan`'s rows, launched now from this step's argmax on the
@@ -885,7 +887,8 @@ class Engine:
                 self._finish(seq, handle, "stop")
                 return True
         handle._put(output)
-        if len(seq.generated) >= seq.params.max_tokens or seq.n_computed >= kv.capacity(seq.cache):
+        # (what a step launched ahead computed is not counted: without it the row would go on)
+        if len(seq.generated) >= seq.params.max_tokens or seq.n_computed - seq.ahead >= kv.capacity(seq.cache):
             self._finish(seq, handle, "length")
             return True
         return False

@@ -55,7 +55,8 @@ class DraftModelProposer:
         # the draft model's own pool and runner (no CUDA graphs: a draft step is small and
         # its rows catch up by several tokens)
         self.pool = kv.Pool(model.config, budget_bytes, model.device, model.dtype)
-        self.runner = ModelRunner(model, self.pool, max_context=max_context, packed=packed, cuda_graphs=False, exact=exact, merge=True)
+        self.runner = ModelRunner(model, self.pool, max_context=max_context, packed=packed, cuda_graphs=False, exact=exact, merge=True,
+                                  overlap=False)  # the engine's steps overlap, not the draft's
         # idle sessions' draft caches, least recently committed first out (no TTL: the
         # sessions' own expiry is the model's cache manager's business)
         self._kept = SessionStore(budget_bytes, math.inf, remember_dropped=0, on_drop=self._dropped)

@@ -172,7 +172,7 @@ def _probe(model, layout: kv.Layout) -> None:
         pool = kv.Pool(model.config, kv.bytes_for(model.config, 2 * capacity, model.dtype, sequences=2), model.device, model.dtype,
                        state_slots=2)
         # NOTE: packed=None: packing CPU weights is the serving runner's, on its own thread
-        runner = ModelRunner(model, pool, paged=False, cuda_graphs=False, packed=None)
+        runner = ModelRunner(model, pool, paged=False, cuda_graphs=False, packed=None, overlap=False)
         first, second = pool.allocate(len(whole)), pool.allocate(len(other))
         seen: list[int] = []
         runner.observe = lambda layer, key, value: seen.append(_observed(layer, key, value, layout))

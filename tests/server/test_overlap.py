@@ -25,12 +25,13 @@ PROMPTS = ["Name three rivers.", "What is a harbor?", "Count to five.", "Why is 
 class Engines:
     """The same model behind two paged engines, overlapping and not; counts what the overlap did."""
 
-    def __init__(self, loaded):
+    def __init__(self, loaded, max_context=None):
         self.tokenizer = loaded.tokenizer
         self.engines = {}
+        max_context = max_context or loaded.max_context
         for overlap in (True, False):
-            cache = CacheManager(loaded.model.config, loaded.device, loaded.dtype, loaded.max_context, CacheConfig(budget_bytes=2**30))
-            engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_context=loaded.max_context, paged=True, overlap=overlap), cache)
+            cache = CacheManager(loaded.model.config, loaded.device, loaded.dtype, max_context, CacheConfig(budget_bytes=2**30))
+            engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_context=max_context, paged=True, overlap=overlap), cache)
             engine.start()
             self.engines[overlap] = engine
         runner = self.engines[True].runner
@@ -156,3 +157,23 @@ async def test_cancels_arrivals_and_sampled_rows_mid_stream(engines):
     assert outputs(with_overlap[0], cancelled) == outputs(without[0], cancelled)
     assert with_overlap[0][cancelled][3] == "abort" and without[0][cancelled][3] == "abort"
     assert outputs(with_overlap[1]) == outputs(without[1])
+
+
+def test_a_cache_that_fills_before_max_tokens_ends_where_it_would_have(smollm2):
+    """Engines whose context (64 tokens) ends before max_tokens: each row stops with "length"
+    when its cache is full, the step launched ahead into its last slot not counted, so it
+    emits as many tokens, and its session holds as many, as without overlap."""
+    small = Engines(smollm2, max_context=64)
+    try:
+        async def both():
+            requests = [GenerationRequest(f"full{i}", small.prompt(p), greedy(max_tokens=200), session_id=f"full{i}") for i, p in enumerate(PROMPTS[:3])]
+            return {overlap: await small.run_all(overlap, requests) for overlap in (True, False)}
+
+        got = asyncio.run(both())
+        assert got[True] == got[False]
+        assert all(r[3] == "length" and r[4] < 200 for r in got[True])
+        assert small.launched > 0
+        assert small.sessions(True) == small.sessions(False)
+        assert all(length == 64 for _, length in small.sessions(True).values())
+    finally:
+        small.stop()
