@@ -3,7 +3,7 @@
 Every Settings field is a flag of the same name (`max_queue` -> `--max-queue`), documented by the
 field's description; a flag wins over its `KVSERVE_*` env var.
 
-`serve` drains on SIGTERM (and Ctrl+C) before it exits 0; see `DrainingServer`. An error no
+`serve` drains on SIGTERM (and Ctrl+C) before it exits 0; see `server.draining`. An error no
 request can fix (the model cannot load or run, the engine died) ends it with one line and its
 status (server/exits.py). `serve --check` starts everything but HTTP, prints what it would
 serve with, and exits 0 or 1.
@@ -16,19 +16,12 @@ import asyncio
 import json
 import logging
 import sys
-import time
 import typing
 
-import uvicorn
 from pydantic import ValidationError
 
 from server import exits
 from server.settings import Settings
-
-log = logging.getLogger("kvserve.shutdown")
-
-FLUSH_S = 5.0
-"""After the drain, how long uvicorn waits for the last responses to reach their clients."""
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,67 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, but SIGTERM drains before the listening socket closes.
-
-    Plain uvicorn closes the socket on SIGTERM and re-raises the signal once shut down (exit
-    status 143). Here the first SIGTERM or SIGINT only marks the app as draining: /ready and new
-    requests answer 503 (with Retry-After) at once, /health stays 200, admitted requests run
-    on. Once the engine holds no request, or `grace_s` after the signal, uvicorn's own shutdown
-    runs: requests still in the engine are aborted, the last responses are flushed (`FLUSH_S`),
-    the lifespan stops the engine, and the process exits 0. A second signal ends the drain now.
-    """
-
-    def __init__(self, config: uvicorn.Config, state, grace_s: float) -> None:
-        super().__init__(config)
-        self.state = state  # server.api.app.AppState
-        self.grace_s = grace_s
-        self.drain_started: float | None = None
-        self._announced = False
-
-    def handle_exit(self, sig: int, frame) -> None:
-        # NOTE: runs as a signal handler: only set flags here. Unlike uvicorn's handler, this
-        # does not record the signal, so uvicorn does not re-raise it after the shutdown.
-        if self.drain_started is None:
-            self.drain_started = time.monotonic()
-            self.state.draining = True
-        else:
-            self.should_exit = True
-
-    async def on_tick(self, counter: int) -> bool:
-        """Every 0.1 s: exit once the server cannot serve (nothing is left to drain: the
-        engine failed its requests); while draining, once the engine is idle or the grace is
-        over."""
-        if self.state.fatal is not None and not self.should_exit:
-            self.should_exit = True
-        if self.drain_started is not None and not self.should_exit:
-            self.should_exit = self._drain_done()
-        return await super().on_tick(counter)
-
-    def _drain_done(self) -> bool:
-        if self.state.drain():
-            log.info("drained: no request in flight, shutting down")
-            return True
-        if time.monotonic() - self.drain_started >= self.grace_s:
-            log.warning("shutdown grace period of %g s is over: aborting the requests in flight", self.grace_s)
-            return True
-        if not self._announced:
-            self._announced = True
-            log.info("draining: waiting up to %g s for the requests in flight (signal again to stop now)", self.grace_s)
-        return False
-
-    async def shutdown(self, sockets=None) -> None:
-        # NOTE: abort what is left before uvicorn waits for open connections, so those
-        # responses end now instead of holding the wait until FLUSH_S.
-        if not self.state.drain():
-            await asyncio.to_thread(self.state.abort_in_flight)
-        await super().shutdown(sockets)
-
-
 def serve(settings: Settings) -> int:
+    # NOTE: the server's modules are imported here, once a flag asks to serve: parsing the flags
+    # and printing --help import neither torch nor uvicorn.
+    import uvicorn
     from sse_starlette.sse import AppStatus
 
     from server.api.app import create_app
+    from server.draining import FLUSH_S, DrainingServer
 
     # NOTE: sse-starlette cancels every open stream once it sees uvicorn's should_exit, which
     # races with the last chunks (or the abort chunk) of the streams our drain lets finish.

@@ -5,11 +5,6 @@ from `STATUSES` by scripts/docs_reference.py."""
 
 from __future__ import annotations
 
-from server.engine.core import StartupCheckFailed
-from server.engine.unsupported import UnsupportedModel
-from server.kv_budget import KVBudgetError
-from server.model_loader import ModelSourceError, UnknownArchitecture
-
 OK = 0
 FAILED = 1  # `serve --check` failed, or an unexpected start-up error (the log has its traceback)
 SETTINGS = 2  # invalid settings: a flag or KVSERVE_* variable
@@ -45,6 +40,13 @@ class StartupError(Exception):
 
 def status_of(exc: BaseException) -> int:
     """The exit status a start-up exception ends the process with."""
+    # NOTE: imported here, not above: the CLI imports this module to parse its flags and print
+    # --help, which must not wait for torch and transformers.
+    from server.engine.core import StartupCheckFailed
+    from server.engine.unsupported import UnsupportedModel
+    from server.kv_budget import KVBudgetError
+    from server.model_loader import ModelSourceError, UnknownArchitecture
+
     if isinstance(exc, StartupError):
         return exc.status
     for kind, status in (

@@ -35,3 +35,21 @@ def test_the_overlap_flag_and_its_refusal_beside_speculation():
     assert settings_from_args(parse(["serve", "--speculative", "ngram"])).overlap == "auto"
     with pytest.raises(ValidationError, match="--overlap on and --speculative"):
         settings_from_args(parse(["serve", "--overlap", "on", "--speculative", "ngram"]))
+
+
+def test_help_and_bad_flags_import_neither_torch_nor_the_server():
+    """`kvserve serve --help`, and a flag the settings refuse, answer without importing torch,
+    transformers or uvicorn (seconds on a cold start); only serving imports them."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from server.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'uvicorn', 'fastapi') if m in sys.modules))\n"
+    )
+    for argv, status in ((["serve", "--help"], 0), (["serve", "--max-running", "0"], 0)):
+        done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
+        assert done.returncode == status, done.stderr
+        assert done.stdout.strip().splitlines()[-1] == "[]", (argv, done.stdout[-300:])
