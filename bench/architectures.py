@@ -366,7 +366,7 @@ def _engine_failures():
 
 class Served:
     """One started engine over the family's model, with its own KV pool. Refuses the model as
-    the server does (`server.api.app.build_context`): `families.check` before any cache is
+    the server does (`server.startup.build_context`): `families.check` before any cache is
     sized for it, then the engine's own checks as it starts."""
 
     def __init__(self, model, tok, proposer=None, **engine_kw) -> None:

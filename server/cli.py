@@ -105,7 +105,7 @@ def serve(settings: Settings) -> int:
 def check(settings: Settings) -> int:
     """`serve --check`: start everything but HTTP, print what it would serve with as JSON
     (stdout), then exit 0; 1 with the reason (stderr) when the server would not start."""
-    from server.api.app import startup_check
+    from server.startup import startup_check
 
     summary, failure = asyncio.run(startup_check(settings))
     if failure is not None:

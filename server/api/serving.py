@@ -59,7 +59,7 @@ class ServingContext:
     request_timeout_s: float
     fingerprint: str
     deterministic: bool = False  # exact mode (--deterministic), reported by /v1/models
-    engine_paths: dict = field(default_factory=dict)  # how the engine runs: /v1/models' `engine` (app.report_paths)
+    engine_paths: dict = field(default_factory=dict)  # how the engine runs: /v1/models' `engine` (startup.report_paths)
     reasoning: object | None = None  # the model's reasoning.ReasoningFormat (None: no thinking model)
     max_reasoning_tokens: int | None = None  # the server's default thinking budget
     max_request_tokens: int | None = None  # --max-request-tokens (None: limits.work_limit's default)

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +47,8 @@ from safetensors.torch import load_file
 
 from server.engine import context
 from server.engine import exact as exact_mode
+
+log = logging.getLogger(__name__)
 
 _PREFIX = "base_model.model."
 
@@ -223,6 +227,20 @@ class Adapters:
                     raise AdapterError("rank", f"adapter '{adapter.name}': rank {adapter.rank} is above the {self.rank} the "
                                        "start-up adapters fixed (--max-lora-rank with --enable-lora-loading)")
             self._loaded[adapter.name] = adapter
+
+    def load(self, name: str, path: str | Path, served: Collection[str] = ()) -> Adapter:
+        """Read the adapter at `path`, check it against the base model and add it as `name`: the
+        one loader, for --lora at start-up and POST /v1/load_lora_adapter at run time (any
+        thread; it reads files, so off the event loop). AdapterError "name-clash" when `name`
+        is one of `served` (the base model's ids) or a loaded adapter's; otherwise `read`'s and
+        `add`'s refusals."""
+        if name in served or self.get(name) is not None:
+            raise AdapterError("name-clash", f"the name '{name}' is already served (the base model, an alias or a "
+                               "loaded adapter); unload it first or pick another")
+        adapter = read(path, self.model, name=name, max_rank=self.max_rank)
+        self.add(adapter)
+        log.info("LoRA adapter %r loaded: rank %d, scaling %g, from %s", name, adapter.rank, adapter.scaling, path)
+        return adapter
 
     def allocate(self) -> None:
         """Fix the device layout (the class docstring) and make the first adapters resident.

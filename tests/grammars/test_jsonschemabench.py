@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from grammars import GrammarError, GrammarSpec
-from server.api.app import build_context
+from server.startup import build_context
 from server.metrics import Metrics
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest

@@ -30,7 +30,7 @@ from server.engine.attention import Row
 from server.engine.model_runner import ModelRunner
 from server.engine.draft_model import DraftModelProposer
 from server.engine.core import Engine, EngineConfig
-from server.api.app import numerics
+from server.startup import numerics
 from server.metrics import Metrics
 from server.settings import Settings
 from server.model_loader import load_model

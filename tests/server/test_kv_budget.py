@@ -81,7 +81,7 @@ async def _start(smollm2, **overrides):
 
 @pytest.mark.anyio
 async def test_a_budget_too_small_for_the_context_is_a_start_up_error(smollm2, caplog):
-    caplog.set_level(logging.ERROR, logger="server.api.app")
+    caplog.set_level(logging.ERROR, logger="server.startup")
     state, manager = await _start(smollm2, kv_budget_bytes=64 * 2**20)  # 1456 tokens < 8192
     try:
         assert state.ctx is None and state.load_error is not None
@@ -113,7 +113,7 @@ async def test_shutdown_gives_the_pool_memory_back_whoever_still_holds_the_pool(
 
 @pytest.mark.anyio
 async def test_fp8_server_reports_capacity_in_tokens_and_reuses_sessions(app_client, caplog):
-    caplog.set_level(logging.INFO, logger="server.api.app")
+    caplog.set_level(logging.INFO, logger="server.startup")
     budget = 4096 * PER_TOKEN_FP8
     async with app_client(kv_budget_bytes=budget, kv_cache_dtype="fp8", max_model_len=4096) as client:
         card = (await client.get("/v1/models")).json()["data"][0]

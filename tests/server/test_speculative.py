@@ -23,7 +23,7 @@ from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from server.engine import attention, cpu_linear
 from grammars import GrammarCompiler, spec_from_request
-from server.api.app import build_context
+from server.startup import build_context
 from server.engine.draft_model import DraftModelProposer
 from server.engine.core import Engine, EngineConfig
 from server.metrics import Metrics

@@ -3,8 +3,8 @@ run time, with vLLM's names, bodies and plain-text answers. Served only with
 --enable-lora-loading (otherwise these paths are 404s like any unknown one), behind the API key
 like every /v1 route, and only for adapters under --lora-dir.
 
-A load reads and checks the adapter off the event loop (server/engine/lora.py `read`) and adds
-it to the host-memory set; a request naming it gets it swapped into a device slot then. Every
+A load reads and checks the adapter off the event loop (`lora.Adapters.load`, the loader --lora
+uses at start-up) and adds it to the host-memory set; a request naming it gets it swapped into a device slot then. Every
 refusal names its reason and leaves the served adapters and their sessions as they were: 400
 for an adapter that cannot be served here (its files, its base, its rank, its layers, its
 name, a path outside --lora-dir), 409 for a name already served, 507 when no more adapters fit
@@ -80,8 +80,6 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     name = body.lora_name
     if problem := adapter_name_problem(name):
         raise _refuse(metrics, "load", "name", problem)
-    if name == ctx.model_id or name in ctx.model_aliases or ctx.adapter(name) is not None:
-        raise _refuse(metrics, "load", "name-clash", f"the name '{name}' is already served (the base model, an alias or a loaded adapter); unload it first or pick another")
     path = resolve_path(settings.lora_dir, body.lora_path)
     if path is None:
         raise _refuse(metrics, "load", "path", f"lora_path {body.lora_path!r} is not under the server's --lora-dir; adapters load from there only")
@@ -91,12 +89,10 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
         raise _refuse(metrics, "load", "no-memory", f"adapter '{name}': its {weights.stat().st_size / 2**20:.0f} MiB do not fit the "
                       f"{free / 2**20:.0f} MiB of host memory available")
     try:
-        adapter = await asyncio.to_thread(lora.read, path, ctx.engine.model, name=name, max_rank=settings.max_lora_rank)
-        ctx.adapters.add(adapter)
+        await asyncio.to_thread(ctx.adapters.load, name, path, served={ctx.model_id, *ctx.model_aliases})
     except lora.AdapterError as exc:
         raise _refuse(metrics, "load", exc.reason, str(exc)) from None
     metrics.lora_loads.labels("load", "ok").inc()
-    log.info("LoRA adapter %r loaded: rank %d, scaling %g, from %s", name, adapter.rank, adapter.scaling, path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 

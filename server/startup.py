@@ -1,0 +1,339 @@
+"""The composition root: the model, the engine, the cache manager and everything else a server
+serves with, built from `Settings` into one `ServingContext` (`start`), and taken down again
+(`close`). The HTTP app (server/api/app.py) only wires routes to it; `kvserve serve --check`
+(`startup_check`) runs the same start without HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from cache_manager import disk as disk_files
+from cache_manager import state
+from cache_manager.manager import CacheConfig, CacheManager
+from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
+from grammars import GrammarCompiler, GrammarSpec
+from server import __version__ as VERSION
+from server import exits, kv_budget
+from server.api import reasoning
+from server.api.response_store import ResponseStore
+from server.api.serving import ServingContext
+from server.engine import compiled, exact, families, lora
+from server.engine.core import Engine, EngineConfig
+from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
+from server.engine.prompt_lookup import NgramProposer
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
+from server.engine.speculative import SpeculativeConfig
+from server.metrics import Metrics
+from server.model_loader import LoadedModel, load_model
+from server.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def response_store(settings: Settings) -> ResponseStore:
+    """The stored responses; on disk beside the KV tier's files when the disk tier is on, so a
+    response and its session survive a restart together."""
+    directory = settings.kv_disk_dir / "responses" if settings.kv_disk_dir is not None else None
+    return ResponseStore(settings.response_store_bytes, directory)
+
+
+def numerics(settings: Settings, loaded: LoadedModel) -> str:
+    """What the KV and logits bits depend on besides the model, dtype and device: "" in the
+    default mode (its near-tie rule allows other rounding); in exact mode "deterministic",
+    the platform and on CUDA the attention it runs (`exact.pin_backends`, which pins its
+    settings here, before the first matmul)."""
+    if not settings.deterministic:
+        return ""
+    return f"deterministic:{exact.pin_backends(loaded.device, loaded.dtype)}"
+
+
+def kv_tiers(settings: Settings, loaded: LoadedModel, metrics: Metrics, mode: str) -> tuple[HostTier | None, DiskTier | None]:
+    """The KV tiers below the device the settings ask for (host memory only on CUDA); `mode`:
+    `numerics`."""
+    disk = None
+    if settings.kv_disk_dir is not None:
+        budget = settings.kv_disk_bytes or budget_from_free_space(settings.kv_disk_dir)
+        # NOTE: exact mode computes other KV bits than the default mode (and its fallback
+        # attention than its kernel): a session file of one is never restored into another
+        fingerprint = disk_files.fingerprint(loaded.model, loaded.dtype, mode)
+        disk = DiskTier(settings.kv_disk_dir, budget, settings.session_ttl_s, fingerprint, metrics, kv_dtype=settings.kv_cache_dtype)
+    host = None
+    if settings.kv_host_bytes > 0:
+        if loaded.device.type == "cuda":
+            host = HostTier(settings.kv_host_bytes, settings.session_ttl_s, below=disk, metrics=metrics)
+        else:
+            log.warning("--kv-host-bytes ignored: on %s the KV already lives in host memory", loaded.device.type)
+    return host, disk
+
+
+def proposer(settings: Settings, loaded: LoadedModel, draft: LoadedModel | None, max_context: int, draft_bytes: int):
+    """The --speculative proposer, chosen once (None: no speculation)."""
+    if settings.speculative == "ngram":
+        return NgramProposer(settings.speculative_ngram_min, settings.speculative_ngram_max)
+    if settings.speculative == "draft":
+        check_compatible(loaded.model, loaded.tokenizer, draft.model, draft.tokenizer)
+        return DraftModelProposer(draft.model, max_context, draft_bytes, packed=settings.cpu_packed_weights, exact=settings.deterministic)
+    return None
+
+
+def load_adapters(settings: Settings, loaded: LoadedModel, served: set[str]) -> lora.Adapters | None:
+    """The --lora adapters, read and checked against the base model, and their device slots
+    allocated (before any cache is sized, so the KV budget counts them); None without --lora
+    and --enable-lora-loading. An adapter that cannot be served, or whose name is already a
+    served model id (`served`), is a start-up error (exit status 2, a flag to change) naming
+    it and the reason."""
+    if not settings.serves_adapters:
+        return None
+    adapters = lora.Adapters(loaded.model, max_loras=settings.max_loras, max_rank=settings.max_lora_rank,
+                             max_loaded=settings.lora_capacity, reserve=settings.enable_lora_loading)
+    for name, path in settings.lora_adapters():
+        try:
+            adapters.load(name, path, served)
+        except lora.AdapterError as exc:
+            raise exits.StartupError(exits.SETTINGS, f"--lora {name}={path}: cannot serve this adapter ({exc.reason}): {exc}") from exc
+    adapters.allocate()
+    log.info("LoRA: %d device slots of rank %d over %d linear layers (%.1f MiB)%s", len(adapters.slots), adapters.rank,
+             len(adapters.modules), adapters.nbytes / 2**20, ", adapters loadable at run time from " + str(settings.lora_dir) if settings.enable_lora_loading else "")
+    return adapters
+
+
+def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, draft: LoadedModel | None = None) -> ServingContext:
+    # a family whose features the engine does not model is refused here, by name, before any
+    # cache is sized for it (server/engine/families.py)
+    families.check(loaded.model)
+    if draft is not None:
+        families.check(draft.model)
+        if state.spec(draft.model.config, draft.dtype) is not None:
+            families.check_hybrid_modes(speculative=False, exact=False, draft=True)
+    model_id = settings.served_model_name or loaded.model_id
+    model_aliases = frozenset(settings.model_aliases) | {loaded.model_id}
+    adapters = load_adapters(settings, loaded, {model_id, *model_aliases})
+    max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
+    mode = numerics(settings, loaded)
+    host, disk = kv_tiers(settings, loaded, metrics, mode)
+    budget = kv_budget.choose(settings, loaded.model, loaded.device, max_context)
+    # a draft model's caches (running and kept for sessions) take their share of the budget
+    draft_bytes = draft_budget_for(loaded.model, draft.model, budget.nbytes, max_context, settings.kv_cache_dtype) if settings.speculative == "draft" else 0
+    kv_budget.check(budget, budget.nbytes - draft_bytes, loaded.model.config, loaded.dtype, settings.kv_cache_dtype, max_context)
+    cache_manager = CacheManager(
+        loaded.model.config,
+        loaded.device,
+        loaded.dtype,
+        max_context,
+        CacheConfig(
+            budget_bytes=budget.nbytes - draft_bytes,
+            ttl_s=settings.session_ttl_s,
+            anonymous_reuse=settings.anonymous_reuse,
+            reuse=settings.session_reuse,
+            persist_every_s=settings.kv_persist_interval_s,
+            kv_dtype=settings.kv_cache_dtype,
+        ),
+        metrics=metrics,
+        host=host,
+        disk=disk,
+    )
+    metrics.watch_tiers(cache_manager)
+    if adapters is not None:
+        metrics.watch_adapters(adapters)
+    pool = cache_manager.pool
+    log.info("KV budget %.2f GiB (%s): %d tokens of %s KV (%d bytes per token); one sequence at the full context of "
+             "%d tokens takes %.1f%% of it", budget.nbytes / 2**30, budget.how, pool.capacity_tokens,
+             pool.format.name, pool.block_bytes // pool.block_size, max_context, 100 * max_context / max(pool.capacity_tokens, 1))
+    log.info("KV pool on %s: %d blocks of %d tokens, %.2f GiB (%d tokens)", pool.device, pool.num_blocks,
+             pool.block_size, pool.num_blocks * pool.block_bytes / 2**30, pool.capacity_tokens)
+    if pool.states is not None:
+        log.info("recurrent state: %s; %d slots (%.2f GiB) for running and kept sequences and their checkpoints",
+                 pool.states.spec.describe(), pool.states.num_slots, pool.states.num_slots * pool.states.spec.nbytes / 2**30)
+    if settings.compile != "off":
+        compiled.use_cache_dir(settings.cache_dir)  # before the first compilation reads it
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(
+            max_context=max_context,
+            max_queue=settings.max_queue,
+            max_running=settings.max_running,
+            max_batch_tokens=settings.max_batch_tokens,
+            reject_busy_sessions=settings.reject_busy_sessions,
+            speculative=SpeculativeConfig(max_draft=settings.speculative_max_draft),
+            cpu_packed_weights=settings.cpu_packed_weights,
+            cuda_graphs=settings.cuda_graphs != "off",
+            compile=settings.compile,
+            overlap=None if settings.overlap == "auto" else settings.overlap == "on",
+            deterministic=settings.deterministic,
+        ),
+        cache_manager,
+        metrics=metrics,
+        proposer=proposer(settings, loaded, draft, max_context, draft_bytes),
+        adapters=adapters,
+    )
+    compiler = GrammarCompiler(
+        loaded.tokenizer,
+        loaded.model.config.get_text_config(decoder=True).vocab_size,
+        eos_token_ids=sorted(engine.eos_ids),
+        cache_size=settings.grammar_cache_size,
+        cache_bytes=settings.grammar_cache_bytes,
+        compile_timeout_s=settings.grammar_compile_timeout_s,
+        flexible_whitespace=settings.json_whitespace_flexible,
+        on_compile=metrics.grammar_compile_seconds.observe,
+    )
+    metrics.watch_grammar_cache(compiler)
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    metrics.info.info({"model": loaded.model_id, "dtype": dtype, "device": loaded.device.type, "version": VERSION})
+    numbers = f":{mode}" if mode else ""  # other numerics, another fingerprint
+    fingerprint = "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}{numbers}".encode()).hexdigest()[:10]
+    return ServingContext(
+        engine=engine,
+        cache_manager=cache_manager,
+        compiler=compiler,
+        tokenizer=loaded.tokenizer,
+        metrics=metrics,
+        model_id=model_id,
+        model_aliases=model_aliases,
+        max_context=max_context,
+        vocab_size=loaded.model.config.get_text_config(decoder=True).vocab_size,
+        max_tokens_default=settings.max_tokens_default,
+        request_timeout_s=settings.request_timeout_s,
+        fingerprint=fingerprint,
+        deterministic=settings.deterministic,
+        reasoning=reasoning.reasoning_format(loaded.tokenizer, None if settings.reasoning_parser == "auto" else settings.reasoning_parser),
+        max_reasoning_tokens=settings.max_reasoning_tokens,
+        max_request_tokens=settings.max_request_tokens,
+        adapters=adapters,
+    )
+
+
+async def warm_up(ctx: ServingContext) -> None:
+    """Real generation steps through the engine, plain and grammar-constrained, so the first
+    request pays for no lazy initialisation (mask buffers, worker threads, kernels). Raises
+    StartupError when one fails: a server whose requests fail is never reported ready.
+
+    NOTE: the prompt's ids are taken modulo the model's vocabulary: a tiny test model may have
+    fewer embeddings than its tokenizer has tokens."""
+    grammar = await asyncio.to_thread(ctx.compiler.compile, GrammarSpec("json_object"))
+    prompt = [t % ctx.vocab_size for t in ctx.tokenizer("Hello")["input_ids"]] or [0]
+    for g in (None, grammar):
+        request = GenerationRequest(
+            "warmup", prompt, SamplingParams(max_tokens=2, temperature=0.0), use_session=False, grammar=g,
+        )
+        async for output in ctx.engine.submit(request, asyncio.get_running_loop()):
+            if output.error is not None:
+                what = "grammar-constrained " if g is not None else ""
+                raise exits.StartupError(exits.MODEL_CANNOT_RUN, f"a {what}warm-up request failed ({output.error}); the server log says why")
+
+
+async def _in_own_thread(fn, /, *args, **kwargs):
+    """fn(*args, **kwargs) on a thread that ends with it.
+
+    NOTE: not the event loop's executor, whose threads stay: loading runs multi-threaded torch
+    ops, and a thread that did keeps its OpenMP team while it lives, which slows every engine
+    step down (docs/architecture.md, "One OpenMP team")."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-load")
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+    finally:
+        pool.shutdown(wait=False)
+
+
+def report_paths(ctx: ServingContext, metrics: Metrics, settings: Settings) -> None:
+    """Show how the engine runs (/metrics' kvserve_engine_paths, /v1/models' `engine` block);
+    refuse a required path that is not in use."""
+    runner = ctx.engine.runner
+    paths = {**runner.paths, "speculative": settings.speculative}
+    metrics.engine_paths.info({**paths, "fallbacks": ",".join(sorted(runner.fallbacks))})
+    ctx.engine_paths = {**paths, "fallbacks": dict(runner.fallbacks)}
+    if settings.compile == "require" and paths.get("compile") != "decode":
+        why = runner.fallbacks.get("compile", "")
+        raise exits.StartupError(exits.REQUIRED_PATH, f"--compile=require, but the decode forward is not compiled: {why}")
+    if settings.cuda_graphs == "require" and paths.get("cuda_graphs") != "captured":
+        why = runner.fallbacks.get("cuda_graphs") or f"they need CUDA and the paged path (this device: {runner.device.type})"
+        raise exits.StartupError(exits.REQUIRED_PATH, f"--cuda-graphs=require, but no CUDA graph was captured: {why}")
+
+
+async def start(settings: Settings, metrics: Metrics, loaded: LoadedModel | None = None) -> ServingContext:
+    """Load the model (unless `loaded` is given) and the draft model, build the serving context,
+    start the engine (its start-up forward pass), report its paths and warm up: the context a
+    ready server serves with. A failure stops what had started and raises; `failed` gives the
+    exit status."""
+    s = settings
+    ctx = None
+    try:
+        if loaded is None:
+            loaded = await _in_own_thread(
+                load_model, s.model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
+                trust_remote_code=s.trust_remote_code,
+            )
+        draft = None
+        if s.speculative == "draft":
+            draft = await _in_own_thread(
+                load_model, s.draft_model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
+                trust_remote_code=s.trust_remote_code,
+            )
+        ctx = build_context(s, loaded, metrics, draft)
+        await asyncio.to_thread(ctx.engine.start)  # the models prepared, the start-up forward pass run
+        report_paths(ctx, metrics, s)
+        await warm_up(ctx)
+    except BaseException:
+        if ctx is not None:
+            await asyncio.to_thread(ctx.engine.stop)
+        raise
+    log.info("ready: %s on %s (%s)", ctx.model_id, loaded.device, loaded.dtype)
+    return ctx
+
+
+def failed(exc: BaseException) -> tuple[int, str]:
+    """(exit status, reason) of a start-up failure, logged (with its traceback when it is not
+    one of the errors server/exits.py names). Call it in the `except` block."""
+    status = exits.status_of(exc)
+    if status == exits.FAILED:
+        log.exception("cannot start")
+    else:
+        log.error("cannot start: %s", exc)
+    return status, str(exc)
+
+
+def close(ctx: ServingContext, grace_s: float) -> None:
+    """End every request still in the engine now (finish_reason `abort`), stop the engine
+    thread and close the cache manager, whose sessions go to the disk tier if there is one."""
+    ended = ctx.engine.stop()
+    ctx.cache_manager.close(timeout_s=max(5.0, grace_s), release=ended)
+
+
+async def startup_check(settings: Settings) -> tuple[dict | None, tuple[int, str] | None]:
+    """`kvserve serve --check`: load and start as `serve` would (the KV budget sized, the
+    start-up forward pass and the warm-up run), then stop. Returns (what it would serve with,
+    None) or (None, (exit status, reason))."""
+    try:
+        ctx = await start(settings, Metrics())
+    except Exception as exc:
+        return None, failed(exc)
+    try:
+        manager, pool = ctx.cache_manager, ctx.cache_manager.pool
+        tiers = manager.tier_usage()
+        return {
+            "model": ctx.model_id,
+            "device": str(pool.device),
+            "dtype": str(pool.dtype).removeprefix("torch."),
+            "max_model_len": ctx.max_context,
+            "kv_cache": {
+                "dtype": manager.config.kv_dtype,
+                "budget_bytes": manager.store.budget_bytes,
+                "capacity_tokens": manager.capacity_tokens(),
+                "sequences_at_max_model_len": manager.capacity_tokens() // ctx.max_context,
+                "recurrent_state": manager.recurrent_state(),
+                "host_tier_bytes": tiers["host"][1],
+                "disk_tier_bytes": tiers["disk"][1],
+                "disk_tier_dir": str(settings.kv_disk_dir) if settings.kv_disk_dir is not None else None,
+            },
+            "engine": ctx.engine_paths,
+            "max_running": settings.max_running,
+            "max_batch_tokens": settings.max_batch_tokens,
+        }, None
+    finally:
+        await asyncio.to_thread(close, ctx, settings.shutdown_grace_s)
