@@ -21,7 +21,7 @@ cache) on a second copy of the model that kvserve never touches; then one engine
   turn 1's prompt and reply: tokens those of `generate` on the whole turn-2 prompt, and
   cached_tokens exactly what turn 1 committed (`expected_reuse`).
 * paged: the three together on the paged attention path (CUDA's; eager on CPU).
-* exact: the three together in exact mode (`EngineConfig(deterministic=True)`).
+* exact: the three together in exact mode (`EngineConfig(exact=True)`).
 * lookup: prompt-lookup speculation (`NgramProposer`, adaptive off, 6 drafted tokens at most)
   on the two prompts, of five, whose references repeat themselves most; the drafted and
   accepted counts are reported.
@@ -528,7 +528,7 @@ class Case:
 MODES: tuple[tuple[dict, tuple[str, ...]], ...] = (
     ({}, ("alone", "batched", "session")),
     ({"paged": True}, ("paged",)),
-    ({"deterministic": True}, ("exact",)),
+    ({"exact": True}, ("exact",)),
     ({"speculative": SpeculativeConfig(max_draft=6, adaptive=False)}, ("lookup",)),
 )
 

@@ -50,7 +50,7 @@ class Bench:
     def __init__(self, loaded, deterministic: bool, max_running: int, proposer=None, paged=None) -> None:
         self.tokenizer = loaded.tokenizer
         cache = CacheManager(loaded.model.config, loaded.device, loaded.dtype, loaded.max_context, CacheConfig(budget_bytes=2**31))
-        config = EngineConfig(max_context=loaded.max_context, max_running=max_running, deterministic=deterministic,
+        config = EngineConfig(max_context=loaded.max_context, max_running=max_running, exact=deterministic,
                               speculative=SpeculativeConfig(adaptive=False), paged=paged)
         self.engine = Engine(loaded.model, loaded.tokenizer, config, cache, proposer=proposer)
         self.engine.start()

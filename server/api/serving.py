@@ -58,7 +58,6 @@ class ServingContext:
     max_tokens_default: int
     request_timeout_s: float
     fingerprint: str
-    deterministic: bool = False  # exact mode (--deterministic), reported by /v1/models
     engine_paths: dict = field(default_factory=dict)  # how the engine runs: /v1/models' `engine` (startup.report_paths)
     reasoning: object | None = None  # the model's reasoning.ReasoningFormat (None: no thinking model)
     max_reasoning_tokens: int | None = None  # the server's default thinking budget

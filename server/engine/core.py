@@ -69,7 +69,7 @@ class EngineConfig:
     paged: bool | None = None  # ModelRunner's `paged`: the paged attention path (None: on CUDA)
     compile: str = "off"  # the decode forward compiled (--compile: auto, off, require; server/engine/compiled.py)
     overlap: bool | None = None  # launch a greedy decode step before the previous one's tokens reach the host (None: on CUDA)
-    deterministic: bool = False  # exact mode (server/engine/exact.py): outputs independent of batching
+    exact: bool = False  # exact mode (--deterministic, server/engine/exact.py): outputs independent of batching
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -178,7 +178,7 @@ class Engine:
         )
         families.check_config(model)  # refuse what the config says the engine cannot model now, not on its thread
         if cache_manager.pool.states is not None:
-            families.check_hybrid_modes(speculative=proposer is not None, exact=config.deterministic)
+            families.check_hybrid_modes(speculative=proposer is not None, exact=config.exact)
         self._rope_switch = cache_manager.pool.layout.rope_switch  # LongRoPE: `_cross_rope_switch`
         self.adapters = adapters  # LoRA adapters (server/engine/lora.py), or None
         self.runner = ModelRunner(
@@ -191,7 +191,7 @@ class Engine:
             paged=config.paged,
             compile=config.compile,
             overlap=False if proposer is not None else config.overlap,  # speculation drafts from the host's tokens each step
-            exact=config.deterministic,
+            exact=config.exact,
             adapters=adapters,
             merge=True,
         )

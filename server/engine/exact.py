@@ -307,9 +307,11 @@ def _switched_norm(forward: Callable[..., torch.Tensor], x: torch.Tensor, *args,
 KERNELS: dict[str, ModuleType] = {}  # device type -> exact_kernel there (`attend`, `linear`; `pin_backends` sets CUDA's)
 
 
+@functools.cache
 def pin_backends(device: torch.device, dtype: torch.dtype) -> str:
-    """Settings exact mode needs on `device`, set when the server starts (again by each model
-    runner: idempotent), and its Triton kernels there (`use_kernel`). Returns what else the
+    """Settings exact mode needs on `device` and its Triton kernels there (`use_kernel`), set
+    once per process and device: the composition root asks first (for the numerics that name
+    session files), a model runner in exact mode makes sure of it (the cached answer). Returns what else the
     mode's bits depend on (a session file's and `system_fingerprint`'s numerics): the
     platform, whose libraries round the same products differently (the GPU and the CUDA
     version; the CPU's vector extensions), the torch version, and on CUDA the attention:

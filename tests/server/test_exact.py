@@ -81,7 +81,7 @@ class Exact:
         self.metrics = Metrics()
         cache_config = CacheConfig(budget_bytes=budget, kv_dtype=kv_dtype)
         self.cache = CacheManager(self.model.config, loaded.device, loaded.dtype, MAX_CONTEXT, cache_config, self.metrics, **(tiers or {}))
-        config = EngineConfig(max_context=MAX_CONTEXT, deterministic=True, speculative=SpeculativeConfig(max_draft=6, adaptive=False), **engine_kw)
+        config = EngineConfig(max_context=MAX_CONTEXT, exact=True, speculative=SpeculativeConfig(max_draft=6, adaptive=False), **engine_kw)
         self.engine = Engine(self.model, self.tokenizer, config, self.cache, metrics=self.metrics, proposer=proposer)
         self.engine.start()
 

@@ -311,7 +311,7 @@ def test_speculation_and_exact_mode_are_refused_at_start_up_by_name(mode, featur
     model = build("lfm2")
     cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
     kw = {"proposer": NgramProposer()} if mode == "speculative" else {}
-    config = EngineConfig(max_context=2048, deterministic=mode == "deterministic")
+    config = EngineConfig(max_context=2048, exact=mode == "deterministic")
     with pytest.raises(families.UnsupportedModel) as refused:
         Engine(model, tok, config, cache, **kw)
     assert refused.value.feature == feature

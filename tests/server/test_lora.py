@@ -224,7 +224,7 @@ def test_in_exact_mode_a_mixed_step_gives_each_row_the_bits_it_gets_alone(adapte
     by_slot = {0: None, 1: adapters.get("a"), 2: adapters.get("b")}
     prompts = [prompt_of(17, 4), prompt_of(9, 5), prompt_of(23, 6)]
     cache = CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**26))
-    engine = Engine(model, tokenizer, EngineConfig(max_context=2048, deterministic=True), cache, adapters=adapters)
+    engine = Engine(model, tokenizer, EngineConfig(max_context=2048, exact=True), cache, adapters=adapters)
     engine.start()
     try:
         async def run(i: int, slot: int) -> list[tuple[int, float]]:

@@ -23,7 +23,7 @@ def _card(model_id: str, ctx) -> dict:
     return {
         "id": model_id, "object": "model", "created": 0, "owned_by": "kvserve", "max_model_len": ctx.max_context,
         "kv_cache": kv_cache,
-        "deterministic": ctx.deterministic,
+        "deterministic": ctx.engine.config.exact,
         "engine": ctx.engine_paths,
     }
 
