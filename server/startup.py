@@ -19,7 +19,7 @@ from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
 from server import exits, kv_budget
-from server.api import reasoning
+from server.api import dialect
 from server.api.response_store import ResponseStore
 from server.api.serving import ServingContext
 from server.engine import compiled, exact, families, lora
@@ -201,7 +201,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         max_tokens_default=settings.max_tokens_default,
         request_timeout_s=settings.request_timeout_s,
         fingerprint=fingerprint,
-        reasoning=reasoning.reasoning_format(loaded.tokenizer, None if settings.reasoning_parser == "auto" else settings.reasoning_parser),
+        dialect=dialect.read(loaded.tokenizer, None if settings.reasoning_parser == "auto" else settings.reasoning_parser),
         max_reasoning_tokens=settings.max_reasoning_tokens,
         max_request_tokens=settings.max_request_tokens,
         adapters=adapters,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from grammars import tool_format
+from server.api.dialect import Dialect
 from server.api.tool_calls import Call, tool_parser
 from server.engine.sequence import RequestOutput
 
@@ -38,10 +38,9 @@ class Assembly:
     model's reasoning parser (without one, reasoning fields are never rendered: a model
     without markers answers exactly as before)."""
 
-    def __init__(self, tokenizer, tool_mode: str | None, *, thinking: bool = False, tools=None) -> None:
-        harmony = tokenizer is not None and getattr(tool_format(tokenizer), "name", None) == "harmony"
-        mode = tool_mode or ("auto" if harmony else None)  # harmony's answer is its final channel
-        self._parser = tool_parser(tokenizer, mode, tools)
+    def __init__(self, dialect: Dialect, tokenizer, tool_mode: str | None, *, thinking: bool = False, tools=None) -> None:
+        mode = tool_mode or ("auto" if dialect.channels else None)  # the answer is the final channel
+        self._parser = tool_parser(dialect.tools, tokenizer, mode, tools)
         self.thinking = thinking
         self.reasoning = ""
         self._content = ""

@@ -67,7 +67,6 @@ import json
 import re
 from dataclasses import dataclass
 
-from grammars import output_format, tool_format
 from server.api.errors import APIError
 from server.engine.reasoning import ReasoningSpec
 
@@ -233,7 +232,7 @@ def spec(ctx, prompt_ids: list[int], budget: int | None, tool_mode: str | None) 
         return None
     banned = frozenset()
     if tool_mode is not None:
-        banned = output_format(tool_format(ctx.tokenizer)).marker_ids - set(fmt.end_ids) - set(fmt.start_ids) - ctx.engine.eos_ids
+        banned = ctx.dialect.calls.marker_ids - set(fmt.end_ids) - set(fmt.start_ids) - ctx.engine.eos_ids
     return ReasoningSpec(fmt.start_ids, fmt.end_ids, inside=starts_inside(fmt, prompt_ids), budget=budget,
                          banned_ids=banned, blank_ids=fmt.blank_ids)
 

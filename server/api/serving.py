@@ -25,14 +25,14 @@ from grammars import (
     GrammarError,
     GrammarSpec,
     auto_tool_spec,
-    output_format,
     spec_from_request,
     tool_call_spec,
-    tool_format,
 )
 from server.engine import faults, lora
 from server.engine.core import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
 from server.api import limits
+from server.api.dialect import PLAIN, Dialect
+from server.api.reasoning import ReasoningFormat
 from server.api.errors import APIError
 from server.metrics import Metrics
 from server.engine.reasoning import ReasoningSpec
@@ -59,10 +59,15 @@ class ServingContext:
     request_timeout_s: float
     fingerprint: str
     engine_paths: dict = field(default_factory=dict)  # how the engine runs: /v1/models' `engine` (startup.report_paths)
-    reasoning: object | None = None  # the model's reasoning.ReasoningFormat (None: no thinking model)
+    dialect: Dialect = PLAIN  # how the model writes tool calls and reasoning (server/api/dialect.py)
     max_reasoning_tokens: int | None = None  # the server's default thinking budget
     max_request_tokens: int | None = None  # --max-request-tokens (None: limits.work_limit's default)
-    adapters: object | None = None  # the loaded LoRA adapters (lora.Adapters), each served as a model of its own
+    adapters: lora.Adapters | None = None  # the loaded LoRA adapters, each served as a model of its own
+
+    @property
+    def reasoning(self) -> ReasoningFormat | None:
+        """The model's reasoning markers (None: it does not think)."""
+        return self.dialect.reasoning
 
     @property
     def work_limit(self) -> int:
@@ -212,7 +217,7 @@ async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, 
 
     Returns (grammar, tool_mode): tool_mode "forced" (tool_choice required or named), "auto"
     (tools offered: text or calls behind the trigger) or None. Calls are written in the
-    model's own tool format (grammars.tool_format) or kvserve's; `body.parallel_tool_calls`
+    model's own tool format (`ctx.dialect`) or kvserve's; `body.parallel_tool_calls`
     false (where the body has it) allows one call. An invalid, unsupported or too slow
     grammar is a 400 naming the field; nothing is queued.
     """
@@ -224,16 +229,15 @@ async def compile_grammar(ctx: ServingContext, body, tools: list | None = None, 
         )
         if tool_choice not in (None, "auto", "none") and not tools:
             raise GrammarError("tool_choice needs tools", "tool_choice")
-        model_format = tool_format(ctx.tokenizer) if tools else None
-        tool_spec = tool_call_spec(tools, tool_choice, parallel=parallel, fmt=output_format(model_format)) if tools else None
+        tool_spec = tool_call_spec(tools, tool_choice, parallel=parallel, fmt=ctx.dialect.calls) if tools else None
         if spec is not None and tool_spec is not None:
             raise GrammarError(f"a forced tool call and {spec.param} cannot be combined", "tool_choice")
         kind = spec.kind if spec is not None else None
         if spec is not None:  # a model whose answer is a message of its own gets its header
-            spec = answer_spec(spec, tool_format(ctx.tokenizer))
+            spec = answer_spec(spec, ctx.dialect.tools)
         mode = "forced" if tool_spec is not None else None
         if spec is None and tool_spec is None and tools and tool_choice in (None, "auto"):
-            tool_spec, mode = auto_tool_spec(tools, parallel=parallel, fmt=output_format(model_format)), "auto"
+            tool_spec, mode = auto_tool_spec(tools, parallel=parallel, fmt=ctx.dialect.calls), "auto"
         spec = spec or tool_spec
         if spec is None:
             return None, None

@@ -12,9 +12,10 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 
-from grammars import output_format, tool_format
+from grammars import ToolFormat
 from server.api import limits, reasoning, serving
 from server.api.assembly import Assembly
+from server.api.dialect import Dialect
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest
 from server.engine.sequence import RequestOutput, TokenInfo
@@ -64,13 +65,13 @@ def template_arguments(arguments: str | dict):
     return text if text is not None else json.dumps(parsed, ensure_ascii=False)
 
 
-def template_messages(tokenizer, body: ChatCompletionRequest) -> list[dict]:
+def template_messages(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest) -> list[dict]:
     """Messages for the chat template, earlier calls' arguments as objects (what templates
     that know tools expect) where they parse, as written where they do not
     (`template_arguments`). A template that knows nothing of tools (no `tools` in its
     source) gets them as a system note showing how a call is written, and earlier calls
-    written back in that form (several calls of one turn as the grammar writes them), so the
-    model sees what the grammar allows."""
+    written back in that form (several calls of one turn as the grammar writes them, in
+    `fmt`: `Dialect.calls`), so the model sees what the grammar allows."""
     for tool in body.tools or ():
         if nesting_depth(tool) > MAX_TEMPLATE_DEPTH:
             name = (tool.get("function") or {}).get("name") if isinstance(tool.get("function"), dict) else None
@@ -86,7 +87,6 @@ def template_messages(tokenizer, body: ChatCompletionRequest) -> list[dict]:
                 fn["arguments"] = template_arguments(fn["arguments"])
     if not body.tools or body.tool_choice == "none" or "tools" in (tokenizer.chat_template or ""):
         return messages
-    fmt = output_format(tool_format(tokenizer))
     marker_text = {i: tokenizer.convert_ids_to_tokens(i) for i in fmt.marker_ids}
     for message in messages:
         calls = [(c.get("function", {}).get("name"), c.get("function", {}).get("arguments", {}))
@@ -102,14 +102,14 @@ def template_messages(tokenizer, body: ChatCompletionRequest) -> list[dict]:
     return messages
 
 
-def render_prompt(tokenizer, body: ChatCompletionRequest, template_kwargs: dict | None = None, *,
+def render_prompt(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest, template_kwargs: dict | None = None, *,
                   max_context: int | None = None, prompt_param: str = "messages") -> list[int]:
     """Chat template -> token ids (runs off the event loop: templates and tokenizers are slow).
     `template_kwargs`: the thinking switches (`reasoning.controls`). With `max_context`, a
     conversation far longer than the context is refused early, naming `prompt_param`
     (`limits.prompt_ids`)."""
     try:
-        messages = template_messages(tokenizer, body)
+        messages = template_messages(tokenizer, fmt, body)
         text = tokenizer.apply_chat_template(
             messages, tools=body.tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
         )
@@ -140,10 +140,11 @@ class Submitted:
     thinking: bool  # the model's reasoning parser runs for it
     tools: list | None
     tokenizer: object
+    dialect: Dialect
 
     def assembly(self) -> Assembly:
         """A new `Assembly` for one of its choices."""
-        return Assembly(self.tokenizer, self.tool_mode, thinking=self.thinking, tools=self.tools)
+        return Assembly(self.dialect, self.tokenizer, self.tool_mode, thinking=self.thinking, tools=self.tools)
 
 
 async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Request, request_id: str, *,
@@ -152,7 +153,7 @@ async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     converts its turn to a chat request first): the thinking controls, the chat template, the
     token limit, sampling, the grammar, the reasoning spec; then its sequences are queued."""
     template_kwargs, budget = reasoning.controls(ctx, body.reasoning_effort, body.chat_template_kwargs, body.max_reasoning_tokens)
-    prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, body, template_kwargs,
+    prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, ctx.dialect.calls, body, template_kwargs,
                                          max_context=ctx.max_context, prompt_param=prompt_param)
     max_tokens = ctx.resolve_max_tokens(len(prompt_ids), requested_max_tokens, max_tokens_param, prompt_param)
     work = limits.Work(1, body.n, (body.top_logprobs or 0) if body.logprobs else 0, max_tokens_param)
@@ -164,7 +165,7 @@ async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     thinking = reasoning.spec(ctx, prompt_ids, budget, tool_mode)
     requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar, thinking)
     handles = serving.submit_all(ctx, requests, len(params))
-    return Submitted(handles, tool_mode, thinking is not None, body.tools, ctx.tokenizer)
+    return Submitted(handles, tool_mode, thinking is not None, body.tools, ctx.tokenizer, ctx.dialect)
 
 
 async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Request):

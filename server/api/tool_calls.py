@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from grammars import ToolFormat, is_raw_string, output_format, tool_format, value_end
+from grammars import ToolFormat, is_raw_string, output_format, value_end
 from server.engine.detokenizer import TextStream
 from server.engine.sequence import RequestOutput
 
@@ -446,11 +446,10 @@ class ToolCallParser:
         return True
 
 
-def tool_parser(tokenizer, tool_mode: str | None, tools=None) -> ToolCallParser | None:
+def tool_parser(model_format: ToolFormat | None, tokenizer, tool_mode: str | None, tools=None) -> ToolCallParser | None:
     """The parser for a request's tool mode ("forced", "auto" or None: no parsing), in the
-    tokenizer's tool format (no tokenizer: kvserve's own, read from the text). `tools` (the
-    request's) tell an XML format's string parameters from others."""
+    model's own tool format (`Dialect.tools`; None: kvserve's own, read from the text).
+    `tools` (the request's) tell an XML format's string parameters from others."""
     if tool_mode is None:
         return None
-    model_format = tool_format(tokenizer) if tokenizer is not None else None
     return ToolCallParser(output_format(model_format), at_start=model_format is None, tokenizer=tokenizer, tools=tools)

@@ -18,6 +18,7 @@ from server.model_loader import LoadedModel
 from tests.inprocess import openai_client
 from server.api.protocol import ChatCompletionRequest
 from server.engine.sequence import RequestOutput, TokenInfo
+from server.api import dialect
 from server.api.serving_chat import render_prompt
 from server.api.tool_calls import ToolCallParser
 
@@ -151,11 +152,11 @@ def round_trip_messages(arguments=('{"city":"Paris","unit":"c"}', "{}")):
 
 def test_several_calls_and_results_round_trip_through_templates(tokenizer, hermes_tokenizer):
     body = request(messages=round_trip_messages(), tools=[WEATHER, TIME])
-    plain = tokenizer.decode(render_prompt(tokenizer, body))  # SmolLM2: no tools in its template
+    plain = tokenizer.decode(render_prompt(tokenizer, dialect.read(tokenizer).calls, body))  # SmolLM2: no tools in its template
     assert ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>\n'
             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>') in plain
     assert "18 C" in plain and "10:42" in plain and "one such call per line" in plain
-    hermes = hermes_tokenizer.decode(render_prompt(hermes_tokenizer, body))
+    hermes = hermes_tokenizer.decode(render_prompt(hermes_tokenizer, dialect.read(hermes_tokenizer).calls, body))
     assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>') in hermes  # objects, not strings
     assert "18 C" in hermes and "10:42" in hermes and "one such call" not in hermes
