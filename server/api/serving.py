@@ -1,4 +1,4 @@
-"""What chat and completions share: admission, collecting or streaming choices, usage, errors.
+"""What the APIs share: admission, collecting choices, the one streaming loop, usage, errors.
 
 A request with `n` choices becomes `n` engine sequences. Non-streaming requests watch for the
 client's disconnect and abort their sequences; streaming ones abort when the SSE generator is
@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Request
 
@@ -435,45 +435,86 @@ async def collect(ctx: ServingContext, request: Request, handles: list[RequestHa
     return choices
 
 
-async def stream(
-    ctx: ServingContext,
-    handles: list[RequestHandle],
-    route: str,
-    on_output: Callable[[int, RequestOutput], list[dict]],
-    on_end: Callable[[list[RequestOutput]], list[dict]],
-    assembly_of: Callable[[int], object | None] = lambda index: None,
-) -> AsyncIterator[str]:
-    """SSE `data:` payloads: chunks from `on_output`, closing chunks from `on_end`, `[DONE]`.
-    A choice whose `assembly_of(index)` says its calls have ended (a repeated call) is
-    stopped: its final output follows.
+class Rendering(Protocol):
+    """How one API renders a streamed request: the SSE events `stream` sends (each what
+    sse-starlette takes: a `data:` string, or a dict with its `event` and `data`)."""
 
-    A choice that fails or is aborted ends the stream with an error event (OpenAI has no
-    "abort" finish reason). Choices cut off by the client leaving count as aborted in the
-    finished and end-to-end metrics.
+    def opening(self) -> list:
+        """The events before any output."""
+
+    def output(self, index: int, output: RequestOutput) -> list:
+        """The events of choice `index`'s next output (its final one included)."""
+
+    def ended(self, index: int) -> bool:
+        """Choice `index` needs no more output (a repeated tool call ended its calls)."""
+
+    def failed(self, output: RequestOutput, error: APIError) -> list:
+        """The closing events when a choice failed or was aborted (`output` its final one)."""
+
+    def closing(self, finals: list[RequestOutput]) -> list:
+        """The closing events once every choice finished (`finals`: their final outputs)."""
+
+
+async def stream(ctx: ServingContext, handles: list[RequestHandle], route: str, rendering: Rendering,
+                 arrived: float | None = None) -> AsyncIterator:
+    """The one streaming loop of every API: the engine's outputs of every choice as they come,
+    rendered by `rendering`. A choice whose rendering says it `ended` is stopped: its final
+    output follows. A choice that fails or is aborted ends the stream (`rendering.failed`).
+    Choices cut off by the client leaving count as aborted in the finished and end-to-end
+    metrics. `arrived`: when the request arrived (default: now), for the latency metrics.
     """
-    arrived = time.monotonic()
+    arrived = time.monotonic() if arrived is None else arrived
     finals: list[RequestOutput] = []
     ended = 0  # choices whose final output arrived, whatever its reason
     try:
+        for event in rendering.opening():
+            yield event
         async for index, output in _merge(handles, ctx, arrived):
             if output.finished:
                 ended += 1
                 ctx.metrics.finished.labels(route, output.finish_reason).inc()
                 if output.error is not None or output.finish_reason == "abort":
-                    yield json.dumps(engine_error(output, ctx.request_timeout_s).body())
+                    for event in rendering.failed(output, engine_error(output, ctx.request_timeout_s)):
+                        yield event
                     return
                 finals.append(output)
-            for chunk in on_output(index, output):
-                yield json.dumps(chunk, ensure_ascii=False)
-            if not output.finished and (assembled := assembly_of(index)) is not None and assembled.ended:
+            for event in rendering.output(index, output):
+                yield event
+            if not output.finished and rendering.ended(index):
                 handles[index].stop()
-        for chunk in on_end(finals):
-            yield json.dumps(chunk, ensure_ascii=False)
-        yield "[DONE]"
+        for event in rendering.closing(finals):
+            yield event
     finally:
         for _ in range(len(handles) - ended):  # cut off by the client, or by another choice's error
             ctx.metrics.finished.labels(route, "abort").inc()
             ctx.metrics.e2e.observe(time.monotonic() - arrived)
+
+
+@dataclass
+class Chunks:
+    """The rendering of chat and completions: `chunk` objects from `on_output`, closing ones
+    from `on_end`, then `[DONE]`; a failed choice sends the error object (OpenAI has no
+    "abort" finish reason). `assembly_of(index)`: the choice's `Assembly`, if any."""
+
+    on_output: Callable[[int, RequestOutput], list[dict]]
+    on_end: Callable[[list[RequestOutput]], list[dict]]
+    assembly_of: Callable[[int], object | None] = lambda index: None
+
+    def opening(self) -> list:
+        return []
+
+    def output(self, index: int, output: RequestOutput) -> list:
+        return [json.dumps(chunk, ensure_ascii=False) for chunk in self.on_output(index, output)]
+
+    def ended(self, index: int) -> bool:
+        assembled = self.assembly_of(index)
+        return assembled is not None and assembled.ended
+
+    def failed(self, output: RequestOutput, error: APIError) -> list:
+        return [json.dumps(error.body())]
+
+    def closing(self, finals: list[RequestOutput]) -> list:
+        return [json.dumps(chunk, ensure_ascii=False) for chunk in self.on_end(finals)] + ["[DONE]"]
 
 
 def usage(finals: list[RequestOutput], n: int, *, thinking: bool = False) -> dict:

@@ -185,7 +185,7 @@ async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     if body.stream:
         headers = await serving.admission_headers(ctx, request, handles)
         return EventSourceResponse(
-            serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head, turn.assembly)),
+            serving.stream(ctx, handles, ROUTE, serving.Chunks(*_chunkers(ctx, body, head, turn.assembly))),
             ping=15,
             headers=headers,
         )

@@ -65,7 +65,7 @@ async def create(ctx: ServingContext, body: CompletionRequest, request: Request)
     }
     if body.stream:
         headers = await serving.admission_headers(ctx, request, handles)
-        return EventSourceResponse(serving.stream(ctx, handles, ROUTE, *_chunkers(ctx, body, head)), ping=15, headers=headers)
+        return EventSourceResponse(serving.stream(ctx, handles, ROUTE, serving.Chunks(*_chunkers(ctx, body, head))), ping=15, headers=headers)
     choices = await serving.collect(ctx, request, handles, ROUTE)
     return JSONResponse(headers=serving.cache_headers(choices[0].final), content={
         **head,

@@ -413,51 +413,52 @@ async def stream(ctx: ServingContext, store: ResponseStore, turn: Turn, handle):
         store.abandon(turn.id)
 
 
-async def event_sequence(ctx: ServingContext, store: ResponseStore, turn: Turn, handle, head: dict):
+def event_sequence(ctx: ServingContext, store: ResponseStore, turn: Turn, handle, head: dict):
     """The Responses event sequence: created, in_progress, then per output item added /
-    content_part.added / deltas / done events, then completed (or incomplete, or failed).
+    content_part.added / deltas / done events, then completed (or incomplete, or failed), through
+    the one streaming loop (`serving.stream`).
 
     Text streams as it comes. A function call (tool_choice required or named: the whole
     output; "auto": an output starting with `<`) is held back and sent whole, arguments in one
     delta, once complete, so a client never sees half a call. The response is stored before
     its final event is sent.
     """
-    ev = Events()
-    yield ev("response.created", response=head)
-    yield ev("response.in_progress", response=head)
-    tracker = serving.Tracker(ctx.metrics, turn.arrived, handle)
-    assembly, out = turn.submitted.assembly(), Output(ev, summary=turn.summary)
-    final = None
-    try:
-        async for output in handle:
-            tracker.saw(output)
-            for event in out.feed(assembly.feed(output)):
-                yield event
-            if output.finished:
-                final = output
-                break
-            if assembly.ended:  # a repeated call: the turn's calls are complete
-                handle.stop()
-    finally:
-        if final is None:  # cut off by the client
-            handle.cancel()
-            ctx.metrics.finished.labels(ROUTE, "abort").inc()
-    if final is None:
-        return
-    ctx.metrics.finished.labels(ROUTE, final.finish_reason).inc()
-    if final.error is not None or final.finish_reason == "abort":
-        error = serving.engine_error(final, ctx.request_timeout_s)
-        yield ev("response.failed", response=turn.response("failed", [], final, {"code": error.code, "message": error.message}))
-        return
-    for event in out.feed(assembly.finish(final.finish_reason)):
-        yield event
-    sent = set(out.order)  # items whose `added` event went out
-    items = out.items(assembly, final)
-    for event in out.finish(items, sent):
-        yield event
-    response = turn.response(status_of(final), items, final)
-    remember(ctx, store, turn, response)
-    yield ev("response.completed" if response["status"] == "completed" else "response.incomplete", response=response)
+    return serving.stream(ctx, [handle], ROUTE, ResponseEvents(ctx, store, turn, head), arrived=turn.arrived)
+
+
+class ResponseEvents:
+    """The rendering (`serving.Rendering`) of one streamed response: its one choice's outputs
+    as output-item events (`Output`), its end as the response's last event."""
+
+    def __init__(self, ctx: ServingContext, store: ResponseStore, turn: Turn, head: dict) -> None:
+        self.ctx, self.store, self.turn, self.head = ctx, store, turn, head
+        self.ev = Events()
+        self.assembly, self.out = turn.submitted.assembly(), Output(self.ev, summary=turn.summary)
+
+    def opening(self) -> list:
+        return [self.ev("response.created", response=self.head), self.ev("response.in_progress", response=self.head)]
+
+    def output(self, index: int, output: RequestOutput) -> list:
+        return self.out.feed(self.assembly.feed(output))
+
+    def ended(self, index: int) -> bool:
+        return self.assembly.ended  # a repeated call: the turn's calls are complete
+
+    def failed(self, output: RequestOutput, error: APIError) -> list:
+        events = self.output(0, output)
+        failure = {"code": error.code, "message": error.message}
+        return events + [self.ev("response.failed", response=self.turn.response("failed", [], output, failure))]
+
+    def closing(self, finals: list[RequestOutput]) -> list:
+        final = finals[0]
+        events = self.out.feed(self.assembly.finish(final.finish_reason))
+        sent = set(self.out.order)  # items whose `added` event went out
+        items = self.out.items(self.assembly, final)
+        events += self.out.finish(items, sent)
+        response = self.turn.response(status_of(final), items, final)
+        remember(self.ctx, self.store, self.turn, response)
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return events + [self.ev(kind, response=response)]
 
 
 def retrieve(store: ResponseStore, principal: str, response_id: str) -> dict:
