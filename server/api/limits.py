@@ -80,6 +80,15 @@ class Work:
         )
 
 
+def context_exceeded(max_context: int, holds: str, reduce: str, param: str | None) -> APIError:
+    """The one 400 `context_length_exceeded`, in OpenAI's words: what the request `holds` and
+    what to `reduce`, naming `param`."""
+    return APIError(
+        400, f"This model's maximum context length is {max_context} tokens. However, {holds}. Please reduce {reduce}.",
+        code="context_length_exceeded", param=param, rejection="too_long",
+    )
+
+
 def prompt_ids(tokenizer, text: str, max_context: int, param: str, **kwargs) -> list[int]:
     """`tokenizer(text, **kwargs)["input_ids"]` for a text that may fit the context (the same
     ids, whatever its length); a 400 `context_length_exceeded` naming `param` as soon as a
@@ -90,13 +99,8 @@ def prompt_ids(tokenizer, text: str, max_context: int, param: str, **kwargs) -> 
             cut = _cut(text, size)
             counted = len(tokenizer(text[:cut], **kwargs)["input_ids"]) - PREFIX_MARGIN_TOKENS
             if counted >= max_context:
-                raise APIError(
-                    400,
-                    f"This model's maximum context length is {max_context} tokens. However, the prompt holds "
-                    f"more than {counted} tokens (counted in its first {cut} of {len(text)} characters). "
-                    f"Please reduce the length of the {param}.",
-                    code="context_length_exceeded", param=param, rejection="too_long",
-                )
+                raise context_exceeded(max_context, f"the prompt holds more than {counted} tokens (counted in its first "
+                                       f"{cut} of {len(text)} characters)", f"the length of the {param}", param)
             size *= PREFIX_GROWTH
     return tokenizer(text, **kwargs)["input_ids"]
 

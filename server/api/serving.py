@@ -122,14 +122,10 @@ class ServingContext:
                 return min(self.max_tokens_default, room)
             requested = 1
         if requested > room:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {self.max_context} tokens. However, you "
-                f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
-                f"{requested} for the completion). Please reduce the prompt or the completion length.",
-                code="context_length_exceeded",
-                param=prompt_param if room < 1 and prompt_param is not None else param,
-                rejection="too_long",
+            raise limits.context_exceeded(
+                self.max_context, f"you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                f"{requested} for the completion)", "the prompt or the completion length",
+                prompt_param if room < 1 and prompt_param is not None else param,
             )
         return requested
 
