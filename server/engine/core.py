@@ -887,8 +887,7 @@ class Engine:
                 self._finish(seq, handle, "stop")
                 return True
         handle._put(output)
-        # (what a step launched ahead computed is not counted: without it the row would go on)
-        if len(seq.generated) >= seq.params.max_tokens or seq.n_computed - seq.ahead >= kv.capacity(seq.cache):
+        if seq.at_length():
             self._finish(seq, handle, "length")
             return True
         return False
@@ -928,7 +927,7 @@ class Engine:
 def _continues(seq: Sequence) -> bool:
     """Whether the sequence can take one more token after the one being sampled for it (not
     at max_tokens, room in its cache): a step launched ahead may compute it."""
-    return not seq.cancelled and len(seq.generated) + 1 < seq.params.max_tokens and seq.cache is not None and seq.n_computed < kv.capacity(seq.cache)
+    return not seq.cancelled and seq.cache is not None and not seq.at_length(1)
 
 
 def _undo_ahead(seq: Sequence) -> None:

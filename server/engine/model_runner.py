@@ -208,9 +208,7 @@ class ModelRunner:
                 logits_rows.append(i)
                 counts.append(1 + len(drafted))
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
-        adapter_rows = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
-        biases = [row.seq.params.logit_bias for row in plan.rows]
-        return self._step(rows, token_ids, logits_rows, counts, long_rows, adapter_rows, biases)
+        return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan))
 
     @torch.inference_mode()
     def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int]) -> StepOutput:
@@ -219,9 +217,13 @@ class ModelRunner:
         the previous step's argmax). Each row computes one token; `run`'s side effects."""
         self._enable()
         rows = [Row(row.seq.cache, 1) for row in plan.rows]
-        adapter_rows = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
-        adapter_rows = adapter_rows if adapter_rows and any(adapter_rows) else None
-        return self._decode(rows, pick, adapter_rows, [row.seq.params.logit_bias for row in plan.rows], ids)
+        return self._decode(rows, pick, *self._row_inputs(plan), ids)
+
+    def _row_inputs(self, plan: Plan) -> tuple[list[int] | None, list[dict[int, float]]]:
+        """What `run` and `run_ahead` read off each row's sequence alike: its LoRA adapter slot
+        (None: no adapters served, or every row on the base model) and its logit bias."""
+        slots = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
+        return (slots if slots and any(slots) else None), [row.seq.params.logit_bias for row in plan.rows]
 
     def forward(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None,
                 long_rows: list[bool] | None = None, adapter_rows: list[int] | None = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cache_manager import kv
 from server.engine.detokenizer import TextStream
 from server.engine.reasoning import Reasoning, ReasoningSpec
 from server.engine.sampling import SamplingParams, make_generator
@@ -190,6 +191,15 @@ class Sequence:
                     out.reasoning += self.reasoning_text.push(token_id).text
         del self._held[: len(routed)]
         return Appended(out, stopped)
+
+    def at_length(self, more: int = 0) -> bool:
+        """Whether the sequence ends for length once `more` further tokens are appended: it
+        generated max_tokens, or its cache is full (the KV a step launched ahead computed is
+        not counted: without that step the row would go on). The one end-of-length rule, for
+        the engine's finish and for the overlap's choice of rows."""
+        if len(self.generated) + more >= self.params.max_tokens:
+            return True
+        return self.cache is not None and self.n_computed - self.ahead >= kv.capacity(self.cache)
 
     @property
     def num_pending(self) -> int:
