@@ -56,11 +56,9 @@ def _pack(layer: torch.nn.Linear) -> bool:
     """On CPU, run `layer` on a copy of its weight packed for oneDNN's matmul (False: this
     build or dtype cannot).
 
-    NOTE: measured on a 2-core AVX-512 box (SmolLM2-135M's linear layers, fp32): PyTorch's
-    own `F.linear` (MKL sgemm) runs far below the machine's peak at the few rows of a decode
-    step and at the 9-64 of a speculative verification, where a packed weight keeps oneDNN
-    near it: 1 row 12 ms (F.linear 25), 16 rows 17 ms (39), 64 rows 40 ms (83), a
-    512-token prefill chunk 229 ms (515). The price is memory: the linear weights are held
+    PyTorch's own `F.linear` (MKL sgemm) runs far below the machine's peak at the few rows of
+    a decode step and at the 9-64 of a speculative verification, where a packed weight keeps
+    oneDNN near it (the figures: docs/benchmarks.md, "The CPU path"). The price is memory: the linear weights are held
     twice (the dense ones stay the model's, for its state_dict and transformers' own calls).
     Any other row count gives each row's result up to rounding (docs/architecture.md's
     near-ties).
@@ -123,14 +121,12 @@ def _cpu_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)` ([..., in] -> [..., out]) on CPU where `_pack` cannot, fast for the few
     positions of a decode step (one per sequence, plus drafted tokens).
 
-    NOTE: measured on a 2-core AVX-512 box (SmolLM2-135M, its 211 linear layers): for 1-32 rows,
-    MKL's gemv (one row) and its sgemm against a (out x in) weight run far below the
-    transposed product weight @ x.T (one decode step: 26 ms instead of 41), and that product
-    itself slows down at row counts that are not a multiple of 8 (the linear layers over
-    12-15 rows: 57-87 ms, over 16: 46 ms). So one row is computed as two (itself twice), 2-8
-    rows as they are, 9-32 rows padded (with copies of the first) to a multiple of ROW_BLOCK:
-    a speculative verification of 9-16 positions costs what 16 do (a whole step: 62 ms
-    instead of 73-81). Prefill chunks keep `F.linear`, which wins there. Padding never
+    For 1-32 rows, MKL's gemv (one row) and its sgemm against a (out x in) weight run far below
+    the transposed product weight @ x.T, and that product itself slows down at row counts that
+    are not a multiple of 8 (the figures: docs/benchmarks.md, "The CPU path"). So one row is
+    computed as two (itself twice), 2-8 rows as they are, 9-32 rows padded (with copies of the
+    first) to a multiple of ROW_BLOCK: a speculative verification of 9-16 positions costs what
+    16 do. Prefill chunks keep `F.linear`, which wins there. Padding never
     changes the real rows' results beyond rounding (the near-ties of docs/architecture.md).
     """
     if context.exact():  # the padding below changes a row's bits with the row count

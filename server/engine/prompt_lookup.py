@@ -26,23 +26,14 @@ class NgramProposer:
       the latest place the same tokens occur (often the reply's own previous function).
     * Else the latest occurrence.
 
-    NOTE: measured with bench.speculative_replay's drafting on bench.speculative's 4 streams'
-    replies (decode only, one run): the in-order rule took the Python code edits from 1.95 /
-    2.31 / 2.27 / 2.14 to 1.98 / 2.38 / 2.32 / 2.15 and the JavaScript ones from 4.37 / 4.45 /
-    4.09 / 4.74 to 4.69 / 4.80 / 4.07 / 5.14, chat unchanged; applied to one-token matches too
-    (RESUME_MIN_N 1) it lost on two of the Python replies.
+    (Applied to one-token matches too, RESUME_MIN_N 1, it lost on two of the Python replies:
+    docs/benchmarks.md, "The drafting rules".)
 
     Each match names its source, the prompt or the reply's own earlier text (`SpecState.source`),
     whose acceptance is counted apart: in structured output, what follows a key earlier in the
     reply is another key's value, while values copied from the document are long runs; in a
-    code edit the reply repeats itself less reliably than it copies its input.
-
-    NOTE: measured with bench.speculative_replay's drafting (one run, decode only), one rate ->
-    a rate per source: the Python code edits' 4 replies 2.85 / 3.14 / 3.02 / 3.06 -> 2.87 /
-    3.24 / 3.14 / 3.13, the JavaScript ones 5.73 / 5.73 / 5.08 / 5.73 -> 6.17 / 6.17 / 5.03 /
-    6.17, chat unchanged; bench.speculative's extraction at 4 streams took 27-28 steps a wave
-    instead of 31-33 (3 waves each, one server after the other on one box: 163-168 drafted
-    tokens accepted instead of 143-151).
+    code edit the reply repeats itself less reliably than it copies its input (what a rate
+    per source gained: docs/benchmarks.md, "The drafting rules").
 
     Per sequence an index {n-gram: end positions of its occurrences, ascending}, grown
     incrementally (only ever appended to: drafts never enter a sequence's ids, accepted tokens

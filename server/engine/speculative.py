@@ -207,12 +207,8 @@ class SharedAcceptance:
     decayed counts): where a new sequence's own rate starts, instead of an even guess, so its
     first drafts are as long as the server's recent experience with that source warrants.
 
-    NOTE: measured with bench.speculative's extraction at 4 streams (2-core CPU, 3 waves
-    each): from an even start each reply's first copies of the email drafted 1-2 tokens, and
-    a wave took 29-31 steps (154-157 drafted tokens accepted; with the per-source rates and
-    the step-cost fit, one run after the other on the same box); starting from the shared
-    rates, 26-27 steps (169-173 accepted), 110-116 -> 116-120 tok/s. Greedy and sampled
-    requests share apart: sampling accepts a drafted token with the model's probability.
+    Greedy and sampled requests share apart: sampling accepts a drafted token with the
+    model's probability. What it gained: docs/benchmarks.md, "The drafting rules".
     """
 
     WEIGHT = 2.0  # pseudo-counts (hits + misses) a sequence's own rate starts with
