@@ -59,7 +59,7 @@ class Lease:
     """One request's hold on a cache; the engine's only view of the cache manager's work."""
 
     key: SessionKey | None  # None: a private cache, freed at the end
-    cache: object  # a kv.SequenceKV in the manager's pool
+    cache: kv.SequenceKV  # in the manager's pool
     n_reused: int
     miss_reason: str | None  # None on a hit
     base_tokens: list[int]  # the session's committed tokens when the request began

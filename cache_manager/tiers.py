@@ -49,7 +49,7 @@ class Parked:
 
     n_tokens: int
     tensors: dict[str, torch.Tensor] | None = None
-    event: object = None
+    event: torch.cuda.Event | None = None
     path: Path | None = None
     written: Future = field(default_factory=Future)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _importable(module: str) -> bool:
 @dataclass(slots=True)
 class LoadedModel:
     model: PreTrainedModel
-    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase
     model_id: str
     device: torch.device
     dtype: torch.dtype

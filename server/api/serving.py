@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Request
+from transformers import PreTrainedTokenizerBase
 
 from cache_manager.manager import CacheManager
 from cache_manager.sessions import EntryPinnedError, is_anonymous
@@ -31,6 +32,7 @@ from grammars import (
 from server.engine import faults, lora
 from server.engine.core import Engine, EngineStopped, QueueFull, RequestHandle, SessionBusy
 from server.api import limits
+from server.api.assembly import Assembly
 from server.api.dialect import PLAIN, Dialect
 from server.api.reasoning import ReasoningFormat
 from server.api.errors import APIError
@@ -49,7 +51,7 @@ class ServingContext:
     engine: Engine
     cache_manager: CacheManager
     compiler: GrammarCompiler
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     metrics: Metrics
     model_id: str
     model_aliases: frozenset[str]
@@ -147,7 +149,7 @@ class Choice:
     text: str = ""
     tokens: list[TokenInfo] = field(default_factory=list)
     final: RequestOutput | None = None
-    assembly: object | None = None
+    assembly: Assembly | None = None
 
 
 def new_id(prefix: str) -> str:

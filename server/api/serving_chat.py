@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
+from transformers import PreTrainedTokenizerBase
 
 from grammars import ToolFormat
 from server.api import limits, reasoning, serving
@@ -139,7 +140,7 @@ class Submitted:
     tool_mode: str | None
     thinking: bool  # the model's reasoning parser runs for it
     tools: list | None
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     dialect: Dialect
 
     def assembly(self) -> Assembly:

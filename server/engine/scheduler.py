@@ -29,9 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from server.engine.sequence import Status
+
+if TYPE_CHECKING:  # annotations only: speculative.py imports this module
+    from server.engine.speculative import Draft
 
 
 class Schedulable(Protocol):
@@ -54,9 +57,9 @@ class Schedulable(Protocol):
 class ScheduledRow:
     seq: Schedulable
     n_tokens: int
-    # Drafted tokens computed after the pending one and verified from their logits
-    # (a server/engine/speculative.py `Draft`, filled in after scheduling); None: no speculation.
-    draft: object | None = None
+    # Drafted tokens computed after the pending one and verified from their logits (filled in
+    # after scheduling); None: no speculation.
+    draft: Draft | None = None
     # After this step nothing of the sequence is pending: its logits pick the next token (decided
     # when scheduled: the forward pass moves the sequence's KV length, and with it what is pending).
     completes: bool = field(init=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,10 @@ from cache_manager import kv
 from server.engine.detokenizer import TextStream
 from server.engine.reasoning import Reasoning, ReasoningSpec
 from server.engine.sampling import SamplingParams, make_generator
+
+if TYPE_CHECKING:  # annotations only: lora imports this module's neighbours
+    from grammars import CompiledGrammar
+    from server.engine.lora import Adapter
 
 
 @dataclass(slots=True)
@@ -29,11 +34,11 @@ class GenerationRequest:
     principal: str = "anonymous"
     session_id: str | None = None  # None: may reuse the principal's anonymous entries
     use_session: bool = True  # False: a private cache (the extra choices of n > 1)
-    grammar: object | None = None  # a grammars.CompiledGrammar; each sequence gets a matcher
+    grammar: CompiledGrammar | None = None  # each sequence gets a matcher of it
     speculative: bool = True  # False: never draft for this request (when the server speculates)
     reasoning: ReasoningSpec | None = None  # a thinking model's markers and budget (server/engine/reasoning.py)
     fault: str | None = None  # a fault to inject into its rows (server/engine/faults.py; tests only)
-    adapter: object | None = None  # its LoRA adapter (a server/engine/lora.py Adapter); None: the base model
+    adapter: Adapter | None = None  # its LoRA adapter (server/engine/lora.py); None: the base model
 
     @property
     def session_key(self) -> tuple[str, str] | None:
