@@ -104,6 +104,9 @@ def load_adapters(settings: Settings, loaded: LoadedModel, served: set[str]) -> 
 
 
 def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, draft: LoadedModel | None = None) -> ServingContext:
+    """The serving context of `loaded` (and its draft model): the model's family checked, its
+    adapters loaded, the KV budget sized, the cache manager, engine and grammar compiler built.
+    The engine is not started yet (`start` does)."""
     # a family whose features the engine does not model is refused here, by name, before any
     # cache is sized for it (server/engine/families.py)
     families.check(loaded.model)
@@ -116,18 +119,81 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     adapters = load_adapters(settings, loaded, {model_id, *model_aliases})
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
     mode = numerics(settings, loaded)
-    host, disk = kv_tiers(settings, loaded, metrics, mode)
     budget = kv_budget.choose(settings, loaded.model, loaded.device, max_context)
     # a draft model's caches (running and kept for sessions) take their share of the budget
     draft_bytes = draft_budget_for(loaded.model, draft.model, budget.nbytes, max_context, settings.kv_cache_dtype) if settings.speculative == "draft" else 0
     kv_budget.check(budget, budget.nbytes - draft_bytes, loaded.model.config, loaded.dtype, settings.kv_cache_dtype, max_context)
+    cache_manager = build_cache_manager(settings, loaded, metrics, max_context, budget.nbytes - draft_bytes, mode)
+    log.info("KV budget %.2f GiB (%s): %d tokens of %s KV (%d bytes per token); one sequence at the full context of "
+             "%d tokens takes %.1f%% of it", budget.nbytes / 2**30, budget.how, cache_manager.pool.capacity_tokens,
+             cache_manager.pool.format.name, cache_manager.pool.block_bytes // cache_manager.pool.block_size, max_context,
+             100 * max_context / max(cache_manager.pool.capacity_tokens, 1))
+    if adapters is not None:
+        metrics.watch_adapters(adapters)
+    engine = Engine(loaded.model, loaded.tokenizer, engine_config(settings, max_context), cache_manager, metrics=metrics,
+                    proposer=proposer(settings, loaded, draft, max_context, draft_bytes), adapters=adapters)
+    vocab_size = loaded.model.config.get_text_config(decoder=True).vocab_size
+    compiler = GrammarCompiler(
+        loaded.tokenizer,
+        vocab_size,
+        eos_token_ids=sorted(engine.eos_ids),
+        cache_size=settings.grammar_cache_size,
+        cache_bytes=settings.grammar_cache_bytes,
+        compile_timeout_s=settings.grammar_compile_timeout_s,
+        flexible_whitespace=settings.json_whitespace_flexible,
+        on_compile=metrics.grammar_compile_seconds.observe,
+    )
+    metrics.watch_grammar_cache(compiler)
+    return ServingContext(
+        engine=engine,
+        cache_manager=cache_manager,
+        compiler=compiler,
+        tokenizer=loaded.tokenizer,
+        metrics=metrics,
+        model_id=model_id,
+        model_aliases=model_aliases,
+        max_context=max_context,
+        vocab_size=vocab_size,
+        max_tokens_default=settings.max_tokens_default,
+        request_timeout_s=settings.request_timeout_s,
+        fingerprint=fingerprint(loaded, metrics, mode),
+        dialect=dialect.read(loaded.tokenizer, None if settings.reasoning_parser == "auto" else settings.reasoning_parser),
+        max_reasoning_tokens=settings.max_reasoning_tokens,
+        max_request_tokens=settings.max_request_tokens,
+        adapters=adapters,
+    )
+
+
+def engine_config(settings: Settings, max_context: int) -> EngineConfig:
+    """The engine's settings (and, with --compile, where compiled kernels are cached)."""
+    if settings.compile != "off":
+        compiled.use_cache_dir(settings.cache_dir)  # before the first compilation reads it
+    return EngineConfig(
+        max_context=max_context,
+        max_queue=settings.max_queue,
+        max_running=settings.max_running,
+        max_batch_tokens=settings.max_batch_tokens,
+        reject_busy_sessions=settings.reject_busy_sessions,
+        speculative=SpeculativeConfig(max_draft=settings.speculative_max_draft),
+        cpu_packed_weights=settings.cpu_packed_weights,
+        cuda_graphs=settings.cuda_graphs != "off",
+        compile=settings.compile,
+        overlap=None if settings.overlap == "auto" else settings.overlap == "on",
+        exact=settings.deterministic,
+    )
+
+
+def build_cache_manager(settings: Settings, loaded: LoadedModel, metrics: Metrics, max_context: int, budget_bytes: int, mode: str) -> CacheManager:
+    """The cache manager over a KV pool of `budget_bytes`, with the tiers below it the settings
+    ask for; `mode`: `numerics`."""
+    host, disk = kv_tiers(settings, loaded, metrics, mode)
     cache_manager = CacheManager(
         loaded.model.config,
         loaded.device,
         loaded.dtype,
         max_context,
         CacheConfig(
-            budget_bytes=budget.nbytes - draft_bytes,
+            budget_bytes=budget_bytes,
             ttl_s=settings.session_ttl_s,
             anonymous_reuse=settings.anonymous_reuse,
             reuse=settings.session_reuse,
@@ -139,73 +205,22 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         disk=disk,
     )
     metrics.watch_tiers(cache_manager)
-    if adapters is not None:
-        metrics.watch_adapters(adapters)
     pool = cache_manager.pool
-    log.info("KV budget %.2f GiB (%s): %d tokens of %s KV (%d bytes per token); one sequence at the full context of "
-             "%d tokens takes %.1f%% of it", budget.nbytes / 2**30, budget.how, pool.capacity_tokens,
-             pool.format.name, pool.block_bytes // pool.block_size, max_context, 100 * max_context / max(pool.capacity_tokens, 1))
     log.info("KV pool on %s: %d blocks of %d tokens, %.2f GiB (%d tokens)", pool.device, pool.num_blocks,
              pool.block_size, pool.num_blocks * pool.block_bytes / 2**30, pool.capacity_tokens)
     if pool.states is not None:
         log.info("recurrent state: %s; %d slots (%.2f GiB) for running and kept sequences and their checkpoints",
                  pool.states.spec.describe(), pool.states.num_slots, pool.states.num_slots * pool.states.spec.nbytes / 2**30)
-    if settings.compile != "off":
-        compiled.use_cache_dir(settings.cache_dir)  # before the first compilation reads it
-    engine = Engine(
-        loaded.model,
-        loaded.tokenizer,
-        EngineConfig(
-            max_context=max_context,
-            max_queue=settings.max_queue,
-            max_running=settings.max_running,
-            max_batch_tokens=settings.max_batch_tokens,
-            reject_busy_sessions=settings.reject_busy_sessions,
-            speculative=SpeculativeConfig(max_draft=settings.speculative_max_draft),
-            cpu_packed_weights=settings.cpu_packed_weights,
-            cuda_graphs=settings.cuda_graphs != "off",
-            compile=settings.compile,
-            overlap=None if settings.overlap == "auto" else settings.overlap == "on",
-            exact=settings.deterministic,
-        ),
-        cache_manager,
-        metrics=metrics,
-        proposer=proposer(settings, loaded, draft, max_context, draft_bytes),
-        adapters=adapters,
-    )
-    compiler = GrammarCompiler(
-        loaded.tokenizer,
-        loaded.model.config.get_text_config(decoder=True).vocab_size,
-        eos_token_ids=sorted(engine.eos_ids),
-        cache_size=settings.grammar_cache_size,
-        cache_bytes=settings.grammar_cache_bytes,
-        compile_timeout_s=settings.grammar_compile_timeout_s,
-        flexible_whitespace=settings.json_whitespace_flexible,
-        on_compile=metrics.grammar_compile_seconds.observe,
-    )
-    metrics.watch_grammar_cache(compiler)
+    return cache_manager
+
+
+def fingerprint(loaded: LoadedModel, metrics: Metrics, mode: str) -> str:
+    """`system_fingerprint`: the version, model, dtype, device and numerics (`mode`) the outputs
+    depend on; also reported in the `kvserve_info` metric."""
     dtype = str(loaded.dtype).removeprefix("torch.")
     metrics.info.info({"model": loaded.model_id, "dtype": dtype, "device": loaded.device.type, "version": VERSION})
     numbers = f":{mode}" if mode else ""  # other numerics, another fingerprint
-    fingerprint = "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}{numbers}".encode()).hexdigest()[:10]
-    return ServingContext(
-        engine=engine,
-        cache_manager=cache_manager,
-        compiler=compiler,
-        tokenizer=loaded.tokenizer,
-        metrics=metrics,
-        model_id=model_id,
-        model_aliases=model_aliases,
-        max_context=max_context,
-        vocab_size=loaded.model.config.get_text_config(decoder=True).vocab_size,
-        max_tokens_default=settings.max_tokens_default,
-        request_timeout_s=settings.request_timeout_s,
-        fingerprint=fingerprint,
-        dialect=dialect.read(loaded.tokenizer, None if settings.reasoning_parser == "auto" else settings.reasoning_parser),
-        max_reasoning_tokens=settings.max_reasoning_tokens,
-        max_request_tokens=settings.max_request_tokens,
-        adapters=adapters,
-    )
+    return "fp_" + hashlib.sha256(f"{VERSION}:{loaded.model_id}:{dtype}:{loaded.device.type}{numbers}".encode()).hexdigest()[:10]
 
 
 async def warm_up(ctx: ServingContext) -> None:
