@@ -344,11 +344,7 @@ def _spans(row: Row, layer: int, first: int, groups: int, query: torch.Tensor) -
 def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """Bool [n, L]: query at position start+i sees keys at positions <= its own (and, with a
     window, > its own - window: transformers' sliding-window rule)."""
-    q = torch.arange(start, start + n, device=key_positions.device)[:, None]
-    mask = key_positions[None, :] <= q
-    if window is not None:
-        mask &= key_positions[None, :] > q - window
-    return mask
+    return context.visible(key_positions[None, :], torch.arange(start, start + n, device=key_positions.device)[:, None], window)
 
 
 def _attend(q, keys, values, mask, scale, softcap, sinks=None):

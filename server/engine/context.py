@@ -83,10 +83,7 @@ class Batch:
         queries = self.positions.view(self.size, self.width, 1)
         self.masks = {}
         for window in set(self.pool.layout.windows):
-            allowed = keys <= queries
-            if window is not None:
-                allowed &= keys > queries - window
-            mask = additive(allowed, dtype)
+            mask = additive(visible(keys, queries, window), dtype)
             # a KV head's query heads side by side, as `_attend_batch` folds them (one query
             # per row: the same mask for each, broadcast)
             self.masks[window] = (mask.repeat(1, groups, 1) if self.width > 1 else mask)[:, None]
@@ -174,6 +171,16 @@ def entered(context: StepContext) -> Iterator[StepContext]:
         context.memo.clear()
         if context.recurrent is not None:
             context.recurrent.finish(stored=finished)
+
+
+def visible(keys: torch.Tensor, queries: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query sees, by position (broadcast): those at or before its own and,
+    with a sliding window, after its own - window (transformers' rule). The one causal rule of
+    every torch attention path; the Triton kernels write it in their own terms."""
+    allowed = keys <= queries
+    if window is not None:
+        allowed &= keys > queries - window
+    return allowed
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

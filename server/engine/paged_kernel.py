@@ -31,6 +31,8 @@ import os
 
 import torch
 
+from server.engine import context
+
 try:
     import triton
     import triton.language as tl
@@ -248,10 +250,7 @@ def paged_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     scores = torch.matmul(q.float(), k_rows.transpose(-2, -1)) * scale  # [B, Hkv, G, L]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    key_positions = torch.arange(slots.shape[1], device=q.device)[None, :]
-    allowed = key_positions <= positions[:, None]
-    if window is not None:
-        allowed &= key_positions > positions[:, None] - window
+    allowed = context.visible(torch.arange(slots.shape[1], device=q.device)[None, :], positions[:, None], window)
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     if sinks is not None:
         sink = sinks.float().reshape(1, kv_heads, groups, 1).expand(b, kv_heads, groups, 1)
