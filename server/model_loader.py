@@ -145,7 +145,8 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     NOTE: `save_pretrained` refuses a GGUF-loaded model ("quantized with gguf"), so the
     de-quantized state dict is loaded into a fresh `from_config` model and that one is saved.
     The directory is written under a temporary name and renamed, so a crash mid-way never
-    leaves a half-written model that a later start would trust.
+    leaves a half-written model that a later start would trust; two processes converting at
+    once both end with the one that renamed first.
     """
     target = cache_dir / "converted" / f"{gguf.stem}-{_fingerprint(gguf)}"
     if (target / "config.json").is_file():
@@ -163,7 +164,11 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     try:
         fresh.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        os.replace(staging, target)
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process converted it meanwhile (a full target is not replaced)
+            if not (target / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
