@@ -431,7 +431,7 @@ class CacheManager:
     def _reuse(self, entry: Entry, prompt: list[int], bucket: int) -> Lease:
         cache = entry.kv
         recurrent = cache.state is not None  # cut back by `kv.resume`, to a kept state
-        decision: ReuseDecision = decide_reuse(entry.tokens, prompt, can_crop=recurrent or kv.can_crop(cache), block=self._block(entry.key),
+        decision: ReuseDecision = decide_reuse(entry.tokens, prompt, block=self._block(entry.key),
                                                rope_switch=self.pool.layout.rope_switch, computed=kv.length(cache))
         n = kv.resume(cache, decision.n_reused)
         reason = decision.miss_reason

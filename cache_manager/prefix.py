@@ -38,8 +38,8 @@ MissReason = Literal["new_session", "evicted", "expired", "diverged", "not_cropp
 * ``expired``: the key's entry was idle longer than the TTL.
 * ``diverged``: an entry exists but its first token already differs from the prompt.
 * ``not_croppable``: the prompt shares a prefix with the entry but does not extend it, and
-  the cache has layers that cannot be cut back (sliding windows past their window,
-  recurrent state), so nothing is reusable.
+  the cache's recurrent state kept no checkpoint at or before the shared prefix (the manager's
+  `kv.resume`), so nothing is reusable.
 * ``too_short``: the prompt is empty, or one token long and matching the entry; that last
   token must be recomputed anyway to get logits, so nothing is left to reuse. Also: the
   common prefix is shorter than one reuse block (`decide_reuse`'s `block`).
@@ -137,13 +137,13 @@ class ReuseDecision:
         return self.n_reused > 0
 
 
-def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool, block: int = 1,
+def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, block: int = 1,
                  rope_switch: int | None = None, computed: int = 0) -> ReuseDecision:
     """Decide how many of the `cached` tokens' KV a request for `prompt` reuses.
 
-    `cached` are the session's committed token ids (empty when it has no entry); `can_crop`
-    says whether every layer of its cache can be cut back to an earlier length (False once
-    a sliding-window layer has wrapped, or for recurrent layers). `rope_switch` (LongRoPE
+    `cached` are the session's committed token ids (empty when it has no entry). Every cache
+    can be cut back to an earlier length (a recurrent state is resumed from a kept checkpoint
+    by the manager, `kv.resume`, which may reuse less). `rope_switch` (LongRoPE
     models: `kv.Layout.rope_switch`) and `computed` (the tokens the cache holds KV for): keys
     of a cache longer than the switch were computed with the long factors, of a shorter one
     with the short factors, and a prompt longer than the switch needs long ones.
@@ -158,12 +158,10 @@ def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool
       2. ``n == 0``: miss ``new_session`` (nothing cached), ``too_short`` (the prompt is
          empty, a single token that matches, or the common prefix is shorter than `block`)
          or ``diverged`` (the first id differs).
-      3. ``n < len(cached)`` and not `can_crop`: miss ``not_croppable``; such a cache is
-         reusable only when the prompt strictly extends every cached token.
-      4. With a `rope_switch`: miss ``rope_switch`` when the cached keys' factors are not
+      3. With a `rope_switch`: miss ``rope_switch`` when the cached keys' factors are not
          the prompt's, or when long-factor keys would be cut back to the switch or below
          (a cache never holds long keys at a length that says short).
-      5. Otherwise a hit of ``n`` tokens, with ``crop = n < len(cached)``.
+      4. Otherwise a hit of ``n`` tokens, with ``crop = n < len(cached)``.
     """
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
@@ -176,8 +174,6 @@ def decide_reuse(cached: Sequence[int], prompt: Sequence[int], *, can_crop: bool
     if n <= 0:
         return ReuseDecision(0, TOO_SHORT if common > 0 or not prompt else DIVERGED)
     crop = n < len(cached)
-    if crop and not can_crop:
-        return ReuseDecision(0, NOT_CROPPABLE)
     if rope_switch is not None:
         long_keys = computed > rope_switch
         if long_keys != (len(prompt) > rope_switch) or (long_keys and n <= rope_switch):

@@ -166,7 +166,7 @@ class DraftModelProposer:
         kept = self._take(key) if key is not None else None
         if kept is not None:
             tokens, cache = kept
-            decision = decide_reuse(tokens, seq.all_ids, can_crop=kv.can_crop(cache))
+            decision = decide_reuse(tokens, seq.all_ids)
             if decision.n_reused > 0:
                 kv.crop(cache, decision.n_reused)
                 try:
