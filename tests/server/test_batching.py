@@ -17,6 +17,8 @@ from server.metrics import Metrics
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest
 from tests.equivalence import assert_equivalent
+from tests import engines
+from tests.engines import stopped_after
 
 TOPICS = ["the sea", "a lighthouse", "bread", "rain", "trains", "chess", "the moon", "coffee", "winter", "owls"]
 PET = {
@@ -49,14 +51,7 @@ class Bench:
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     async def run(self, request, cancel_after=None):
-        handle = self.engine.submit(request, asyncio.get_running_loop())
-        tokens, final = [], None
-        async for out in handle:
-            tokens += [t.token_id for t in out.tokens]
-            if cancel_after is not None and len(tokens) >= cancel_after:
-                handle.cancel()
-            final = out
-        return tokens, final
+        return await engines.run(self.engine, request, cancel_after)
 
     def gauge(self, name, **labels):
         return self.metrics.registry.get_sample_value(name, labels)
@@ -70,15 +65,7 @@ class Bench:
 
 @pytest.fixture
 def bench(smollm2):
-    benches = []
-
-    def make(**kw):
-        benches.append(Bench(smollm2, **kw))
-        return benches[-1]
-
-    yield make
-    for b in benches:
-        b.stop()
+    yield from stopped_after(lambda **kw: Bench(smollm2, **kw))
 
 
 def greedy(max_tokens):

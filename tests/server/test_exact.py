@@ -40,6 +40,7 @@ from server.engine.sequence import GenerationRequest
 from server.engine.speculative import SpeculativeConfig
 from tests.conftest import test_cache_dir as cache_dir
 from tests.device import DEVICE, DTYPE_NAME, SETTINGS
+from tests.engines import stopped_after
 
 DTYPES = ["float32", "bfloat16"]
 MAX_CONTEXT = 2048
@@ -108,15 +109,7 @@ class Exact:
 
 @pytest.fixture
 def engines():
-    made = []
-
-    def make(loaded, **kw):
-        made.append(Exact(loaded, **kw))
-        return made[-1]
-
-    yield make
-    for e in made:
-        e.stop()
+    yield from stopped_after(Exact)
 
 
 def greedy(n):

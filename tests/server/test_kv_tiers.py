@@ -24,6 +24,7 @@ from server.metrics import Metrics
 from server.model_loader import load_model
 from tests.conftest import test_cache_dir as cache_dir
 from tests.device import DEVICE
+from tests.engines import stopped_after
 from tests.server.test_sessions import Harness, conversation_start
 from tests.server.test_sessions import one_session as session_budget
 
@@ -48,16 +49,7 @@ def loaded(request):
 
 @pytest.fixture
 def harness(loaded):
-    made = []
-
-    def make(**kw):
-        h = Harness(loaded.model, loaded.tokenizer, loaded.max_context, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.stop()
+    yield from stopped_after(lambda **kw: Harness(loaded.model, loaded.tokenizer, loaded.max_context, **kw))
 
 
 def sample(metrics: Metrics, name: str, **labels) -> float:

@@ -18,6 +18,8 @@ from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest
 from tests.device import DEVICE, DTYPE
 from tests.equivalence import assert_equivalent
+from tests import engines
+from tests.engines import stopped_after
 
 TOPICS = ["the sea", "mountains", "a cat", "bread", "rain", "trains", "chess", "the moon", "coffee", "winter"]
 
@@ -42,14 +44,7 @@ class Harness:
             f"r-{session}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
             principal=principal, session_id=session, use_session=not private,
         )
-        handle = self.engine.submit(request, asyncio.get_running_loop())
-        tokens, final = [], None
-        async for out in handle:
-            tokens += [t.token_id for t in out.tokens]
-            if cancel_after is not None and len(tokens) >= cancel_after:
-                handle.cancel()
-            final = out
-        return tokens, final
+        return await engines.run(self.engine, request, cancel_after)
 
     async def turn(self, session, prompt, max_tokens=6, reference=None):
         """A reused turn and its fresh reference (on `reference`, default this engine, in a
@@ -81,16 +76,7 @@ class Harness:
 
 @pytest.fixture
 def harness(smollm2):
-    made = []
-
-    def make(**kw):
-        h = Harness(smollm2.model, smollm2.tokenizer, smollm2.max_context, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.stop()
+    yield from stopped_after(lambda **kw: Harness(smollm2.model, smollm2.tokenizer, smollm2.max_context, **kw))
 
 
 def conversation_start(i: int) -> list[dict]:

@@ -45,6 +45,7 @@ from server.engine.speculative import (
 )
 from tests.device import DEVICE, DTYPE, cpu_only
 from tests.equivalence import assert_equivalent
+from tests.engines import stopped_after
 from tests.server.test_api import MODEL, sample
 
 CODE = '''def cheapest(items):
@@ -358,15 +359,7 @@ class Spec:
 
 @pytest.fixture
 def spec(smollm2):
-    made = []
-
-    def make(**kw):
-        made.append(Spec(smollm2, **kw))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.stop()
+    yield from stopped_after(lambda **kw: Spec(smollm2, **kw))
 
 
 def greedy(max_tokens, **kw):
