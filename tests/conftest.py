@@ -9,6 +9,12 @@ from pathlib import Path
 # has to be on before anything imports triton (torchao does, through transformers).
 if os.environ.get("KVSERVE_TEST_DEVICE", "cpu") == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (the README's test command) each worker, and every server it starts,
+# computes on its share of the cores: two workers of two threads each on CI's two cores
+# would spin against each other (OpenMP teams busy-wait).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import pytest  # noqa: E402
 import torch
@@ -18,6 +24,8 @@ from server.settings import default_cache_dir
 from tests.device import DEVICE, DTYPE_NAME, SETTINGS
 
 torch.set_grad_enabled(False)
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def test_cache_dir() -> Path:
