@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import test_cache_dir
 from tests.device import DEVICE, DTYPE_NAME, SERVE_FLAGS
-from tests.docs.snippets import ServerPool
+from tests.docs.snippet_runner import ServerPool
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.docs import snippets
+from tests.docs import snippet_runner, snippets
 from tests.docs.snippets import SnippetFailed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def sample_page(text: str = SAMPLE):
 def test_snippet(snippet, server_pool, server_env, tmp_path):
     if snippet.not_run is not None and not snippet.problems():
         pytest.skip(f"not run: {snippet.not_run}")
-    snippets.run(snippet, server_pool, tmp_path, REPO, server_env)
+    snippet_runner.run(snippet, server_pool, tmp_path, REPO, server_env)
 
 
 def test_every_snippet_is_run_or_marked():
@@ -155,14 +155,14 @@ def test_convention_breaks_are_reported_by_file_and_line():
 
 def test_json_checks():
     ok = '{"id": 1}data: {"a": 1}\n\ndata: [DONE]\n{\n  "pretty": true\n}\nplain text {not json\n'
-    assert snippets.json_problems(ok) == []
+    assert snippet_runner.json_problems(ok) == []
     error = '{"error": {"message": "no", "code": "model_not_found"}}'
-    assert snippets.json_problems(error) == [f"stdout line 1 is an error: {error}"]
-    assert snippets.json_problems(error, errors_expected=True) == []
-    assert snippets.json_problems('{"object": "response", "error": null}') == []
-    assert snippets.json_problems('data: {"type": "error", "message": "x"}\n')[0].startswith("stdout line 1 is an error")
-    assert snippets.json_problems("ok\n{'a': 1}\n")[0].startswith("stdout line 2 looks like JSON but does not parse")
-    assert snippets.json_problems("{'a': 1}\n", strict=False) == []
+    assert snippet_runner.json_problems(error) == [f"stdout line 1 is an error: {error}"]
+    assert snippet_runner.json_problems(error, errors_expected=True) == []
+    assert snippet_runner.json_problems('{"object": "response", "error": null}') == []
+    assert snippet_runner.json_problems('data: {"type": "error", "message": "x"}\n')[0].startswith("stdout line 1 is an error")
+    assert snippet_runner.json_problems("ok\n{'a': 1}\n")[0].startswith("stdout line 2 looks like JSON but does not parse")
+    assert snippet_runner.json_problems("{'a': 1}\n", strict=False) == []
 
 
 @pytest.mark.e2e
@@ -170,12 +170,12 @@ def test_runner_on_a_sample_page(server_pool, server_env, tmp_path):
     """The runner's own end-to-end check: the sample page passes, and each kind of failure is
     caught and named by file:line."""
     for i, block in enumerate(b for b in sample_page().blocks if b.kind and b.not_run is None):
-        snippets.run(block, server_pool, tmp_path / str(i), REPO, server_env)
+        snippet_runner.run(block, server_pool, tmp_path / str(i), REPO, server_env)
 
     def fails(markdown: str, match: str) -> None:
         (block,) = snippets.parse(textwrap.dedent(markdown), "bad.md").blocks
         with pytest.raises(SnippetFailed, match=match):
-            snippets.run(block, server_pool, tmp_path / f"bad-{len(list(tmp_path.iterdir()))}", REPO, server_env)
+            snippet_runner.run(block, server_pool, tmp_path / f"bad-{len(list(tmp_path.iterdir()))}", REPO, server_env)
 
     not_found = """\
         ```bash
@@ -184,12 +184,12 @@ def test_runner_on_a_sample_page(server_pool, server_env, tmp_path):
         """
     fails(not_found, r"bad.md:1: stdout line 1 is an error: .*model_not_found")
     (allowed,) = snippets.parse(textwrap.dedent(not_found) + '<!-- expect: "error".*model_not_found -->\n', "ok.md").blocks
-    snippets.run(allowed, server_pool, tmp_path / "allowed", REPO, server_env)
+    snippet_runner.run(allowed, server_pool, tmp_path / "allowed", REPO, server_env)
     fails("```python\nprint('hello')\n```\n<!-- expect: goodbye -->\n", r"bad.md:1: stdout does not match expect 'goodbye'")
     fails("```sh\necho partial; false\n```\n", r"(?s)bad.md:1: exited 1.*partial")
     fails("```bash\nkvserve serve --max-running 0\n```\n", r"bad.md:1: `kvserve serve --max-running 0 --host 127.0.0.1 --port \d+` did not become ready")
 
 
     written = snippets.parse("```bash\ntouch scripts/new-file README.md\n```\n", "ok.md").blocks[0]
-    snippets.run(written, server_pool, tmp_path / "written", REPO, server_env)
+    snippet_runner.run(written, server_pool, tmp_path / "written", REPO, server_env)
     assert (tmp_path / "written/cwd/scripts/new-file").exists() and not (REPO / "scripts/new-file").exists()
