@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.engine.sampling import SamplingParams
@@ -58,6 +58,39 @@ def within_bytes(value, limit: int, what: str):
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+DROPPED_TOOLS_HEADER = "X-Kvserve-Dropped-Tools"
+
+
+class OffersTools(OpenAIModel):
+    """The tool rule of every API that takes `tools`: kvserve runs function tools only. A tool of
+    any other type (`web_search`, `custom`, ...) is dropped and named in the dropped-tools header
+    (`dropped_tools()`); a `tool_choice` naming one is a 400, since the answer could not follow it."""
+
+    @field_validator("tools", mode="before", check_fields=False)
+    @classmethod
+    def _tools_size(cls, value):
+        return within_bytes(value, MAX_TOOLS_BYTES, "the tool list")
+
+    @field_validator("tool_choice", mode="before", check_fields=False)
+    @classmethod
+    def _tool_choice_runs(cls, value):
+        if isinstance(value, dict) and value.get("type", "function") != "function":
+            raise ValueError(
+                f"a tool_choice of type {value.get('type')!r} is not supported: kvserve runs function tools only "
+                "(tools of other types are dropped); use 'auto', 'none', 'required' or a function tool's name"
+            )
+        return value
+
+    def dropped_tools(self) -> list[str]:
+        """The types of the tools kvserve dropped, in request order."""
+        raise NotImplementedError
+
+    def dropped_tools_header(self) -> dict[str, str]:
+        """The header naming the dropped tools' types, each once; none when nothing was dropped."""
+        dropped = self.dropped_tools()
+        return {DROPPED_TOOLS_HEADER: ", ".join(dict.fromkeys(dropped))} if dropped else {}
 
 
 class TextPart(OpenAIModel):
@@ -229,7 +262,7 @@ class SamplingFields(OpenAIModel):
         )
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, OffersTools):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     logprobs: bool = False
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)] | None = None
@@ -242,22 +275,28 @@ class ChatCompletionRequest(SamplingFields):
     # extensions (vLLM's spelling): the template's thinking switches; kvserve: the thinking budget
     chat_template_kwargs: dict[str, Any] | None = None
     max_reasoning_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None
+    _dropped: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("messages", mode="before")
     @classmethod
     def _messages_not_empty(cls, value):
         return not_empty(value, "messages")
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tools_size(cls, value):
-        return within_bytes(value, MAX_TOOLS_BYTES, "the tool list")
+    @model_validator(mode="after")
+    def _drop_hosted_tools(self):
+        self._dropped = [str(t["type"]) for t in self.tools or () if t.get("type", "function") != "function"]
+        if self._dropped:
+            self.tools = [t for t in self.tools if t.get("type", "function") == "function"] or None
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    def dropped_tools(self) -> list[str]:
+        return self._dropped
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -11,7 +11,7 @@ Unknown fields are ignored, as in `server.api.protocol`; fields kvserve cannot h
 change the meaning of the request (`background`, `conversation`, `prompt`, a `tool_choice` naming
 a non-function tool) are refused with a 400 naming them. Tools kvserve cannot run (hosted ones:
 `web_search`, `namespace`, `custom`, ...) are dropped, and the response says which
-(`DROPPED_TOOLS_HEADER`): agents such as the Codex CLI send them by default.
+(`protocol.DROPPED_TOOLS_HEADER`): agents such as the Codex CLI send them by default.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from server.api.protocol import (
-    INT64, MAX_CONSTRAINT_BYTES, MAX_STOP, MAX_TOKENS_LIMIT, MAX_TOOLS, MAX_TOOLS_BYTES, ChatCompletionRequest, OpenAIModel,
+    INT64, MAX_CONSTRAINT_BYTES, MAX_STOP, MAX_TOKENS_LIMIT, MAX_TOOLS, ChatCompletionRequest, OffersTools, OpenAIModel,
     StopString, not_empty, within_bytes,
 )
 
 Text = Annotated[str, Field(max_length=10_000_000)]
 CallId = Annotated[str, Field(min_length=1, max_length=256)]
 MAX_ITEMS = 4096
-DROPPED_TOOLS_HEADER = "X-Kvserve-Dropped-Tools"
 
 
 def item_id(prefix: str) -> str:
@@ -253,12 +252,6 @@ Tool = Annotated[
 ]
 
 
-def dropped_tools_header(types: list[str]) -> dict[str, str]:
-    """The header that lists the types of the tools a request's `tools` held and kvserve
-    dropped (each type once, in order); none when nothing was dropped."""
-    return {DROPPED_TOOLS_HEADER: ", ".join(dict.fromkeys(types))} if types else {}
-
-
 class ReasoningConfig(OpenAIModel):
     """`reasoning`: the effort maps to the model's thinking switch as chat's `reasoning_effort`
     does; summaries are not written (the reasoning itself is returned)."""
@@ -272,7 +265,7 @@ class NamedFunction(OpenAIModel):
     name: Annotated[str, Field(min_length=1, max_length=256)]
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(OffersTools):
     """POST /v1/responses. Fields in the order of OpenAI's reference; extensions last."""
 
     background: bool | None = None
@@ -331,21 +324,6 @@ class ResponsesRequest(OpenAIModel):
     def _input_not_empty(cls, value):
         return not_empty(value, "input")
 
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _tools_size(cls, value):
-        return within_bytes(value, MAX_TOOLS_BYTES, "the tool list")
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice_runs(cls, value):
-        if isinstance(value, dict) and value.get("type") != "function":
-            raise ValueError(
-                f"a tool_choice of type {value.get('type')!r} is not supported: kvserve runs function tools only "
-                "(tools of other types are dropped); use 'auto', 'none', 'required' or {'type': 'function', 'name': ...}"
-            )
-        return value
-
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, value, info):
@@ -368,7 +346,6 @@ class ResponsesRequest(OpenAIModel):
         return [t for t in self.tools or () if isinstance(t, FunctionTool)]
 
     def dropped_tools(self) -> list[str]:
-        """The types of the tools kvserve dropped (it cannot run them), in request order."""
         return [t.type for t in self.tools or () if isinstance(t, HostedTool)]
 
     def tool_choice_wire(self) -> str | dict:

@@ -37,7 +37,7 @@ from cache_manager.sessions import EntryPinnedError
 from server.api import serving, serving_chat
 from server.api.assembly import Parts
 from server.api.errors import APIError
-from server.api.protocol_responses import InputItemsQuery, Item, ResponsesRequest, dropped_tools_header, item_id, reasoning_item
+from server.api.protocol_responses import InputItemsQuery, Item, ResponsesRequest, item_id, reasoning_item
 from server.api.response_store import ResponseStore, StoredResponse
 from server.engine.sequence import RequestOutput
 from server.api.serving import ServingContext
@@ -349,7 +349,7 @@ async def create(ctx: ServingContext, store: ResponseStore, body: ResponsesReque
     """The turn, answered whole or streamed. Tools kvserve cannot run were dropped: logged, and
     listed in the `X-Kvserve-Dropped-Tools` header."""
     turn, handles = await prepare(ctx, store, body, request)
-    headers = dropped_tools_header(body.dropped_tools())
+    headers = body.dropped_tools_header()
     if headers:
         log.warning("%s: dropped tools kvserve cannot run: %s", turn.id, ", ".join(headers.values()))
     if body.stream:
