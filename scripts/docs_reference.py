@@ -229,7 +229,7 @@ def _cell(text: str) -> str:
 
 def build_apps():
     """The app without and with --enable-lora-loading (the run-time LoRA routes exist only with it)."""
-    from server.api.app import create_app
+    from server.startup import create_app
     from server.settings import Settings
 
     plain = create_app(Settings())

@@ -75,7 +75,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
     from sse_starlette.sse import AppStatus
 
-    from server.api.app import create_app
+    from server.startup import create_app
     from server.draining import FLUSH_S, DrainingServer
 
     # NOTE: sse-starlette cancels every open stream once it sees uvicorn's should_exit, which

@@ -1,7 +1,7 @@
 """The composition root: the model, the engine, the cache manager and everything else a server
 serves with, built from `Settings` into one `ServingContext` (`start`), and taken down again
-(`close`). The HTTP app (server/api/app.py) only wires routes to it; `kvserve serve --check`
-(`startup_check`) runs the same start without HTTP.
+(`close`). `create_app` is the HTTP app (server/api/app.py, which only wires routes) over it;
+`kvserve serve --check` (`startup_check`) runs the same start without HTTP.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from fastapi import FastAPI
+
 from cache_manager import disk as disk_files
 from cache_manager import state
 from cache_manager.manager import CacheConfig, CacheManager
@@ -19,7 +21,7 @@ from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
 from server import exits, kv_budget
-from server.api import dialect
+from server.api import app, dialect
 from server.api.response_store import ResponseStore
 from server.api.serving import ServingContext
 from server.engine import compiled, exact, families, lora
@@ -351,3 +353,8 @@ async def startup_check(settings: Settings) -> tuple[dict | None, tuple[int, str
         }, None
     finally:
         await asyncio.to_thread(close, ctx, settings.shutdown_grace_s)
+
+
+def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI:
+    """The HTTP app serving what `start` builds; `loaded` lets tests share one loaded model."""
+    return app.create_app(settings, app.Lifecycle(start, failed, close, response_store), loaded)

@@ -58,7 +58,7 @@ def app_client(smollm2):
     import httpx
     from asgi_lifespan import LifespanManager
 
-    from server.api.app import create_app
+    from server.startup import create_app
     from server.settings import Settings
 
     @contextlib.asynccontextmanager

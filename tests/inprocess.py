@@ -18,7 +18,7 @@ async def openai_client(loaded, **settings):
     `LoadedModel` with those settings, ready; the AsyncOpenAI client and the raw httpx client."""
     from asgi_lifespan import LifespanManager
 
-    from server.api.app import create_app
+    from server.startup import create_app
     from server.settings import Settings
 
     app = create_app(Settings(**{**SETTINGS, **settings}), loaded=loaded)

@@ -1,5 +1,6 @@
-"""create_app(settings) -> FastAPI: the routes, middleware and lifecycle of the HTTP server over
-the serving context that server/startup.py builds.
+"""create_app(settings, lifecycle) -> FastAPI: the routes, middleware and lifecycle of the HTTP
+server over the serving context that the composition root builds (server/startup.py, which
+passes its own functions as the `Lifecycle` and is where callers get the app from).
 
 The lifespan starts loading the model in the background, so the process answers /health at once
 and /ready turns 200 only after the model is loaded, its start-up forward pass (prefill and
@@ -12,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from prometheus_client import start_http_server
 
 from server import __version__ as VERSION
-from server import exits, startup
+from server import exits
 from server.api.errors import APIError, install_handlers
 from server.api.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.api.openapi import install_openapi
+from server.api.response_store import ResponseStore
 from server.api.routes import chat, completions, health, lora_admin, models, responses, router_compat, sessions
 from server.api.serving import ServingContext
 from server.metrics import Metrics
@@ -28,13 +32,24 @@ from server.model_loader import LoadedModel
 from server.settings import Settings
 
 
+@dataclass(frozen=True)
+class Lifecycle:
+    """What the app asks of the composition root (server/startup.py's functions of these names)."""
+
+    start: Callable[[Settings, Metrics, LoadedModel | None], Awaitable[ServingContext]]
+    failed: Callable[[BaseException], tuple[int, str]]  # (exit status, reason) of a start-up error
+    close: Callable[[ServingContext, float], None]
+    response_store: Callable[[Settings], ResponseStore]
+
+
 class AppState:
     """Lives on `app.state.kv`: the serving context once ready, and the lifecycle flags."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, lifecycle: Lifecycle) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.responses = startup.response_store(settings)
+        self.lifecycle = lifecycle
+        self.responses = lifecycle.response_store(settings)
         self.ctx: ServingContext | None = None
         self.load_error: str | None = None  # for the log and the process, never sent to clients
         self.exit_status: int | None = None  # set with load_error: the status `serve` exits with
@@ -70,7 +85,7 @@ class AppState:
         engine thread has stopped (at most one prefill chunk or decode step)."""
         self.draining = True
         if self.ctx is not None:
-            startup.close(self.ctx, self.settings.shutdown_grace_s)
+            self.lifecycle.close(self.ctx, self.settings.shutdown_grace_s)
 
     def require_ctx(self) -> ServingContext:
         if self.draining:
@@ -86,15 +101,15 @@ class AppState:
 
 async def _load(state: AppState, loaded: LoadedModel | None) -> None:
     try:
-        state.ctx = await startup.start(state.settings, state.metrics, loaded)
+        state.ctx = await state.lifecycle.start(state.settings, state.metrics, loaded)
     except Exception as exc:  # no request can fix it: `serve` exits with its status
-        state.exit_status, state.load_error = startup.failed(exc)
+        state.exit_status, state.load_error = state.lifecycle.failed(exc)
 
 
-def create_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI:
+def create_app(settings: Settings, lifecycle: Lifecycle, loaded: LoadedModel | None = None) -> FastAPI:
     """The app; `loaded` lets tests share one already loaded model between apps."""
     metrics = Metrics()
-    state = AppState(settings, metrics)
+    state = AppState(settings, metrics, lifecycle)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -201,7 +201,7 @@ async def test_a_failed_load_is_503_without_paths(tmp_path):
     import httpx
     from asgi_lifespan import LifespanManager
 
-    from server.api.app import create_app
+    from server.startup import create_app
     from server.settings import Settings
 
     app = create_app(Settings(model=str(tmp_path / "missing.gguf"), cache_dir=tmp_path))

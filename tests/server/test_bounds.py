@@ -135,9 +135,6 @@ async def test_an_unset_max_tokens_is_lowered_to_fit_not_refused(app_client):
         assert response.json()["usage"]["completion_tokens"] == 4 * (512 // (4 * 21))
 
 
-# NOTE: --max-request-tokens reaches the serving context through server/api/app.py's
-# build_context (`max_request_tokens=settings.max_request_tokens`); until that line is there,
-# the setting is read but not applied. Remove the marker when it is.
 async def test_the_setting_bounds_every_route(app_client):
     async with app_client(max_request_tokens=1) as client:
         cases = [(CHAT, chat(max_tokens=2), "max_tokens"), (COMPLETIONS, completion(max_tokens=2), "max_tokens"),

@@ -289,7 +289,7 @@ def test_prompt_lookup_drafts_stop_short_of_the_switch(tokenizer):
 def test_the_server_refuses_an_unsupported_family_at_load_naming_the_feature(tokenizer):
     """build_context checks the family before sizing any cache: the load fails with the
     feature named (in the log and the process state; /ready says the load failed)."""
-    from server.api.app import create_app
+    from server.startup import create_app
     from server.model_loader import LoadedModel
     from server.settings import Settings
     from tests.device import SETTINGS

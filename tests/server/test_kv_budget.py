@@ -13,7 +13,7 @@ from asgi_lifespan import LifespanManager
 
 from cache_manager import kv
 from server import kv_budget
-from server.api.app import create_app
+from server.startup import create_app
 from server.cli import build_parser, settings_from_args
 from server.settings import Settings
 from tests.device import SETTINGS, needs_cuda

@@ -141,7 +141,7 @@ async def test_adapters_never_reuse_each_other_s_sessions(tokenizer, adapters):
 def test_a_bad_adapter_fails_the_load_naming_it_and_the_reason(tokenizer):
     """An adapter that cannot be read is a start-up error (exit status 2: a flag to change)
     naming the adapter and why; the server never turns ready."""
-    from server.api.app import create_app
+    from server.startup import create_app
     from tests.device import SETTINGS
     from tests.inprocess import ready_once_loaded
 

@@ -13,7 +13,7 @@ import pytest
 from starlette.routing import Mount
 
 from server.api import middleware
-from server.api.app import create_app
+from server.startup import create_app
 from server.settings import Settings
 from tests.device import SETTINGS
 from tests.server.test_api import assert_error_shape

@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from server.api.app import create_app
+from server.startup import create_app
 from server.api.openapi import OPERATIONS
 from server.api.routes import lora_admin
 from server.model_loader import load_model
