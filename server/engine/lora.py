@@ -209,13 +209,19 @@ class Adapters:
         with self._lock:
             return sum(a.nbytes for a in self._loaded.values())
 
-    def add(self, adapter: Adapter) -> None:
+    def _check_name(self, name: str, served: Collection[str]) -> None:
+        """AdapterError "name-clash" when `name` is one of `served` (the base model's ids) or a
+        loaded adapter's. Under the lock."""
+        if name in served or name in self._loaded:
+            raise AdapterError("name-clash", f"the name '{name}' is already served (the base model, an alias or a "
+                               "loaded adapter); unload it first or pick another")
+
+    def add(self, adapter: Adapter, served: Collection[str] = ()) -> None:
         """Load `adapter` (host memory; the device slots take it when a request needs it).
-        AdapterError when its name is taken ("name-clash"), `max_loaded` are loaded
-        ("too-many") or it does not fit the device layout ("targets", "rank")."""
+        AdapterError when its name is taken ("name-clash", `_check_name`), `max_loaded` are
+        loaded ("too-many") or it does not fit the device layout ("targets", "rank")."""
         with self._lock:
-            if adapter.name in self._loaded:
-                raise AdapterError("name-clash", f"an adapter named '{adapter.name}' is loaded already")
+            self._check_name(adapter.name, served)
             if len(self._loaded) >= self.max_loaded:
                 raise AdapterError("too-many", f"{len(self._loaded)} adapters are loaded, the most this server holds (--max-cpu-loras)")
             if self.modules is not None:
@@ -231,14 +237,13 @@ class Adapters:
     def load(self, name: str, path: str | Path, served: Collection[str] = ()) -> Adapter:
         """Read the adapter at `path`, check it against the base model and add it as `name`: the
         one loader, for --lora at start-up and POST /v1/load_lora_adapter at run time (any
-        thread; it reads files, so off the event loop). AdapterError "name-clash" when `name`
-        is one of `served` (the base model's ids) or a loaded adapter's; otherwise `read`'s and
-        `add`'s refusals."""
-        if name in served or self.get(name) is not None:
-            raise AdapterError("name-clash", f"the name '{name}' is already served (the base model, an alias or a "
-                               "loaded adapter); unload it first or pick another")
+        thread; it reads files, so off the event loop). The name is checked before the files
+        are read, and again as `add` takes it (another load may have taken it meanwhile);
+        otherwise `read`'s and `add`'s refusals."""
+        with self._lock:
+            self._check_name(name, served)
         adapter = read(path, self.model, name=name, max_rank=self.max_rank)
-        self.add(adapter)
+        self.add(adapter, served)
         log.info("LoRA adapter %r loaded: rank %d, scaling %g, from %s", name, adapter.rank, adapter.scaling, path)
         return adapter
 

@@ -222,8 +222,12 @@ class ModelRunner:
     def _row_inputs(self, plan: Plan) -> tuple[list[int] | None, list[dict[int, float]]]:
         """What `run` and `run_ahead` read off each row's sequence alike: its LoRA adapter slot
         (None: no adapters served, or every row on the base model) and its logit bias."""
-        slots = [row.seq.adapter_slot for row in plan.rows] if self.adapters is not None else None
-        return (slots if slots and any(slots) else None), [row.seq.params.logit_bias for row in plan.rows]
+        return self._adapter_slots([row.seq.adapter_slot for row in plan.rows]), [row.seq.params.logit_bias for row in plan.rows]
+
+    def _adapter_slots(self, slots: list[int] | None) -> list[int] | None:
+        """Each row's adapter slot, or None where no adapters are served or every row runs the
+        base model (the step then takes the base model's path and graphs)."""
+        return slots if self.adapters is not None and slots and any(slots) else None
 
     def forward(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None,
                 long_rows: list[bool] | None = None, adapter_rows: list[int] | None = None) -> torch.Tensor:
@@ -249,7 +253,7 @@ class ModelRunner:
         if len(counts) != len(logits_rows) or any(not 1 <= c <= rows[i].n for i, c in zip(logits_rows, counts)):
             raise ValueError(f"logits counts {counts} do not fit rows {logits_rows}")
         long_tokens = self._long_tokens(rows, long_rows)
-        adapter_rows = adapter_rows if self.adapters is not None and adapter_rows and any(adapter_rows) else None
+        adapter_rows = self._adapter_slots(adapter_rows)
         if long_tokens is None and (self.paged or self._compiled is not None) and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
             return self._decode(rows, token_ids, adapter_rows, biases)
         # decode rows first (the paged path's decode batch), then the others in plan order;
