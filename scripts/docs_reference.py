@@ -50,6 +50,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Speculative decoding": ("speculative", "draft_model", "speculative_max_draft", "speculative_ngram_min",
                              "speculative_ngram_max"),
     "LoRA adapters": ("lora", "max_loras", "max_cpu_loras", "max_lora_rank", "enable_lora_loading", "lora_dir"),
+    "Images (vision-language models)": ("allowed_media_domains", "max_image_bytes", "max_request_image_bytes",
+                                        "max_images_per_request", "max_image_pixels", "media_fetch_timeout_s",
+                                        "encoder_cache_bytes"),
     "Observability": ("metrics_port", "log_level"),
 }
 OTHER = "Other"

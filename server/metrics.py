@@ -240,6 +240,15 @@ class Metrics:
             "action and result: ok or the refusal's reason (name-clash, not-found, shapes, rank, ...).",
             ["action", "result"], registry=r,
         )
+        # images in (server/api/media.py, server/engine/vision.py)
+        self.images = Counter("kvserve_images", "Images received in requests (chat `image_url`, Responses `input_image`).", registry=r)
+        self.image_tokens = Counter("kvserve_image_tokens", "Prompt positions that hold images (their placeholder runs).", registry=r)
+        self.encoder_seconds = Histogram("kvserve_vision_encoder_seconds", "Seconds the vision encoder spent on one image "
+                                         "(features not found in the encoder cache).", buckets=LATENCY_BUCKETS, registry=r)
+        self.encoder_cache_lookups = Counter("kvserve_vision_encoder_cache_lookups", "Encoder-cache lookups of an image's "
+                                             "features by its digest: hit or miss.", ["result"], registry=r)
+        self.encoder_cache_bytes = Gauge("kvserve_vision_encoder_cache_bytes", "Bytes of image features the encoder cache holds.",
+                                         registry=r)
         # (max_lora, running, waiting, unix time): vllm:lora_requests_info's one series, None
         # until the engine first reports; replaced whole, so a scrape never sees half of it
         self._lora_info: tuple[str, str, str, float] | None = None

@@ -24,7 +24,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, PreTrainedTokenizerBase,
+    AutoTokenizer,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,14 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_context: int
+    processor: object | None = None  # a vision-language model's AutoProcessor (its image processor and template)
+
+
+def takes_images(config) -> bool:
+    """Whether `config` is a vision-language model's, loaded with its image-text class and
+    processor (a family transformers also builds as a causal LM, text only, loads as one)."""
+    kind = getattr(config, "model_type", None)
+    return kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 
 def default_gguf_path() -> Path:
@@ -213,14 +225,19 @@ def load_model(
     kwargs["trust_remote_code"] = trust_remote_code
     method = None
     try:
-        method = check_quantization(name_or_path, AutoConfig.from_pretrained(name_or_path, **kwargs))
+        config = AutoConfig.from_pretrained(name_or_path, **kwargs)
+        method = check_quantization(name_or_path, config)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        vision = takes_images(config)
+        processor = AutoProcessor.from_pretrained(name_or_path, **kwargs) if vision else None
+        if processor is not None and not tokenizer.chat_template and getattr(processor, "chat_template", None):
+            tokenizer.chat_template = processor.chat_template  # the one template every prompt is rendered by
         if method is not None or torch_device.type == "cuda":
             # NOTE: a quantizer places the weights itself (some only on a GPU; .to() would
             # refuse or de-quantize them), and a big model loads straight onto the GPU instead
             # of through host memory (a 32B model in bf16 would need 65 GB of RAM first)
             kwargs["device_map"] = str(torch_device)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     except OSError as exc:
         raise ModelSourceError(f"cannot load model {name_or_path!r}: {exc}") from exc
     except ModelSourceError:
@@ -249,4 +266,5 @@ def load_model(
         device=torch_device,
         dtype=torch_dtype,
         max_context=context,
+        processor=processor,
     )

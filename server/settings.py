@@ -179,6 +179,22 @@ class Settings(BaseSettings):
         description="How often resident sessions whose KV changed are written to the disk tier "
         "(in the background; they stay resident).",
     )
+    allowed_media_domains: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Hosts from which images may be fetched by URL (comma-separated in the env var; the flag "
+        "may repeat): `example.com` that host, `*.example.com` its subdomains. Empty = only data: URLs. "
+        "Fetches go over http(s) to public addresses only, redirects re-checked, with a byte cap and a time-out.",
+    )
+    max_image_bytes: int = Field(20 * 2**20, ge=1, description="Largest encoded image (bytes); larger ones get 400.")
+    max_request_image_bytes: int = Field(50 * 2**20, ge=1, description="Most image bytes in one request, all images together.")
+    max_images_per_request: int = Field(16, ge=0, description="Most images in one request (0 = none taken).")
+    max_image_pixels: int = Field(
+        6000 * 6000, ge=1, description="Most pixels (width x height) of one image, read from its header before it is decoded."
+    )
+    media_fetch_timeout_s: float = Field(10.0, gt=0, description="Time-out of fetching one image by URL (connect and body).")
+    encoder_cache_bytes: int = Field(
+        256 * 2**20, ge=0, description="Bytes of image features kept by digest, so a picture seen again skips the vision encoder.",
+    )
     response_store_bytes: int = Field(
         64 * 2**20, ge=0,
         description="Bytes of stored responses (/v1/responses with store: true), each holding its "
@@ -361,7 +377,7 @@ class Settings(BaseSettings):
         """(name, path) of each --lora, in the order given."""
         return [(name.strip(), path.strip()) for name, _, path in (entry.partition("=") for entry in self.lora)]
 
-    @field_validator("api_key", "model_aliases", "lora", mode="before")
+    @field_validator("api_key", "model_aliases", "lora", "allowed_media_domains", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):

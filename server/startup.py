@@ -21,7 +21,8 @@ from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
 from server import exits, kv_budget
-from server.api import app, dialect
+from server.api import app, dialect, vision_prompt
+from server.api.media import MediaLimits
 from server.api.response_store import ResponseStore
 from server.api.serving import ServingContext
 from server.engine import compiled, exact, families, lora
@@ -163,6 +164,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         max_reasoning_tokens=settings.max_reasoning_tokens,
         max_request_tokens=settings.max_request_tokens,
         adapters=adapters,
+        vision=vision(settings, loaded, engine),
     )
 
 
@@ -182,7 +184,21 @@ def engine_config(settings: Settings, max_context: int) -> EngineConfig:
         compile=settings.compile,
         overlap=None if settings.overlap == "auto" else settings.overlap == "on",
         exact=settings.deterministic,
+        encoder_cache_bytes=settings.encoder_cache_bytes,
     )
+
+
+def vision(settings: Settings, loaded: LoadedModel, engine: Engine) -> vision_prompt.Vision | None:
+    """A vision-language model's image handling: its processor, and the image limits and
+    fetching the settings allow; None for a text-only model."""
+    if loaded.processor is None or engine.runner.encoder is None:
+        return None
+    limits = MediaLimits(
+        max_image_bytes=settings.max_image_bytes, max_request_image_bytes=settings.max_request_image_bytes,
+        max_images=settings.max_images_per_request, max_pixels=settings.max_image_pixels,
+        allowed_domains=tuple(settings.allowed_media_domains), fetch_timeout_s=settings.media_fetch_timeout_s,
+    )
+    return vision_prompt.Vision(loaded.processor, engine.runner.encoder.placeholder, limits)
 
 
 def build_cache_manager(settings: Settings, loaded: LoadedModel, metrics: Metrics, max_context: int, budget_bytes: int, mode: str) -> CacheManager:

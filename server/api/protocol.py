@@ -8,9 +8,9 @@ request converts itself to the engine's `SamplingParams`.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.engine.sampling import SamplingParams
@@ -98,6 +98,36 @@ class TextPart(OpenAIModel):
     text: Annotated[str, Field(max_length=10_000_000)]
 
 
+class ImageURL(OpenAIModel):
+    url: Annotated[str, Field(min_length=1, max_length=100_000_000)]  # a data: URL, or http(s) where allowed
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sizes the image
+
+
+class ImagePart(OpenAIModel):
+    """An image of a message (server/api/media.py reads it). `where` is the path the errors
+    about it name (`messages[i].content[j]`, or the Responses input's own)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+    _where: str = PrivateAttr(default="")
+
+    @property
+    def where(self) -> str:
+        return self._where
+
+
+def _part_tag(value: Any) -> str | None:
+    return value.get("type") if isinstance(value, dict) and value.get("type") in ("text", "image_url") else None
+
+
+ContentPart = Annotated[
+    Union[Annotated[TextPart, Tag("text")], Annotated[ImagePart, Tag("image_url")]],
+    Discriminator(_part_tag, custom_error_type="invalid_content_part",
+                  custom_error_message="a content part must be {'type': 'text', ...} or {'type': 'image_url', ...}"),
+]
+IMAGE_ROLES = ("user", "tool")  # the roles whose messages may hold images (OpenAI's: user)
+
+
 class FunctionCall(OpenAIModel):
     """A function call in an earlier assistant turn; `arguments` is the text the model wrote
     (OpenAI's wire format: JSON) or, leniently, an already parsed object.
@@ -120,7 +150,7 @@ class ChatMessage(OpenAIModel):
     tool messages carry `tool_call_id` and must; every role but assistant needs `content`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str, Field(max_length=10_000_000)] | Annotated[list[TextPart], Field(max_length=1024)] | None = Field(
+    content: Annotated[str, Field(max_length=10_000_000)] | Annotated[list[ContentPart], Field(max_length=1024)] | None = Field(
         None, validate_default=True
     )
     name: Annotated[str, Field(max_length=256)] | None = None
@@ -136,6 +166,8 @@ class ChatMessage(OpenAIModel):
         role = info.data.get("role")
         if value is None and role not in (None, "assistant"):
             raise ValueError(f"required for role {role!r}")
+        if isinstance(value, list) and role not in (None, *IMAGE_ROLES) and any(isinstance(p, ImagePart) for p in value):
+            raise ValueError(f"images are taken in {' and '.join(IMAGE_ROLES)} messages, not in role {role!r}")
         return value
 
     @field_validator("tool_calls")
@@ -161,12 +193,19 @@ class ChatMessage(OpenAIModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def images(self) -> list[ImagePart]:
+        return [p for p in self.content or () if isinstance(p, ImagePart)] if isinstance(self.content, list) else []
 
     def for_template(self) -> dict[str, Any]:
-        """The dict a chat template expects: role + plain-text content (+ tool fields)."""
+        """The dict a chat template expects: role + plain-text content (+ tool fields); a
+        message with images keeps its parts, each image as `{"type": "image"}` (the
+        vision-language templates' convention)."""
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
         out["content"] = self.text()
+        if self.images():
+            out["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in self.content]
         for key in ("name", "tool_call_id"):
             if (value := getattr(self, key)) is not None:
                 out[key] = value
@@ -281,6 +320,18 @@ class ChatCompletionRequest(SamplingFields, OffersTools):
     @classmethod
     def _messages_not_empty(cls, value):
         return not_empty(value, "messages")
+
+    @model_validator(mode="after")
+    def _name_images(self):
+        for i, message in enumerate(self.messages):
+            for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+                if isinstance(part, ImagePart) and not part.where:
+                    part._where = f"messages[{i}].content[{j}]"
+        return self
+
+    def images(self) -> list[ImagePart]:
+        """Every image of the conversation, in order."""
+        return [image for message in self.messages for image in message.images()]
 
     @model_validator(mode="after")
     def _drop_hosted_tools(self):

@@ -42,20 +42,62 @@ class ContentPart(OpenAIModel):
     text: Text
 
 
+class InputImagePart(OpenAIModel):
+    """An image of a user message: `image_url` a data: URL (or http(s) where the server allows
+    fetching). A `file_id` is refused: kvserve has no Files API."""
+
+    type: Literal["input_image"]
+    image_url: Annotated[str, Field(min_length=1, max_length=100_000_000)] | None = None
+    file_id: Annotated[str, Field(max_length=256)] | None = None
+    detail: Literal["auto", "low", "high"] = "auto"
+
+    @model_validator(mode="after")
+    def _url_only(self):
+        if self.file_id is not None:
+            raise ValueError("file_id is not supported: kvserve has no Files API; send the image as image_url (a data: URL)")
+        if self.image_url is None:
+            raise ValueError("image_url is required")
+        return self
+
+    def chat(self) -> dict:
+        return {"type": "image_url", "image_url": {"url": self.image_url, "detail": self.detail}}
+
+
+def _message_part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return "image" if kind == "input_image" else "text" if kind in ("input_text", "output_text") else None
+
+
+MessagePart = Annotated[
+    Union[Annotated[ContentPart, Tag("text")], Annotated[InputImagePart, Tag("image")]],
+    Discriminator(_message_part_tag, custom_error_type="invalid_content_part",
+                  custom_error_message="a content part must be input_text, output_text or input_image"),
+]
+
+
 class MessageItem(OpenAIModel):
     type: Literal["message"] = "message"
     id: Annotated[str, Field(max_length=256)] | None = None
     role: Literal["user", "assistant", "system", "developer"]
-    content: Text | Annotated[list[ContentPart], Field(max_length=1024)]
+    content: Text | Annotated[list[MessagePart], Field(max_length=1024)]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content if isinstance(p, ContentPart))
+
+    def images(self) -> list[InputImagePart]:
+        return [p for p in self.content if isinstance(p, InputImagePart)] if isinstance(self.content, list) else []
+
+    def chat_content(self) -> str | list[dict]:
+        """The content as a chat message holds it: text, or its parts where it has images."""
+        if not self.images():
+            return self.text()
+        return [p.chat() if isinstance(p, InputImagePart) else {"type": "text", "text": p.text} for p in self.content]
 
     def wire(self) -> dict:
         """The item as stored and listed: content always a list of parts, an id always set."""
         part = "output_text" if self.role == "assistant" else "input_text"
         content = [{"type": part, "text": self.content}] if isinstance(self.content, str) else [
-            {"type": p.type, "text": p.text} for p in self.content
+            p.model_dump(exclude_none=True) if isinstance(p, InputImagePart) else {"type": p.type, "text": p.text} for p in self.content
         ]
         return {"id": self.id or item_id("msg"), "type": "message", "role": self.role, "content": content, "status": "completed"}
 
@@ -173,7 +215,7 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict]:
             reasoning = (reasoning or "") + item.text()
             continue
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text()})
+            messages.append({"role": item.role, "content": item.chat_content()})
             joinable = item.role == "assistant"
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
@@ -363,7 +405,7 @@ class ResponsesRequest(OffersTools):
         if self.function_tools():
             tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.function_tools()]
         fmt = self.text.format if self.text is not None else None
-        return ChatCompletionRequest.model_validate({
+        chat = ChatCompletionRequest.model_validate({
             "model": self.model,
             "messages": chat_messages(self.instructions, items),
             "max_completion_tokens": max_tokens,
@@ -383,6 +425,13 @@ class ResponsesRequest(OffersTools):
             "prompt_cache_key": session_id,
             "speculative": self.speculative,
         })
+        # the errors about this input's images name their place in it, not in the chat
+        first = len(items) - len(self.input_items())
+        places = [f"input[{i}].content[{j}]" for i, item in enumerate(items[first:]) if isinstance(item, MessageItem)
+                  for j, part in enumerate(item.content if isinstance(item.content, list) else ()) if isinstance(part, InputImagePart)]
+        for image, place in zip(chat.images()[len(chat.images()) - len(places):], places):
+            image._where = place
+        return chat
 
 
 class InputItemsQuery(OpenAIModel):

@@ -35,11 +35,13 @@ from server.api import limits
 from server.api.assembly import Assembly
 from server.api.dialect import PLAIN, Dialect
 from server.api.reasoning import ReasoningFormat
+from server.api.vision_prompt import Vision
 from server.api.errors import APIError
 from server.metrics import Metrics
 from server.engine.reasoning import ReasoningSpec
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest, RequestOutput, TokenInfo
+from server.engine.vision import ImageSpan
 
 RETRY_AFTER_S = "1"
 
@@ -65,6 +67,7 @@ class ServingContext:
     max_reasoning_tokens: int | None = None  # the server's default thinking budget
     max_request_tokens: int | None = None  # --max-request-tokens (None: limits.work_limit's default)
     adapters: lora.Adapters | None = None  # the loaded LoRA adapters, each served as a model of its own
+    vision: Vision | None = None  # a vision-language model's processor and image limits (server/api/vision_prompt.py)
 
     @property
     def reasoning(self) -> ReasoningFormat | None:
@@ -259,7 +262,7 @@ def session_id(request: Request, prompt_cache_key: str | None) -> str | None:
 
 def generation_requests(
     request: Request, body, request_id: str, prompts: list[list[int]], params: list, timeout_s: float,
-    grammar: CompiledGrammar | None = None, reasoning: ReasoningSpec | None = None,
+    grammar: CompiledGrammar | None = None, reasoning: ReasoningSpec | None = None, images: tuple[ImageSpan, ...] = (),
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice). Only the first uses the session: the others
     get private caches, so n > 1 neither serializes on the session nor races for its cache.
@@ -278,7 +281,7 @@ def generation_requests(
                 f"{request_id}-{index}", prompt_ids, sampling, timeout_s=timeout_s,
                 principal=principal, session_id=session, use_session=index == 0, grammar=grammar,
                 speculative=body.speculative, reasoning=reasoning, fault=faults.request_fault(request.headers),
-                adapter=adapter,
+                adapter=adapter, images=images,
             ))
     return out
 

@@ -14,7 +14,7 @@ from sse_starlette import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
 
 from grammars import ToolFormat
-from server.api import limits, reasoning, serving
+from server.api import limits, reasoning, serving, vision_prompt
 from server.api.assembly import Assembly
 from server.api.dialect import Dialect
 from server.api.errors import APIError
@@ -103,19 +103,24 @@ def template_messages(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest) -
     return messages
 
 
-def render_prompt(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest, template_kwargs: dict | None = None, *,
-                  max_context: int | None = None, prompt_param: str = "messages") -> list[int]:
-    """Chat template -> token ids (runs off the event loop: templates and tokenizers are slow).
-    `template_kwargs`: the thinking switches (`reasoning.controls`). With `max_context`, a
-    conversation far longer than the context is refused early, naming `prompt_param`
-    (`limits.prompt_ids`)."""
+def chat_text(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest, template_kwargs: dict | None = None) -> str:
+    """The chat template's text of the conversation (blocking: templates are slow).
+    `template_kwargs`: the thinking switches (`reasoning.controls`)."""
     try:
         messages = template_messages(tokenizer, fmt, body)
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages, tools=body.tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
         )
     except (TemplateError, ValueError, TypeError) as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}", code="invalid_value", param="messages", rejection="bad_request") from None
+
+
+def render_prompt(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest, template_kwargs: dict | None = None, *,
+                  max_context: int | None = None, prompt_param: str = "messages") -> list[int]:
+    """Chat template -> token ids (runs off the event loop: templates and tokenizers are slow).
+    With `max_context`, a conversation far longer than the context is refused early, naming
+    `prompt_param` (`limits.prompt_ids`)."""
+    text = chat_text(tokenizer, fmt, body, template_kwargs)
     if max_context is None:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return limits.prompt_ids(tokenizer, text, max_context, prompt_param, add_special_tokens=False)
@@ -154,8 +159,17 @@ async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     converts its turn to a chat request first): the thinking controls, the chat template, the
     token limit, sampling, the grammar, the reasoning spec; then its sequences are queued."""
     template_kwargs, budget = reasoning.controls(ctx, body.reasoning_effort, body.chat_template_kwargs, body.max_reasoning_tokens)
-    prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, ctx.dialect.calls, body, template_kwargs,
-                                         max_context=ctx.max_context, prompt_param=prompt_param)
+    images, spans = body.images(), ()
+    if images and ctx.vision is None:
+        vision_prompt.refuse_images(ctx.model_id, images)
+    if images:
+        prompt_ids, spans = await vision_prompt.render(
+            ctx.vision, lambda: chat_text(ctx.tokenizer, ctx.dialect.calls, body, template_kwargs), images, prompt_param)
+        ctx.metrics.images.inc(len(spans))
+        ctx.metrics.image_tokens.inc(sum(span.length for span in spans))
+    else:
+        prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, ctx.dialect.calls, body, template_kwargs,
+                                             max_context=ctx.max_context, prompt_param=prompt_param)
     max_tokens = ctx.resolve_max_tokens(len(prompt_ids), requested_max_tokens, max_tokens_param, prompt_param)
     work = limits.Work(1, body.n, (body.top_logprobs or 0) if body.logprobs else 0, max_tokens_param)
     if requested_max_tokens is None:
@@ -164,7 +178,8 @@ async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     params = serving.choice_params(ctx, body, max_tokens)
     grammar, tool_mode = await serving.compile_grammar(ctx, body, body.tools, body.tool_choice)
     thinking = reasoning.spec(ctx, prompt_ids, budget, tool_mode)
-    requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar, thinking)
+    requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar, thinking,
+                                           images=spans)
     handles = serving.submit_all(ctx, requests, len(params))
     return Submitted(handles, tool_mode, thinking is not None, body.tools, ctx.tokenizer, ctx.dialect)
 

@@ -27,7 +27,7 @@ from cache_manager.manager import CacheManager, NoRoom
 from cache_manager.prefix import ROPE_SWITCH
 from grammars.matcher import start_masks
 from server import memory
-from server.engine import faults, families, lora, sampler
+from server.engine import faults, families, lora, sampler, vision
 from server.engine.model_runner import ModelRunner, StepOutput
 from server.engine.scheduler import Plan, ScheduledRow, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
@@ -70,6 +70,7 @@ class EngineConfig:
     compile: str = "off"  # the decode forward compiled (--compile: auto, off, require; server/engine/compiled.py)
     overlap: bool | None = None  # launch a greedy decode step before the previous one's tokens reach the host (None: on CUDA)
     exact: bool = False  # exact mode (--deterministic, server/engine/exact.py): outputs independent of batching
+    encoder_cache_bytes: int = 256 * 2**20  # a vision-language model's features kept by picture (server/engine/vision.py)
 
     def __post_init__(self) -> None:
         if self.max_context < 2:
@@ -194,6 +195,7 @@ class Engine:
             exact=config.exact,
             adapters=adapters,
             merge=True,
+            encoder=vision.Encoder(model, config.encoder_cache_bytes, metrics) if vision.sees_images(model) else None,
         )
         self.scheduler = Scheduler(config.max_batch_tokens, config.max_running, chunk_alone=self.runner.paged)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import kv
-from server.engine import attention, compiled, context, cpu_linear, faults, lora, merged, paged_kernel, recurrent, rope
+from server.engine import attention, compiled, context, cpu_linear, faults, lora, merged, paged_kernel, recurrent, rope, vision
 from server.engine import exact as exact_mode
 from server.engine.context import Batch, Row, StepContext, StepRows
 from server.engine.scheduler import Plan
@@ -78,8 +78,10 @@ class ModelRunner:
 
     def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True,
                  max_rows: int = 64, paged: bool | None = None, exact: bool = False, adapters: lora.Adapters | None = None,
-                 decode_kernel: bool | None = None, merge: bool = False, compile: str = "off", overlap: bool | None = None) -> None:
+                 decode_kernel: bool | None = None, merge: bool = False, compile: str = "off", overlap: bool | None = None,
+                 encoder: vision.Encoder | None = None) -> None:
         self.model = model
+        self.encoder = encoder  # a vision-language model's (server/engine/vision.py): the pictures' rows of a step
         self.pool = pool
         self.adapters = adapters  # LoRA adapters (server/engine/lora.py): each row's slot, 0 the base
         self.device = pool.device
@@ -199,16 +201,23 @@ class ModelRunner:
         Side effect: writes their KV into each sequence's cache (its length moves forward, drafted
         tokens included: postprocess crops the rejected ones).
         """
-        rows, token_ids, logits_rows, counts = [], [], [], []
+        rows, token_ids, logits_rows, counts, media = [], [], [], [], []
         for i, row in enumerate(plan.rows):
             drafted = row.draft.tokens if row.draft is not None else []
             rows.append(Row(row.seq.cache, row.n_tokens + len(drafted)))
-            token_ids += row.seq.pending_ids(row.n_tokens) + drafted
+            pending = row.seq.pending_ids(row.n_tokens)
+            images = row.seq.request.images
+            if images and self.encoder is not None:
+                media.append(self.encoder.rows(images, row.seq.n_computed, row.n_tokens))
+                pending = vision.placeholder_ids(pending, self.encoder.placeholder)
+            else:
+                media.append([])
+            token_ids += pending + drafted
             if row.completes:
                 logits_rows.append(i)
                 counts.append(1 + len(drafted))
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
-        return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan))
+        return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan), media=media if any(media) else None)
 
     @torch.inference_mode()
     def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int]) -> StepOutput:
@@ -245,7 +254,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _step(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None,
-              long_rows: list[bool] | None, adapter_rows: list[int] | None, biases: list[dict[int, float]] | None = None) -> StepOutput:
+              long_rows: list[bool] | None, adapter_rows: list[int] | None, biases: list[dict[int, float]] | None = None,
+              media: list[list[tuple[int, torch.Tensor]]] | None = None) -> StepOutput:
         self._enable()
         if sum(r.n for r in rows) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for rows of {sum(r.n for r in rows)}")
@@ -254,7 +264,7 @@ class ModelRunner:
             raise ValueError(f"logits counts {counts} do not fit rows {logits_rows}")
         long_tokens = self._long_tokens(rows, long_rows)
         adapter_rows = self._adapter_slots(adapter_rows)
-        if long_tokens is None and (self.paged or self._compiled is not None) and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
+        if media is None and long_tokens is None and (self.paged or self._compiled is not None) and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
             return self._decode(rows, token_ids, adapter_rows, biases)
         # decode rows first (the paged path's decode batch), then the others in plan order;
         # logits are kept in plan order
@@ -274,6 +284,7 @@ class ModelRunner:
             if adapter_rows is not None:
                 flat_adapters += [adapter_rows[i]] * row.n
         keep = [starts[i] + rows[i].n - c + j for i, c in zip(logits_rows, counts) for j in range(c)]
+        pictured = [starts[i] + offset + j for i, pieces in enumerate(media or ()) for offset, f in pieces for j in range(f.shape[0])]
         groups = [[rows[i] for i in singles]] if singles else []
         if self.paged and others:  # multi-token rows: one padded batch per width bucket
             widths: dict[int, list[Row]] = {}
@@ -283,7 +294,8 @@ class ModelRunner:
             others = []
         inputs = [self._batch_inputs(group) for group in groups]
         states_in, build_states = self._state_inputs([(r.offset, r.n, r.kv.state, r.kv.length > 0) for r in rows])
-        named = {"ids": flat_ids, "positions": positions, "keep": keep, "long": flat_long, "adapters": flat_adapters, "states": states_in}
+        named = {"ids": flat_ids, "positions": positions, "keep": keep, "long": flat_long, "adapters": flat_adapters, "states": states_in,
+                 "pictured": pictured}
         for g, (lists, _) in enumerate(inputs):
             named.update({f"{g}.{name}": values for name, values in lists.items()})
         t = _to_device(named, self.device)
@@ -292,7 +304,10 @@ class ModelRunner:
                              long_tokens=t["long"].bool() if long_tokens is not None else None,
                              adapters=t["adapters"] if adapter_rows is not None else None,
                              states=build_states(t["states"]) if build_states is not None else None)
-        logits = self._forward(t["ids"][None], t["positions"][None], step, t["keep"])
+        embeds = None
+        if media is not None:  # the pictures' feature rows in place of their placeholders' embeddings
+            embeds = self.encoder.embed(t["ids"][None], t["pictured"], torch.cat([f for pieces in media for _, f in pieces]))
+        logits = self._forward(t["ids"][None], t["positions"][None], step, t["keep"], embeds=embeds)
         for row in rows:
             row.kv.length += row.n
         return StepOutput(logits)
@@ -428,15 +443,17 @@ class ModelRunner:
                                       None if every else t["real"])
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext, keep: torch.Tensor | None,
-                 model: Callable[..., object] | None = None) -> torch.Tensor:
-        """One forward of `model` (default: the eager one) over the flattened tokens as `step`;
-        float32 logits at `keep` (all: None). The one place a step's context is entered: eager
-        steps, compiled decode steps and graph capture all run it."""
+                 model: Callable[..., object] | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward of `model` (default: the eager one) over the flattened tokens as `step`
+        (or over `embeds` [1, N, hidden], their input embeddings, where pictures are in the
+        step); float32 logits at `keep` (all: None). The one place a step's context is entered:
+        eager steps, compiled decode steps and graph capture all run it."""
         for batch in step.batches:
             batch.prepare(self.pool.dtype, self.groups)
+        tokens = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
         with context.entered(step):
             out = (self.model if model is None else model)(
-                input_ids=ids,
+                **tokens,
                 attention_mask=self._no_mask,  # 4D: transformers' mask building steps aside
                 position_ids=pos,
                 use_cache=False,

@@ -21,6 +21,7 @@ from server.engine.sampling import SamplingParams, make_generator
 if TYPE_CHECKING:  # annotations only: lora imports this module's neighbours
     from grammars import CompiledGrammar
     from server.engine.lora import Adapter
+    from server.engine.vision import ImageSpan
 
 
 @dataclass(slots=True)
@@ -39,6 +40,8 @@ class GenerationRequest:
     reasoning: ReasoningSpec | None = None  # a thinking model's markers and budget (server/engine/reasoning.py)
     fault: str | None = None  # a fault to inject into its rows (server/engine/faults.py; tests only)
     adapter: Adapter | None = None  # its LoRA adapter (server/engine/lora.py); None: the base model
+    # its pictures (server/engine/vision.py), whose runs `prompt_ids` holds as key ids
+    images: tuple[ImageSpan, ...] = ()
 
     @property
     def session_key(self) -> tuple[str, str] | None:

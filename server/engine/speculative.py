@@ -383,7 +383,7 @@ class Speculator:
         rows, limits = [], []
         for row in plan.rows:
             seq = row.seq
-            if not (row.completes and seq.status is Status.DECODE and seq.request.speculative):
+            if not (row.completes and seq.status is Status.DECODE and seq.request.speculative and not seq.request.images):
                 continue
             k = min(self.config.max_draft, seq.params.max_tokens - len(seq.generated) - 1)
             reasoning = seq.reasoning

@@ -1,0 +1,214 @@
+"""Images in: a random-weight LLaVA with its processor built here (no hub), served by the engine
+against transformers' `generate` on the same weights, all in one process.
+
+    .venv/bin/python -m bench.vision [--shape small] [--turns 3] [--max-tokens 32]
+
+Prints, per shape: a later turn of a conversation holding an image, its session reused vs
+prefilled afresh (TTFT); an image seen again without its KV, the encoder cache hit vs miss;
+decode tokens/s with and without an image in the prompt, kvserve vs `generate`. The `tiny`
+shape is what tests/server/test_vision.py serves.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+
+IMAGE_TOKEN = "<image>"
+# a chat template of the vision-language kind: an image part is written as the image token,
+# which the processor expands into the picture's run of placeholders
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}" + IMAGE_TOKEN + "{% else %}{{ p.text }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# (text hidden, layers, heads, kv heads, intermediate; vision hidden, layers, heads, image side, patch)
+SHAPES = {
+    "tiny": (64, 2, 4, 2, 128, 32, 2, 2, 32, 8),  # 16 placeholders a picture
+    "small": (576, 30, 9, 3, 1536, 768, 12, 12, 224, 16),  # SmolLM2-135M's text shape behind a ViT-B/16: 196 a picture
+}
+
+
+def llava(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0, shape: str = "tiny"):
+    """(model, processor) of `shape`: a Llama behind a CLIP encoder, on SmolLM2's tokenizer with
+    the image token added (changes `tokenizer`)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = TEMPLATE
+    torch.manual_seed(seed)
+    hidden, layers, heads, kv_heads, inner, v_hidden, v_layers, v_heads, side, patch = SHAPES[shape]
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inner, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=2048)
+    vision = CLIPVisionConfig(hidden_size=v_hidden, intermediate_size=4 * v_hidden, num_hidden_layers=v_layers,
+                              num_attention_heads=v_heads, image_size=side, patch_size=patch)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+                         vision_feature_layer=-1)
+    model = LlavaForConditionalGeneration(config).to(device=device, dtype=dtype).eval()
+    images = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=patch, vision_feature_select_strategy="default",
+                               image_token=IMAGE_TOKEN, num_additional_image_tokens=1, chat_template=TEMPLATE)
+    return model, processor
+
+
+def picture(seed: int, size: tuple[int, int] = (48, 40)) -> Image.Image:
+    """A random RGB picture (width, height)."""
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def reference(model, processor, messages: list[dict], images: list[Image.Image], max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` on the processor's inputs for `messages` (template parts)."""
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False).to(model.device)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+class _Served:
+    """One started engine over `model` (session reuse on or off), fed prompts with pictures."""
+
+    def __init__(self, model, processor, reuse: bool = True) -> None:
+        from cache_manager.manager import CacheConfig, CacheManager
+        from server.api.vision_prompt import Vision
+        from server.engine import vision
+        from server.engine.core import Engine, EngineConfig
+        from server.metrics import Metrics
+
+        self.processor = processor
+        self.metrics = Metrics()
+        cache = CacheManager(model.config, model.device, model.dtype, 2048, CacheConfig(budget_bytes=2**30, reuse=reuse), self.metrics)
+        self.engine = Engine(model, processor.tokenizer, EngineConfig(max_context=2048, max_batch_tokens=2048), cache, metrics=self.metrics)
+        self.engine.start()
+        self.vision = Vision(processor, vision.image_token_id(model.config))
+
+    def prompt(self, messages: list[dict], pictures: list[Image.Image]):
+        from server.api.media import MediaLimits, decode
+        from server.api.vision_prompt import tokens
+
+        read = []
+        for p in pictures:
+            buffer = io.BytesIO()
+            p.save(buffer, format="PNG")
+            read.append(decode(buffer.getvalue(), "bench", MediaLimits()))
+        text = self.processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokens(self.vision, text, read, "messages")
+
+    def generate(self, messages, pictures, max_tokens: int, session: str | None = None) -> tuple[list[int], float, float]:
+        """(tokens, TTFT s, decode tokens/s after the first) of one greedy request."""
+        import asyncio
+        import time
+
+        from server.engine.sampling import SamplingParams
+        from server.engine.sequence import GenerationRequest
+
+        ids, spans = self.prompt(messages, pictures)
+        request = GenerationRequest(f"r{time.monotonic_ns()}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                    session_id=session, use_session=session is not None, images=spans)
+
+        async def run():
+            start, first, out = time.perf_counter(), None, []
+            async for chunk in self.engine.submit(request, asyncio.get_running_loop()):
+                out += [t.token_id for t in chunk.tokens]
+                first = first or (time.perf_counter() if out else None)
+            end = time.perf_counter()
+            return out, first - start, (len(out) - 1) / max(end - first, 1e-9)
+
+        return asyncio.run(run())
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+
+def _generate_speed(model, processor, messages, pictures, max_tokens: int) -> float:
+    """transformers' greedy `generate`: decode tokens/s (the whole call less one prefill)."""
+    import time
+
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=pictures or None, return_tensors="pt", add_special_tokens=False).to(model.device)
+    start = time.perf_counter()
+    model.generate(**inputs, max_new_tokens=1, do_sample=False)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+    return (max_tokens - 1) / max(time.perf_counter() - start - prefill, 1e-9)
+
+
+def main() -> None:
+    import argparse
+    import copy
+    import statistics
+
+    from bench.architectures import tokenizer as smollm2_tokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    model, processor = llava(smollm2_tokenizer(), shape=args.shape)
+    reference_model = llava(copy.deepcopy(processor.tokenizer), shape=args.shape)[0]  # the same weights, untouched
+    a, b = picture(1, (320, 240)), picture(2, (240, 320))
+
+    def conversation(turn: int) -> list[dict]:
+        messages = [{"role": "user", "content": [{"type": "text", "text": "Here is a photo: "}, {"type": "image"},
+                                                 {"type": "text", "text": " What is in it?"}]}]
+        for k in range(turn):
+            messages += [{"role": "assistant", "content": f"It shows item {k}, a harbor in winter light."},
+                         {"role": "user", "content": f"And what about detail {k}? Tell me more about the ships."}]
+        return messages
+
+    rows, identical, total = {}, 0, 0
+    for reuse in (True, False):
+        served = _Served(model, processor, reuse)
+        try:
+            ttfts = []
+            for turn in range(args.turns):
+                out, ttft, _ = served.generate(conversation(turn), [a], args.max_tokens, session="s")
+                if turn:
+                    ttfts.append(ttft)
+                want = reference(reference_model, processor, conversation(turn), [a], args.max_tokens)
+                identical, total = identical + (out == want), total + 1
+            rows[reuse] = statistics.median(ttfts)
+        finally:
+            served.stop()
+    served = _Served(model, processor, reuse=False)  # no KV kept: every request prefills its picture
+    try:
+        served.generate(conversation(0), [b], 1)  # warm-up (and b's features into the encoder cache)
+        _, miss, _ = served.generate(conversation(0), [a], 1)
+        _, hit, _ = served.generate(conversation(0), [a], 1)
+        with_image = served.generate(conversation(0), [a], args.max_tokens)[2]
+        text_only = served.generate([{"role": "user", "content": "What is in a harbor in winter?"}], [], args.max_tokens)[2]
+    finally:
+        served.stop()
+    gen_image = _generate_speed(reference_model, processor, conversation(0), [a], args.max_tokens)
+    gen_text = _generate_speed(reference_model, processor, [{"role": "user", "content": "What is in a harbor in winter?"}], [], args.max_tokens)
+    print(f"random-weight LLaVA, shape {args.shape!r} ({model.config.text_config.num_hidden_layers} text layers, "
+          f"{model.config.vision_config.num_hidden_layers} vision layers), fp32, CPU, {torch.get_num_threads()} threads\n")
+    print("| measure | kvserve | baseline | ratio |")
+    print("|---|---|---|---|")
+    print(f"| later-turn TTFT with an image in the conversation (s): session reused / prefilled afresh | "
+          f"{rows[True]:.3f} | {rows[False]:.3f} | **{rows[True] / rows[False]:.3f}** |")
+    print(f"| TTFT of an image seen again without its KV (s): encoder cache hit / miss | {hit:.3f} | {miss:.3f} | **{hit / miss:.3f}** |")
+    print(f"| decode tokens/s, an image in the prompt: kvserve / generate | {with_image:.1f} | {gen_image:.1f} | **{with_image / gen_image:.2f}** |")
+    print(f"| decode tokens/s, text only: kvserve / generate | {text_only:.1f} | {gen_text:.1f} | **{text_only / gen_text:.2f}** |")
+    print(f"\ngreedy outputs identical to generate's: {identical} of {total}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Images in a prompt: each picture is a run of placeholder tokens whose input embeddings are the
+vision encoder's features for it (transformers' `get_image_features`, the projector included),
+computed when a step first computes one of its positions.
+
+A picture's run is keyed in the sequence's token ids by `key_ids`: negative ids that carry its
+content digest, so everything that compares tokens (session and anonymous reuse, the tiers, a
+restart's files) compares pictures by content. Two conversations with the same text and
+different pictures never share KV; the same picture at the same place is reused. The model
+never sees those ids: `Encoder.embed` gives each such position its feature row instead.
+
+    features: [run length, hidden] per picture (the encoder's output, in the model's dtype)
+    embeds:   [1, step tokens, hidden] (the step's flattened tokens, pictures' rows replaced)
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+DIGEST_CHUNKS = 4  # 63 bits of the 256-bit digest per position; four positions carry all of it
+
+
+def key_ids(digest: str, length: int) -> list[int]:
+    """The ids a picture's run of `length` placeholders is keyed by: position k carries the
+    digest's chunk k mod 4 (63 bits each) as a negative number, never a vocabulary id."""
+    chunks = [int(digest[16 * i : 16 * (i + 1)], 16) >> 1 for i in range(DIGEST_CHUNKS)]
+    return [-1 - chunks[k % DIGEST_CHUNKS] for k in range(length)]
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One picture of a prompt: its run of `length` placeholder positions from `start`, its
+    `digest` (the picture's content and the processor's settings; `key_ids`) and the processor's
+    tensors for it alone (`pixel_values` [1, ...] and whatever else the family's encoder takes)."""
+
+    start: int
+    length: int
+    digest: str
+    inputs: Mapping[str, torch.Tensor]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class Encoder:
+    """The model's vision encoder and projector, with a cache of features by digest: least
+    recently used first out once they pass `budget_bytes` (a picture seen again without its KV
+    skips the encoder). Thread-safe; the engine thread calls it during a step."""
+
+    def __init__(self, model, budget_bytes: int = 256 * 2**20, metrics=None) -> None:
+        base = model.base_model
+        self._encode: Callable[..., object] = base.get_image_features
+        self._takes = frozenset(inspect.signature(self._encode).parameters) - {"kwargs"}
+        self.device = model.device
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.budget_bytes = budget_bytes
+        self.metrics = metrics
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        self._embed = model.get_input_embeddings()
+        self.placeholder: int = image_token_id(model.config)
+
+    def features(self, span: ImageSpan) -> torch.Tensor:
+        """[span.length, hidden] on the model's device: cached, or encoded now."""
+        with self._lock:
+            cached = self._cache.get(span.digest)
+            if cached is not None:
+                self._cache.move_to_end(span.digest)
+        if self.metrics is not None:
+            self.metrics.encoder_cache_lookups.labels("hit" if cached is not None else "miss").inc()
+        if cached is not None:
+            return cached
+        t0 = time.perf_counter()
+        inputs = {k: v.to(self.device) for k, v in span.inputs.items() if k in self._takes}
+        with torch.inference_mode():
+            out = self._encode(**inputs, return_dict=True).pooler_output
+        features = torch.cat(list(out), dim=0) if isinstance(out, (list, tuple)) else out.reshape(-1, out.shape[-1])
+        if features.shape[0] != span.length:
+            raise ValueError(f"the encoder gave {features.shape[0]} feature rows for a picture of {span.length} placeholders")
+        features = features.to(self.dtype)
+        if self.metrics is not None:
+            self.metrics.encoder_seconds.observe(time.perf_counter() - t0)
+        self._keep(span.digest, features)
+        return features
+
+    def _keep(self, digest: str, features: torch.Tensor) -> None:
+        nbytes = features.numel() * features.element_size()
+        if nbytes > self.budget_bytes:
+            return
+        with self._lock:
+            if digest in self._cache:
+                return
+            self._cache[digest] = features
+            self.nbytes += nbytes
+            while self.nbytes > self.budget_bytes:
+                _, old = self._cache.popitem(last=False)
+                self.nbytes -= old.numel() * old.element_size()
+        if self.metrics is not None:
+            self.metrics.encoder_cache_bytes.set(self.nbytes)
+
+    def rows(self, spans: Sequence[ImageSpan], first: int, n: int) -> list[tuple[int, torch.Tensor]]:
+        """The feature rows a row computing positions [first, first + n) needs: (offset in the
+        row's tokens, features [m, hidden]) per picture it touches."""
+        out = []
+        for span in spans:
+            lo, hi = max(span.start, first), min(span.end, first + n)
+            if lo < hi:
+                out.append((lo - first, self.features(span)[lo - span.start : hi - span.start]))
+        return out
+
+    def embed(self, ids: torch.Tensor, index: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The step's input embeddings [1, N, hidden]: `ids` [1, N] looked up (the pictures'
+        positions hold a placeholder id), then `features` [M, hidden] written at `index` [M]."""
+        embeds = self._embed(ids)
+        embeds[0, index] = features.to(embeds.dtype)
+        return embeds
+
+
+def sees_images(model) -> bool:
+    """Whether `model` is a vision-language model whose pictures this module feeds."""
+    return callable(getattr(model.base_model, "get_image_features", None)) and image_token_id(model.config) is not None
+
+
+def image_token_id(config) -> int | None:
+    """The placeholder token a picture's run is written with (`image_token_id`; older
+    configs: `image_token_index`)."""
+    found = getattr(config, "image_token_id", None)
+    return getattr(config, "image_token_index", None) if found is None else found
+
+
+def placeholder_ids(ids: list[int], placeholder: int) -> list[int]:
+    """`ids` with each picture's key id (`key_ids`) back to the model's placeholder token."""
+    return [placeholder if i < 0 else i for i in ids]

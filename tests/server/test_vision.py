@@ -1,0 +1,185 @@
+"""Images in (issue 49) on a tiny random LLaVA (tests/vision_models.py): the engine feeds each
+picture's encoder features at its placeholder run and gives transformers' `generate` tokens,
+alone and batched beside text; reuse compares pictures by content; the chat and Responses
+APIs take `image_url` / `input_image` parts, and refuse what they cannot take with a 400
+naming the part."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import openai
+import pytest
+
+from server.engine import vision
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
+from server.model_loader import LoadedModel, load_model
+from tests.device import DEVICE, DTYPE
+from tests.inprocess import openai_client
+from bench.vision import data_url, llava, picture, reference
+
+MAX_TOKENS = 10
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    model, processor = llava(copy.deepcopy(tokenizer), DEVICE, DTYPE)
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def reference_model(tokenizer):
+    """A second copy of the same weights that kvserve never touches."""
+    return llava(copy.deepcopy(tokenizer), DEVICE, DTYPE)[0]
+
+
+def user(*parts) -> list[dict]:
+    """A one-message conversation in template form: strings are text, pictures images."""
+    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts]}]
+
+
+def chat_parts(*parts) -> list[dict]:
+    return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image_url", "image_url": {"url": data_url(p)}} for p in parts]
+
+
+def test_key_ids_carry_the_digest_and_are_never_vocabulary_ids():
+    a, b = "ab" * 32, "ab" * 31 + "ac"
+    assert all(i < 0 for i in vision.key_ids(a, 9))
+    assert vision.key_ids(a, 9) != vision.key_ids(b, 9)  # the last chunk differs
+    assert vision.key_ids(a, 9)[:4] == vision.key_ids(a, 9)[4:8]
+
+
+def test_an_image_request_gives_generate_s_tokens_alone_and_beside_text(tiny, reference_model):
+    from tests.engines import run
+    from server.api.vision_prompt import Vision, tokens
+    from server.api.media import MediaLimits, decode
+    import io
+
+    model, processor = tiny
+    pictures = [picture(1), picture(2, (30, 60))]
+    messages = user("Look at ", pictures[0], " and ", pictures[1], " then tell me.")
+    want = reference(reference_model, processor, messages, pictures, MAX_TOKENS)
+    text_want = reference(reference_model, processor, user("Only words here, no pictures at all."), [], MAX_TOKENS)
+
+    vis = Vision(processor, vision.image_token_id(model.config))
+
+    def decoded(p):
+        buffer = io.BytesIO()
+        p.save(buffer, format="PNG")
+        return decode(buffer.getvalue(), "x", MediaLimits())
+
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids, spans = tokens(vis, text, [decoded(p) for p in pictures], "messages")
+    assert [s.length for s in spans] == [16, 16] and all(i < 0 for s in spans for i in ids[s.start : s.end])
+    plain = processor.tokenizer.apply_chat_template(user("Only words here, no pictures at all."), add_generation_prompt=True, tokenize=False)
+    plain_ids = processor.tokenizer(plain, add_special_tokens=False)["input_ids"]
+
+    from bench.architectures import Served
+
+    served = Served(model, processor.tokenizer)
+    try:
+        def request(name, prompt, images=()):
+            return GenerationRequest(name, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), images=tuple(images))
+
+        async def both():
+            return await asyncio.gather(run(served.engine, request("img", ids, spans)), run(served.engine, request("txt", plain_ids)))
+
+        (alone, _), = [asyncio.run(run(served.engine, request("a", ids, spans)))]
+        (with_image, _), (text_only, _) = asyncio.run(both())
+    finally:
+        served.stop()
+    assert alone == want and with_image == want and text_only == text_want
+
+
+@pytest.fixture(scope="module")
+def served_llava(tiny):
+    model, processor = tiny
+    return LoadedModel(model, processor.tokenizer, "tiny-llava", DEVICE, DTYPE, 2048, processor=processor)
+
+
+async def test_chat_with_images_matches_generate_and_reuse_compares_pictures(served_llava, reference_model):
+    processor = served_llava.processor
+    a, b = picture(3), picture(4)
+    want = reference(reference_model, processor, user("Describe ", a, " briefly."), [a], MAX_TOKENS)
+    async with openai_client(served_llava) as (client, http):
+        def ask(image, session):
+            return http.post("/v1/chat/completions", json={
+                "model": "tiny-llava", "max_tokens": MAX_TOKENS, "temperature": 0, "prompt_cache_key": session,
+                "messages": [{"role": "user", "content": chat_parts("Describe ", image, " briefly.")}]})
+
+        first = (await ask(a, "p")).json()
+        assert processor.tokenizer(first["choices"][0]["message"]["content"], add_special_tokens=False)["input_ids"] == want \
+            or first["choices"][0]["message"]["content"] == processor.tokenizer.decode(want, skip_special_tokens=True)
+        start = len(processor.tokenizer(processor.tokenizer.apply_chat_template(user("Describe "), tokenize=False)
+                                        .rsplit("<|im_end|>", 1)[0], add_special_tokens=False)["input_ids"])
+        other = (await ask(b, "p")).json()  # the same text, another picture: nothing from the picture on is reused
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] <= start
+        await ask(a, "q")
+        again = (await ask(a, "q")).json()  # the same picture again: its run is reused
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > start + 16
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+        metrics = (await http.get("/metrics")).text
+        assert "kvserve_images_total 4.0" in metrics and "kvserve_image_tokens_total 64.0" in metrics
+
+
+async def test_responses_take_input_image_and_refuse_file_ids(served_llava):
+    async with openai_client(served_llava) as (client, http):
+        image = {"type": "input_image", "image_url": data_url(picture(5))}
+        ok = await client.responses.create(model="tiny-llava", max_output_tokens=4, temperature=0,
+                                           input=[{"role": "user", "content": [{"type": "input_text", "text": "What is it?"}, image]}])
+        assert ok.usage.input_tokens > 16
+        # the stored turn keeps its image: the next turn continues the conversation that holds it
+        follow = await client.responses.create(model="tiny-llava", max_output_tokens=4, temperature=0, previous_response_id=ok.id,
+                                               input="And the colours?")
+        assert follow.usage.input_tokens > ok.usage.input_tokens + 4 and follow.usage.input_tokens_details.cached_tokens > 16
+        items = (await http.get(f"/v1/responses/{ok.id}/input_items")).json()["data"]
+        assert any(part["type"] == "input_image" for item in items for part in item.get("content", []))
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model="tiny-llava", max_output_tokens=4, input=[
+                {"role": "user", "content": [{"type": "input_text", "text": "Hi"}, {"type": "input_image", "file_id": "file-1"}]}])
+        assert "file_id" in refused.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as bad:
+            await client.responses.create(model="tiny-llava", max_output_tokens=4, input=[
+                {"role": "user", "content": [{"type": "input_text", "text": "Hi"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
+        assert bad.value.body["param"] == "input[0].content[1]", bad.value.body
+
+
+async def test_bad_images_are_400s_naming_the_part_and_the_server_keeps_serving(served_llava):
+    async with openai_client(served_llava, max_images_per_request=1) as (client, http):
+        def body(*parts):
+            return {"model": "tiny-llava", "max_tokens": 2, "messages": [{"role": "user", "content": list(parts)}]}
+
+        text = {"type": "text", "text": "Hi "}
+        cases = [
+            (body(text, {"type": "image_url", "image_url": {"url": "data:image/png;base64,not-base64!"}}), "messages[0].content[1]"),
+            (body(text, {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}), "messages[0].content[1]"),
+            (body({"type": "image_url", "image_url": {"url": data_url(picture(1))}},
+                  {"type": "image_url", "image_url": {"url": data_url(picture(2))}}), "messages[0].content[1]"),
+        ]
+        for case, param in cases:
+            response = await http.post("/v1/chat/completions", json=case)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == param, response.text
+        fine = await http.post("/v1/chat/completions", json=body(text, {"type": "image_url", "image_url": {"url": data_url(picture(1))}}))
+        assert fine.status_code == 200, fine.text
+
+
+async def test_a_text_only_model_refuses_images_by_name(smollm2):
+    async with openai_client(smollm2) as (client, http):
+        response = await http.post("/v1/chat/completions", json={"model": smollm2.model_id, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": data_url(picture(1))}}]}]})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "images_not_supported" and error["param"] == "messages[0].content[1]"
+
+
+def test_a_vision_checkpoint_loads_with_its_processor(tiny, tmp_path):
+    model, processor = tiny
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), cache_dir=tmp_path / "cache", device=DEVICE.type, dtype=str(DTYPE).removeprefix("torch."))
+    assert type(loaded.model).__name__ == "LlavaForConditionalGeneration" and loaded.processor is not None
+    assert vision.sees_images(loaded.model) and loaded.tokenizer.chat_template
