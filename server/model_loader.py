@@ -25,10 +25,12 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, PreTrainedModel, PreTrainedTokenizerBase,
-    AutoTokenizer,
+    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PreTrainedModel,
+    PreTrainedTokenizerBase,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+from server.engine import vision
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +106,10 @@ class LoadedModel:
 
 
 def takes_images(config) -> bool:
-    """Whether `config` is a vision-language model's, loaded with its image-text class and
-    processor (a family transformers also builds as a causal LM, text only, loads as one)."""
-    kind = getattr(config, "model_type", None)
-    return kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """Whether `config` is the vision-language model of a family whose images kvserve feeds
+    (server/engine/vision.FAMILIES), loaded with its image-text class and processor. Other
+    families load as causal LMs where transformers builds them so, text only."""
+    return vision.serves(config) and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def default_gguf_path() -> Path:

@@ -40,7 +40,8 @@ class Vision:
 def refuse_images(model_id: str, images: list[ImagePart]) -> None:
     """An image sent to a model that takes none: a 400 naming the first."""
     if images:
-        raise APIError(400, f"the model {model_id!r} takes no images (it is a text-only model); send text parts only",
+        raise APIError(400, f"the model {model_id!r} takes no images here (a text-only model, or a vision-language family whose "
+                       "images kvserve does not feed yet: docs/guides/images.md); send text parts only",
                        code="images_not_supported", param=images[0].where, rejection="bad_request")
 
 

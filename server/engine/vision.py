@@ -24,6 +24,11 @@ from dataclasses import dataclass
 import torch
 
 DIGEST_CHUNKS = 4  # 63 bits of the 256-bit digest per position; four positions carry all of it
+# The families whose images are fed here, each checked against transformers' `generate`
+# (tests/server/test_vision.py). Another vision-language family is served as text, where
+# transformers builds it as a causal LM, or not at all: its images may move the text model's
+# positions (Qwen2.5-VL's 3-D rotary) or its attention (Gemma 3's bidirectional image spans).
+FAMILIES = frozenset({"llava"})
 
 
 def key_ids(digest: str, length: int) -> list[int]:
@@ -124,9 +129,15 @@ class Encoder:
         return embeds
 
 
+def serves(config) -> bool:
+    """Whether the images of `config`'s family are fed here (`FAMILIES`)."""
+    return getattr(config, "model_type", None) in FAMILIES
+
+
 def sees_images(model) -> bool:
-    """Whether `model` is a vision-language model whose pictures this module feeds."""
-    return callable(getattr(model.base_model, "get_image_features", None)) and image_token_id(model.config) is not None
+    """Whether `model` is a vision-language model of `FAMILIES`, whose pictures this module feeds."""
+    return serves(model.config) and callable(getattr(model.base_model, "get_image_features", None)) \
+        and image_token_id(model.config) is not None
 
 
 def image_token_id(config) -> int | None:

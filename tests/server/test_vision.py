@@ -183,3 +183,38 @@ def test_a_vision_checkpoint_loads_with_its_processor(tiny, tmp_path):
     loaded = load_model(str(tmp_path), cache_dir=tmp_path / "cache", device=DEVICE.type, dtype=str(DTYPE).removeprefix("torch."))
     assert type(loaded.model).__name__ == "LlavaForConditionalGeneration" and loaded.processor is not None
     assert vision.sees_images(loaded.model) and loaded.tokenizer.chat_template
+
+
+async def test_a_family_whose_images_are_not_fed_yet_is_served_as_text_and_refuses_images(tokenizer, monkeypatch):
+    """The gate (`vision.FAMILIES`): a vision-language family not checked against `generate`
+    gets no encoder, so its images are a 400 rather than features fed the wrong way."""
+    monkeypatch.setattr(vision, "FAMILIES", frozenset())
+    model, processor = llava(copy.deepcopy(tokenizer), DEVICE, DTYPE)
+    assert not vision.sees_images(model)
+    loaded = LoadedModel(model, processor.tokenizer, "unchecked-vlm", DEVICE, DTYPE, 2048, processor=processor)
+    async with openai_client(loaded) as (client, http):
+        refused = await http.post("/v1/chat/completions", json={"model": "unchecked-vlm", "max_tokens": 2, "messages": [
+            {"role": "user", "content": chat_parts("Hi ", picture(1))}]})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "images_not_supported"
+        text = await client.chat.completions.create(model="unchecked-vlm", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+        assert text.usage.completion_tokens == 2
+
+
+async def test_a_restart_keeps_a_session_s_pictures(served_llava, tmp_path):
+    """The disk tier carries the pictures' key ids: after a restart the session's picture is
+    reused, and another picture in its place is not."""
+    a, b = picture(6), picture(7)
+
+    def turn(image, question: str) -> dict:
+        return {"model": "tiny-llava", "max_tokens": 3, "temperature": 0, "prompt_cache_key": "album",
+                "messages": [{"role": "user", "content": chat_parts("See ", image, question)}]}
+
+    async with openai_client(served_llava):
+        pass  # NOTE: a first engine repacks the shared model in place, which changes its fingerprint once
+    async with openai_client(served_llava, kv_disk_dir=str(tmp_path)) as (client, http):
+        assert (await http.post("/v1/chat/completions", json=turn(a, " now."))).status_code == 200
+    async with openai_client(served_llava, kv_disk_dir=str(tmp_path)) as (client, http):
+        same = (await http.post("/v1/chat/completions", json=turn(a, " now, again."))).json()
+        assert same["usage"]["prompt_tokens_details"]["cached_tokens"] > 16, same["usage"]
+        other = (await http.post("/v1/chat/completions", json=turn(b, " now, again."))).json()
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < 8, other["usage"]
