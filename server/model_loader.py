@@ -28,9 +28,10 @@ from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from server.engine import vision
+from server.engine.unsupported import UnsupportedModel
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,15 @@ class LoadedModel:
     dtype: torch.dtype
     max_context: int
     processor: object | None = None  # a vision-language model's AutoProcessor (its image processor and template)
+
+
+def refuse_unfed_vision(config) -> None:
+    """A vision-language family whose images kvserve does not feed and that transformers builds
+    no causal LM for: refused by name, not loaded as something else."""
+    kind = getattr(config, "model_type", None)
+    if kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not vision.serves(config):
+        raise UnsupportedModel("vision-family", f"{kind} is a vision-language family whose images kvserve does not feed yet "
+                               f"(it feeds {', '.join(sorted(vision.FAMILIES))}: docs/guides/images.md)")
 
 
 def takes_images(config) -> bool:
@@ -230,6 +240,7 @@ def load_model(
         config = AutoConfig.from_pretrained(name_or_path, **kwargs)
         method = check_quantization(name_or_path, config)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        refuse_unfed_vision(config)
         vision = takes_images(config)
         processor = AutoProcessor.from_pretrained(name_or_path, **kwargs) if vision else None
         if processor is not None and not tokenizer.chat_template and getattr(processor, "chat_template", None):
@@ -242,7 +253,7 @@ def load_model(
         model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     except OSError as exc:
         raise ModelSourceError(f"cannot load model {name_or_path!r}: {exc}") from exc
-    except ModelSourceError:
+    except (ModelSourceError, UnsupportedModel):
         raise
     except (ImportError, RuntimeError, ValueError) as exc:
         if method is None and isinstance(exc, ValueError):

@@ -218,3 +218,17 @@ async def test_a_restart_keeps_a_session_s_pictures(served_llava, tmp_path):
         assert same["usage"]["prompt_tokens_details"]["cached_tokens"] > 16, same["usage"]
         other = (await http.post("/v1/chat/completions", json=turn(b, " now, again."))).json()
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < 8, other["usage"]
+
+
+def test_a_vision_family_not_fed_and_not_a_causal_lm_is_refused_by_name_at_load(tmp_path):
+    from transformers import Qwen2_5_VLConfig
+
+    from server.engine.unsupported import UnsupportedModel
+
+    config = Qwen2_5_VLConfig(text_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000},
+                              vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2})
+    config.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModel) as refused:
+        load_model(str(tmp_path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    assert refused.value.feature == "vision-family" and "qwen2_5_vl" in str(refused.value)
