@@ -458,6 +458,16 @@ def test_exact_mode_renders_as_env(chart) -> None:
     assert Settings(deterministic=values["KVSERVE_DETERMINISTIC"]).deterministic is True
 
 
+def test_the_media_allow_list_renders_as_env(chart) -> None:
+    """`kvserve.allowedMediaDomains` lets the server fetch images from those hosts; empty, none."""
+    assert "KVSERVE_ALLOWED_MEDIA_DOMAINS" not in env(server_container(render(chart)))
+    values = env(server_container(render(chart, {"kvserve": {"allowedMediaDomains": ["images.example.com", "*.cdn.example.org"],
+                                                              "shutdownGraceSeconds": 30}})))
+    assert values["KVSERVE_ALLOWED_MEDIA_DOMAINS"] == "images.example.com,*.cdn.example.org"
+    assert Settings(allowed_media_domains=values["KVSERVE_ALLOWED_MEDIA_DOMAINS"]).allowed_media_domains == [
+        "images.example.com", "*.cdn.example.org"]
+
+
 LORA_VOLUME = {"persistentVolumeClaim": {"claimName": "lora-adapters", "readOnly": True}}
 
 
