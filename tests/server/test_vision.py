@@ -7,6 +7,7 @@ naming the part."""
 from __future__ import annotations
 
 import asyncio
+import json
 import copy
 
 import openai
@@ -232,3 +233,18 @@ def test_a_vision_family_not_fed_and_not_a_causal_lm_is_refused_by_name_at_load(
     with pytest.raises(UnsupportedModel) as refused:
         load_model(str(tmp_path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
     assert refused.value.feature == "vision-family" and "qwen2_5_vl" in str(refused.value)
+
+
+async def test_images_stream_and_take_structured_output(served_llava):
+    """A streamed turn with an image under a JSON schema: valid JSON, the same tokens whole or streamed."""
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 8}}, "required": ["colour"],
+              "additionalProperties": False}
+    body = {"model": "tiny-llava", "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}},
+            "messages": [{"role": "user", "content": chat_parts("Which colour is ", picture(8), "?")}]}
+    async with openai_client(served_llava) as (client, http):
+        whole = await client.chat.completions.create(**body)
+        chunks = [c async for c in await client.chat.completions.create(**body, stream=True)]
+    text = whole.choices[0].message.content
+    assert set(json.loads(text)) == {"colour"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
