@@ -58,6 +58,34 @@ def llava(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0, shape: st
     return model, processor
 
 
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+
+
+def idefics3(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
+    """(model, processor): Idefics3 (SmolVLM's family) with image splitting, so a picture is a
+    global view plus tiles, each tile's 4 placeholders between row/column markers; tiny."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, Idefics3VisionConfig, LlamaConfig
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, *IDEFICS3_TOKENS]})
+    tokenizer.chat_template = TEMPLATE
+    torch.manual_seed(seed)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=32, patch_size=8)
+    config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(), scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    model = Idefics3ForConditionalGeneration(config).to(device=device, dtype=dtype).eval()
+    images = Idefics3ImageProcessorPil(do_image_splitting=True, size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=TEMPLATE)
+    return model, processor
+
+
+BUILDERS = {"llava": llava, "idefics3": idefics3}
+
+
 def picture(seed: int, size: tuple[int, int] = (48, 40)) -> Image.Image:
     """A random RGB picture (width, height)."""
     return Image.fromarray(np.random.RandomState(seed).randint(0, 255, (size[1], size[0], 3), dtype=np.uint8))

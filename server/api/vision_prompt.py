@@ -52,23 +52,37 @@ async def read(vision: Vision, images: list[ImagePart]) -> list[media.Image]:
 
 def tokens(vision: Vision, text: str, images: list[media.Image], prompt_param: str) -> tuple[list[int], tuple[ImageSpan, ...]]:
     """(prompt ids, the pictures' spans) of the rendered `text` holding one image marker per
-    image: the processor expands each marker into its placeholder run; each run's ids become
-    its picture's key ids. Runs off the event loop (the processor is slow)."""
+    image: the processor expands each marker into the picture's placeholders (one run, or one
+    per tile between the family's tile markers); each picture's positions get its key ids. Runs
+    off the event loop (the processor is slow)."""
     processor = vision.processor
-    pixels = [image.pixels for image in images]
-    encoded = processor(text=[text], images=pixels, return_tensors="pt", add_special_tokens=False)
+    encoded = processor(text=[text], images=[image.pixels for image in images], return_tensors="pt", add_special_tokens=False)
     ids = encoded["input_ids"][0].tolist()  # its length is checked where every prompt's is (resolve_max_tokens)
     runs = _runs(ids, vision.placeholder)
-    if len(runs) != len(images):
-        raise APIError(400, f"the chat template placed {len(runs)} images where the request has {len(images)}; "
-                       "images are taken where the model's template renders them", code="invalid_value",
-                       param=prompt_param, rejection="bad_request")
     spans = []
-    for (start, length), image in zip(runs, images):
-        inputs = dict(processor.image_processor(images=[image.pixels], return_tensors="pt"))
-        digest = hashlib.sha256(f"{image.digest}\n{vision.settings}".encode()).hexdigest()
-        spans.append(ImageSpan(start, length, digest, inputs))
-        ids[start : start + length] = key_ids(digest, length)
+    for image in images:
+        # the picture alone through the processor: its encoder inputs, and how many placeholders it takes
+        alone = processor(text=[processor.image_token], images=[image.pixels], return_tensors="pt", add_special_tokens=False)
+        count = sum(1 for token in alone["input_ids"][0].tolist() if token == vision.placeholder)
+        mine = []
+        while count > 0 and runs:
+            start, length = runs.pop(0)
+            mine.append((start, min(length, count)))
+            if length > count:  # two pictures' placeholders side by side
+                runs.insert(0, (start + count, length - count))
+            count -= mine[-1][1]
+        if count or not mine:
+            break
+        inputs = {k: v for k, v in alone.items() if k not in ("input_ids", "attention_mask")}
+        spans.append(ImageSpan(tuple(mine), hashlib.sha256(f"{image.digest}\n{vision.settings}".encode()).hexdigest(), inputs))
+    if len(spans) != len(images) or runs:
+        raise APIError(400, f"the chat template placed the request's {len(images)} images otherwise than the model's processor "
+                       "expands them; images are taken where the model's template renders them", code="invalid_value",
+                       param=prompt_param, rejection="bad_request")
+    for span in spans:
+        keys = iter(key_ids(span.digest, span.length))
+        for start, length in span.runs:
+            ids[start : start + length] = [next(keys) for _ in range(length)]
     return ids, tuple(spans)
 
 

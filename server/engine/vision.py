@@ -28,7 +28,7 @@ DIGEST_CHUNKS = 4  # 63 bits of the 256-bit digest per position; four positions 
 # (tests/server/test_vision.py). Another vision-language family is served as text, where
 # transformers builds it as a causal LM, or not at all: its images may move the text model's
 # positions (Qwen2.5-VL's 3-D rotary) or its attention (Gemma 3's bidirectional image spans).
-FAMILIES = frozenset({"llava"})
+FAMILIES = frozenset({"llava", "idefics3"})
 
 
 def key_ids(digest: str, length: int) -> list[int]:
@@ -40,18 +40,27 @@ def key_ids(digest: str, length: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """One picture of a prompt: its run of `length` placeholder positions from `start`, its
+    """One picture of a prompt: its placeholder positions as runs (start, length), in order (one
+    run, or one per tile where the family writes tile markers between them: Idefics3), its
     `digest` (the picture's content and the processor's settings; `key_ids`) and the processor's
-    tensors for it alone (`pixel_values` [1, ...] and whatever else the family's encoder takes)."""
+    tensors for it alone (`pixel_values` and whatever else the family's encoder takes). The
+    encoder's feature rows follow the runs' positions in order."""
 
-    start: int
-    length: int
+    runs: tuple[tuple[int, int], ...]
     digest: str
     inputs: Mapping[str, torch.Tensor]
 
     @property
+    def length(self) -> int:
+        return sum(n for _, n in self.runs)
+
+    @property
+    def start(self) -> int:
+        return self.runs[0][0]
+
+    @property
     def end(self) -> int:
-        return self.start + self.length
+        return self.runs[-1][0] + self.runs[-1][1]
 
 
 class Encoder:
@@ -116,9 +125,12 @@ class Encoder:
         row's tokens, features [m, hidden]) per picture it touches."""
         out = []
         for span in spans:
-            lo, hi = max(span.start, first), min(span.end, first + n)
-            if lo < hi:
-                out.append((lo - first, self.features(span)[lo - span.start : hi - span.start]))
+            row = 0  # the span's feature row at the run's start
+            for start, length in span.runs:
+                lo, hi = max(start, first), min(start + length, first + n)
+                if lo < hi:
+                    out.append((lo - first, self.features(span)[row + lo - start : row + hi - start]))
+                row += length
         return out
 
     def embed(self, ids: torch.Tensor, index: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

@@ -248,3 +248,37 @@ async def test_images_stream_and_take_structured_output(served_llava):
     text = whole.choices[0].message.content
     assert set(json.loads(text)) == {"colour"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+@pytest.mark.parametrize("family", ["idefics3"])
+def test_a_tiled_family_gives_generate_s_tokens(family, tokenizer):
+    """Idefics3 writes a picture as a global view and tiles, its placeholders in several runs
+    between row/column markers: each picture's features follow its runs, alone and beside text."""
+    from bench.architectures import Served
+    from bench.vision import BUILDERS
+    from server.api.media import MediaLimits, decode
+    from server.api.vision_prompt import Vision, tokens
+    from tests.engines import run
+    import io
+
+    model, processor = BUILDERS[family](copy.deepcopy(tokenizer), DEVICE, DTYPE)
+    reference_model = BUILDERS[family](copy.deepcopy(tokenizer), DEVICE, DTYPE)[0]
+    pictures = [picture(11, (48, 40)), picture(12, (30, 64))]
+    messages = user("Compare ", pictures[0], " with ", pictures[1], ".")
+    want = reference(reference_model, processor, messages, pictures, MAX_TOKENS)
+
+    def read(p):
+        buffer = io.BytesIO()
+        p.save(buffer, format="PNG")
+        return decode(buffer.getvalue(), "x", MediaLimits())
+
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids, spans = tokens(Vision(processor, vision.image_token_id(model.config)), text, [read(p) for p in pictures], "messages")
+    assert all(len(span.runs) > 1 for span in spans)  # tiles: several runs a picture
+    served = Served(model, processor.tokenizer)
+    try:
+        request = GenerationRequest("t", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), images=spans)
+        got, _ = asyncio.run(run(served.engine, request))
+    finally:
+        served.stop()
+    assert got == want
