@@ -7,19 +7,22 @@ naming the part."""
 from __future__ import annotations
 
 import asyncio
-import json
 import copy
+import io
+import json
 
 import openai
 import pytest
 
+from bench.vision import BUILDERS, data_url, llava, picture, reference
+from server.api import media
+from server.api.vision_prompt import Vision, tokens
 from server.engine import vision
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest
 from server.model_loader import LoadedModel, load_model
 from tests.device import DEVICE, DTYPE
 from tests.inprocess import openai_client
-from bench.vision import data_url, llava, picture, reference
 
 MAX_TOKENS = 10
 pytestmark = pytest.mark.anyio
@@ -53,46 +56,60 @@ def test_key_ids_carry_the_digest_and_are_never_vocabulary_ids():
     assert vision.key_ids(a, 9)[:4] == vision.key_ids(a, 9)[4:8]
 
 
-def test_an_image_request_gives_generate_s_tokens_alone_and_beside_text(tiny, reference_model):
+def read(p) -> "media.Image":
+    """`p` as a request's image arrives: PNG bytes, decoded and checked."""
+    buffer = io.BytesIO()
+    p.save(buffer, format="PNG")
+    return media.decode(buffer.getvalue(), "x", media.MediaLimits())
+
+
+@pytest.mark.parametrize("family", sorted(BUILDERS))
+def test_each_fed_family_gives_generate_s_tokens_alone_beside_text_and_reused(family, tokenizer):
+    """Two pictures of two sizes: the same greedy tokens as `generate` alone, beside a text-only
+    request in the same steps, and again on a session that holds the first turn's KV (the
+    second turn reuses the pictures and prefills only its new tokens). Idefics3 writes each
+    picture as a global view and tiles: several placeholder runs a picture."""
+    from bench.architectures import Served
     from tests.engines import run
-    from server.api.vision_prompt import Vision, tokens
-    from server.api.media import MediaLimits, decode
-    import io
 
-    model, processor = tiny
+    assert set(BUILDERS) == vision.FAMILIES  # every fed family is checked here
+    model, processor = BUILDERS[family](copy.deepcopy(tokenizer), DEVICE, DTYPE)
+    reference_model = BUILDERS[family](copy.deepcopy(tokenizer), DEVICE, DTYPE)[0]
     pictures = [picture(1), picture(2, (30, 60))]
-    messages = user("Look at ", pictures[0], " and ", pictures[1], " then tell me.")
-    want = reference(reference_model, processor, messages, pictures, MAX_TOKENS)
+    first = user("Look at ", pictures[0], " and ", pictures[1], " then tell me.")
+    want = reference(reference_model, processor, first, pictures, MAX_TOKENS)
     text_want = reference(reference_model, processor, user("Only words here, no pictures at all."), [], MAX_TOKENS)
-
     vis = Vision(processor, vision.image_token_id(model.config))
 
-    def decoded(p):
-        buffer = io.BytesIO()
-        p.save(buffer, format="PNG")
-        return decode(buffer.getvalue(), "x", MediaLimits())
+    def prompt(messages):
+        text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokens(vis, text, [read(p) for p in pictures], "messages")
 
-    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids, spans = tokens(vis, text, [decoded(p) for p in pictures], "messages")
-    assert [s.length for s in spans] == [16, 16] and all(i < 0 for s in spans for i in ids[s.start : s.end])
+    ids, spans = prompt(first)
+    assert all(i < 0 for s in spans for start, n in s.runs for i in ids[start : start + n])
+    assert family != "idefics3" or all(len(s.runs) > 1 for s in spans)
     plain = processor.tokenizer.apply_chat_template(user("Only words here, no pictures at all."), add_generation_prompt=True, tokenize=False)
     plain_ids = processor.tokenizer(plain, add_special_tokens=False)["input_ids"]
-
-    from bench.architectures import Served
-
     served = Served(model, processor.tokenizer)
     try:
-        def request(name, prompt, images=()):
-            return GenerationRequest(name, prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), images=tuple(images))
+        def request(name, prompt_ids, images=(), session=None):
+            return GenerationRequest(name, prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), images=tuple(images),
+                                     session_id=session, use_session=session is not None)
 
         async def both():
             return await asyncio.gather(run(served.engine, request("img", ids, spans)), run(served.engine, request("txt", plain_ids)))
 
-        (alone, _), = [asyncio.run(run(served.engine, request("a", ids, spans)))]
+        alone, _ = asyncio.run(run(served.engine, request("a", ids, spans, session="s")))
         (with_image, _), (text_only, _) = asyncio.run(both())
+        second = first + [{"role": "assistant", "content": processor.tokenizer.decode(alone, skip_special_tokens=True)},
+                          {"role": "user", "content": "And the second one, once more?"}]
+        ids2, spans2 = prompt(second)
+        again, final = asyncio.run(run(served.engine, request("b", ids2, spans2, session="s")))
     finally:
         served.stop()
     assert alone == want and with_image == want and text_only == text_want
+    assert final.cached_tokens > spans2[-1].end  # both pictures' KV reused
+    assert again == reference(reference_model, processor, second, pictures, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -249,36 +266,3 @@ async def test_images_stream_and_take_structured_output(served_llava):
     assert set(json.loads(text)) == {"colour"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
-
-@pytest.mark.parametrize("family", ["idefics3"])
-def test_a_tiled_family_gives_generate_s_tokens(family, tokenizer):
-    """Idefics3 writes a picture as a global view and tiles, its placeholders in several runs
-    between row/column markers: each picture's features follow its runs, alone and beside text."""
-    from bench.architectures import Served
-    from bench.vision import BUILDERS
-    from server.api.media import MediaLimits, decode
-    from server.api.vision_prompt import Vision, tokens
-    from tests.engines import run
-    import io
-
-    model, processor = BUILDERS[family](copy.deepcopy(tokenizer), DEVICE, DTYPE)
-    reference_model = BUILDERS[family](copy.deepcopy(tokenizer), DEVICE, DTYPE)[0]
-    pictures = [picture(11, (48, 40)), picture(12, (30, 64))]
-    messages = user("Compare ", pictures[0], " with ", pictures[1], ".")
-    want = reference(reference_model, processor, messages, pictures, MAX_TOKENS)
-
-    def read(p):
-        buffer = io.BytesIO()
-        p.save(buffer, format="PNG")
-        return decode(buffer.getvalue(), "x", MediaLimits())
-
-    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids, spans = tokens(Vision(processor, vision.image_token_id(model.config)), text, [read(p) for p in pictures], "messages")
-    assert all(len(span.runs) > 1 for span in spans)  # tiles: several runs a picture
-    served = Served(model, processor.tokenizer)
-    try:
-        request = GenerationRequest("t", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), images=spans)
-        got, _ = asyncio.run(run(served.engine, request))
-    finally:
-        served.stop()
-    assert got == want
