@@ -1,8 +1,8 @@
 """A chat turn with images, as the engine takes it: the images read (server/api/media.py), the
 conversation rendered by the chat template with an image part where each was, the model's
-processor expanding each into its run of placeholder tokens, and each run keyed by its
-picture (server/engine/vision.py): token ids whose reuse compares pictures by content, and
-the spans the encoder computes their features from.
+processor expanding each into its placeholder tokens (one run, or one per tile), and each
+picture's placeholders keyed by its content (server/engine/vision.py): token ids whose reuse
+compares pictures, and the spans the encoder computes their features from.
 """
 
 from __future__ import annotations
