@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import PIL.Image
 
 from server.api.errors import APIError
-from server.api.media_fetch import AllowList, Fetcher, format_bytes
+from server.api.media_fetch import Fetcher, MediaLimits, format_bytes
 
 __all__ = ["FORMATS", "MAX_SIDE", "Fetcher", "Image", "MediaLimits", "decode", "load", "parse_data_url"]
 
@@ -49,33 +49,6 @@ _SCHEME = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*):")
 # good, so one thread at a time opens a header under it (cheap: no pixels are decoded there).
 # Meanwhile only DecompressionBombWarning is affected, for any thread: it becomes an error.
 _WARNINGS_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True, slots=True)
-class MediaLimits:
-    """What one request's images may be; `allowed_domains` empty means only data: URLs."""
-
-    max_image_bytes: int = 20 * 2**20  # one image's encoded bytes
-    max_request_image_bytes: int = 50 * 2**20  # all images of one request together
-    max_images: int = 16  # per request
-    max_pixels: int = 6000 * 6000  # width x height of one image, checked from the header
-    allowed_domains: tuple[str, ...] = ()  # see media_fetch.AllowList
-    fetch_timeout_s: float = 10.0  # one fetch: resolution, connection, redirects and body
-    max_redirects: int = 3
-
-    def __post_init__(self) -> None:
-        if isinstance(self.allowed_domains, str):
-            raise ValueError(f"allowed_domains must be a sequence of host names, not the string "
-                             f"{self.allowed_domains!r}")
-        object.__setattr__(self, "allowed_domains", tuple(self.allowed_domains))
-        for name in ("max_image_bytes", "max_request_image_bytes", "max_images", "max_pixels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if not self.fetch_timeout_s > 0:
-            raise ValueError(f"fetch_timeout_s must be positive, got {self.fetch_timeout_s}")
-        if self.max_redirects < 0:
-            raise ValueError(f"max_redirects must be 0 or more, got {self.max_redirects}")
-        AllowList.parse(self.allowed_domains)  # a bad entry fails at start-up, not per request
 
 
 @dataclass(frozen=True, slots=True)

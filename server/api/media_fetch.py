@@ -23,15 +23,11 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import certifi
 import httpx
 
 from server.api.errors import APIError
-
-if TYPE_CHECKING:
-    from server.api.media import MediaLimits
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +42,33 @@ _LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")
 _NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 _NUMBER = re.compile(r"0x[0-9a-f]*|[0-9]+")  # a label that makes a host an IPv4 number (WHATWG URL)
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+@dataclass(frozen=True, slots=True)
+class MediaLimits:
+    """What one request's images may be; `allowed_domains` empty means only data: URLs."""
+
+    max_image_bytes: int = 20 * 2**20  # one image's encoded bytes
+    max_request_image_bytes: int = 50 * 2**20  # all images of one request together
+    max_images: int = 16  # per request
+    max_pixels: int = 6000 * 6000  # width x height of one image, checked from the header
+    allowed_domains: tuple[str, ...] = ()  # see media_fetch.AllowList
+    fetch_timeout_s: float = 10.0  # one fetch: resolution, connection, redirects and body
+    max_redirects: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.allowed_domains, str):
+            raise ValueError(f"allowed_domains must be a sequence of host names, not the string "
+                             f"{self.allowed_domains!r}")
+        object.__setattr__(self, "allowed_domains", tuple(self.allowed_domains))
+        for name in ("max_image_bytes", "max_request_image_bytes", "max_images", "max_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.fetch_timeout_s > 0:
+            raise ValueError(f"fetch_timeout_s must be positive, got {self.fetch_timeout_s}")
+        if self.max_redirects < 0:
+            raise ValueError(f"max_redirects must be 0 or more, got {self.max_redirects}")
+        AllowList.parse(self.allowed_domains)  # a bad entry fails at start-up, not per request
 
 
 def format_bytes(n: int) -> str:
