@@ -26,7 +26,7 @@ import torch
 import transformers
 from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PreTrainedModel,
-    PreTrainedTokenizerBase,
+    PreTrainedTokenizerBase, ProcessorMixin,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
@@ -103,7 +103,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_context: int
-    processor: object | None = None  # a vision-language model's AutoProcessor (its image processor and template)
+    processor: ProcessorMixin | None = None  # a vision-language model's AutoProcessor (its image processor and template)
 
 
 def refuse_unfed_vision(config) -> None:

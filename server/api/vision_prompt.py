@@ -12,6 +12,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from transformers import ProcessorMixin
+
 from server.api import media
 from server.api.errors import APIError
 from server.api.protocol import ImagePart
@@ -22,7 +24,7 @@ from server.engine.vision import ImageSpan, key_ids
 class Vision:
     """What a vision-language model's serving context holds for its images."""
 
-    processor: object  # the model's AutoProcessor
+    processor: ProcessorMixin  # the model's AutoProcessor
     placeholder: int  # the token id of an image's placeholder run (server/engine/vision.image_token_id)
     limits: media.MediaLimits = field(default_factory=media.MediaLimits)
     fetcher: media.Fetcher | None = None  # with limits.allowed_domains: remote images fetched through it
