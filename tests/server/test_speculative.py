@@ -280,7 +280,7 @@ def test_the_engine_starts_each_sequence_from_what_the_others_learned():
         cache = kv.allocate(LlamaConfig(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, hidden_size=4,
                                         vocab_size=8, max_position_embeddings=2048), 1024, DEVICE, torch.float32)
         cache.length = len(prompt) + 1
-        seq = SimpleNamespace(status=Status.DECODE, num_pending=1, request=SimpleNamespace(speculative=True),
+        seq = SimpleNamespace(status=Status.DECODE, num_pending=1, request=SimpleNamespace(speculative=True, images=()),
                               params=SamplingParams(max_tokens=64), generated=[], spec=None, matcher=None, reasoning=None,
                               cache=cache, prompt_ids=prompt, all_ids=prompt + prompt[:1])
         return ScheduledRow(seq, 1)
