@@ -125,11 +125,14 @@ class Encoder:
         row's tokens, features [m, hidden]) per picture it touches."""
         out = []
         for span in spans:
+            if span.end <= first or span.start >= first + n:
+                continue
+            features = self.features(span)  # once for all its runs: one lookup, at most one encoding
             row = 0  # the span's feature row at the run's start
             for start, length in span.runs:
                 lo, hi = max(start, first), min(start + length, first + n)
                 if lo < hi:
-                    out.append((lo - first, self.features(span)[row + lo - start : row + hi - start]))
+                    out.append((lo - first, features[row + lo - start : row + hi - start]))
                 row += length
         return out
 

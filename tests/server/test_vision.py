@@ -266,3 +266,21 @@ async def test_images_stream_and_take_structured_output(served_llava):
     assert set(json.loads(text)) == {"colour"}
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
+
+
+def test_a_tiled_picture_is_looked_up_and_encoded_once_for_all_its_runs(tokenizer):
+    """Idefics3's picture lies in several placeholder runs; a step covering them all asks the
+    encoder (here with no cache to keep it) once per picture, not once per run."""
+    from server.metrics import Metrics
+
+    model, processor = BUILDERS["idefics3"](copy.deepcopy(tokenizer), DEVICE, DTYPE)
+    pictures = [picture(13), picture(14, (30, 60))]
+    text = processor.tokenizer.apply_chat_template(user("A ", pictures[0], " and ", pictures[1]), add_generation_prompt=True, tokenize=False)
+    ids, spans = tokens(Vision(processor, vision.image_token_id(model.config)), text, [read(p) for p in pictures], "messages")
+    assert all(len(span.runs) > 1 for span in spans)
+    metrics = Metrics()
+    rows = vision.Encoder(model, budget_bytes=0, metrics=metrics).rows(spans, 0, len(ids))
+    assert sum(f.shape[0] for _, f in rows) == sum(span.length for span in spans)
+    sample = metrics.registry.get_sample_value
+    assert sample("kvserve_vision_encoder_seconds_count") == 2
+    assert sample("kvserve_vision_encoder_cache_lookups_total", {"result": "miss"}) == 2
