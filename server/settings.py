@@ -187,7 +187,7 @@ class Settings(BaseSettings):
     )
     max_image_bytes: int = Field(20 * 2**20, ge=1, description="Largest encoded image (bytes); larger ones get 400.")
     max_request_image_bytes: int = Field(50 * 2**20, ge=1, description="Most image bytes in one request, all images together.")
-    max_images_per_request: int = Field(16, ge=0, description="Most images in one request (0 = none taken).")
+    max_images_per_request: int = Field(16, ge=1, description="Most images in one request.")
     max_image_pixels: int = Field(
         6000 * 6000, ge=1, description="Most pixels (width x height) of one image, read from its header before it is decoded."
     )
