@@ -373,7 +373,7 @@ class Served:
         families.check(model)
         self.metrics = Metrics()
         cache = CacheManager(model.config, model.device, model.dtype, MAX_CONTEXT, CacheConfig(budget_bytes=BUDGET), self.metrics)
-        config = EngineConfig(max_context=MAX_CONTEXT, max_batch_tokens=64, **engine_kw)
+        config = EngineConfig(**{"max_context": MAX_CONTEXT, "max_batch_tokens": 64, **engine_kw})
         self.engine = Engine(model, tok, config, cache, metrics=self.metrics, proposer=proposer)
         self.engine.start()
 

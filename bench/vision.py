@@ -83,7 +83,65 @@ def idefics3(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
     return model, processor
 
 
-BUILDERS = {"llava": llava, "idefics3": idefics3}
+QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _images_only(processor_class):
+    """`processor_class` built without a video processor: transformers' video processors need
+    torchvision, which a CPU machine's torch may lack (the server refuses such a checkpoint at
+    load, naming it: server/model_loader.py); images never reach one."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name == "video_processor" and argument is None:
+            return None
+        return processor_class.check_argument_for_proper_class(self, argument_name, argument)
+
+    # the family's own name, so that a saved copy names the real class
+    return type(processor_class.__name__, (processor_class,), {"check_argument_for_proper_class": check_argument_for_proper_class})
+
+
+def _qwen_vl(family: str, tokenizer, device, dtype, seed: int):
+    """(model, processor) of Qwen2-VL or Qwen2.5-VL (3-D M-RoPE: a picture's positions are its
+    grid's), tiny: 8x8 patches merged 2x2, so a 48x40 picture is 3x2 = 6 placeholders."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
+    template = TEMPLATE.replace(IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>")
+    tokenizer.chat_template = template
+    torch.manual_seed(seed)
+    ids = tokenizer.convert_tokens_to_ids
+    # NOTE: weights 15x the default spread, so that the rope positions move the greedy tokens
+    # (at the default, a tiny model's tokens do not change when a picture's shift is left out)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, initializer_range=0.3,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLProcessor as Processor
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=32, fullatt_block_indexes=[1])
+    else:
+        from transformers import Qwen2VLProcessor as Processor
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=8, spatial_merge_size=2,
+                      temporal_patch_size=2)
+    config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+                                  video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+                                  vision_end_token_id=ids("<|vision_end|>"))
+    model = AutoModelForImageTextToText.from_config(config).to(device=device, dtype=dtype).eval()
+    images = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=64 * 64)
+    processor = _images_only(Processor)(image_processor=images, tokenizer=tokenizer, video_processor=None, chat_template=template)
+    return model, processor
+
+
+def qwen2_vl(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
+    return _qwen_vl("qwen2_vl", tokenizer, device, dtype, seed)
+
+
+def qwen2_5_vl(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
+    return _qwen_vl("qwen2_5_vl", tokenizer, device, dtype, seed)
+
+
+BUILDERS = {"llava": llava, "idefics3": idefics3, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl}
 
 
 def picture(seed: int, size: tuple[int, int] = (48, 40)) -> Image.Image:
@@ -122,7 +180,7 @@ class _Served:
         cache = CacheManager(model.config, model.device, model.dtype, 2048, CacheConfig(budget_bytes=2**30, reuse=reuse), self.metrics)
         self.engine = Engine(model, processor.tokenizer, EngineConfig(max_context=2048, max_batch_tokens=2048), cache, metrics=self.metrics)
         self.engine.start()
-        self.vision = Vision(processor, vision.image_token_id(model.config))
+        self.vision = Vision(processor, vision.image_token_id(model.config), place=self.engine.runner.encoder.place)
 
     def prompt(self, messages: list[dict], pictures: list[Image.Image]):
         from server.api.media import MediaLimits, decode

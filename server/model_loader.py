@@ -115,6 +115,19 @@ def refuse_unfed_vision(config) -> None:
                                f"(it feeds {', '.join(sorted(vision.FAMILIES))}: docs/guides/images.md)")
 
 
+def load_processor(name_or_path: str, kwargs: dict) -> ProcessorMixin:
+    """A vision-language checkpoint's AutoProcessor, or UnsupportedModel naming why it cannot
+    be built (Qwen2-VL's family needs torchvision for its video processor, even for images)."""
+    try:
+        return AutoProcessor.from_pretrained(name_or_path, **kwargs)
+    except OSError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers fails here in several types (an AttributeError without torchvision)
+        hint = "" if importlib.util.find_spec("torchvision") else "; it may need torchvision (the build that matches your torch)"
+        said = (str(exc).strip().splitlines() or [""])[0]
+        raise UnsupportedModel("vision-processor", f"its processor could not be built ({type(exc).__name__}: {said}){hint}") from exc
+
+
 def takes_images(config) -> bool:
     """Whether `config` is the vision-language model of a family whose images kvserve feeds
     (server/engine/vision.FAMILIES), loaded with its image-text class and processor. Other
@@ -242,7 +255,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
         refuse_unfed_vision(config)
         vision = takes_images(config)
-        processor = AutoProcessor.from_pretrained(name_or_path, **kwargs) if vision else None
+        processor = load_processor(name_or_path, kwargs) if vision else None
         if processor is not None and not tokenizer.chat_template and getattr(processor, "chat_template", None):
             tokenizer.chat_template = processor.chat_template  # the one template every prompt is rendered by
         if method is not None or torch_device.type == "cuda":

@@ -198,7 +198,8 @@ def vision(settings: Settings, loaded: LoadedModel, engine: Engine) -> vision_pr
         max_images=settings.max_images_per_request, max_pixels=settings.max_image_pixels,
         allowed_domains=tuple(settings.allowed_media_domains), fetch_timeout_s=settings.media_fetch_timeout_s,
     )
-    return vision_prompt.Vision(loaded.processor, engine.runner.encoder.placeholder, limits)
+    encoder = engine.runner.encoder
+    return vision_prompt.Vision(loaded.processor, encoder.placeholder, limits, place=encoder.place)
 
 
 def build_cache_manager(settings: Settings, loaded: LoadedModel, metrics: Metrics, max_context: int, budget_bytes: int, mode: str) -> CacheManager:

@@ -36,11 +36,14 @@ _local = threading.local()
 @dataclass(slots=True)
 class Row:
     """One sequence's part of a step on the row path: `n` new tokens at positions
-    kv.length.. (offset: where they start in the flattened batch)."""
+    kv.length.. (offset: where they start in the flattened batch). `shift`: how far their
+    rope positions run from those (a picture's M-RoPE grid before them: server/engine/vision.py).
+    """
 
     kv: kv.SequenceKV
     n: int
     offset: int = 0
+    shift: int = 0
     slots: torch.Tensor | None = None  # slot of every position 0..length+n-1, when gathered
     masks: dict = field(default_factory=dict)  # window -> the row's additive mask
 

@@ -31,7 +31,7 @@ from cache_manager import kv
 from server.engine import attention, compiled, context, cpu_linear, faults, lora, merged, paged_kernel, recurrent, rope, vision
 from server.engine import exact as exact_mode
 from server.engine.context import Batch, Row, StepContext, StepRows
-from server.engine.scheduler import Plan
+from server.engine.scheduler import Plan, ScheduledRow
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,8 @@ class ModelRunner:
             self._compiled = compiled.decode_forward(self.model)
             try:
                 for size in (1, 2):
-                    ids, pos, step, _ = self._fill([], [], size, block_bucket(1, self.max_blocks), capture=True)
-                    self._forward(ids, pos, step, None, self._compiled)
+                    ids, pos, shift, step, _ = self._fill([], [], size, block_bucket(1, self.max_blocks), capture=True)
+                    self._forward(ids, pos, step, None, self._compiled, shift=shift)
             except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named
                 log.debug("compiling the decode forward failed", exc_info=True)
                 self._compiled = None
@@ -201,23 +201,32 @@ class ModelRunner:
         Side effect: writes their KV into each sequence's cache (its length moves forward, drafted
         tokens included: postprocess crops the rejected ones).
         """
-        rows, token_ids, logits_rows, counts, media = [], [], [], [], []
+        rows, token_ids, logits_rows, counts, media, grids = [], [], [], [], [], []
         for i, row in enumerate(plan.rows):
             drafted = row.draft.tokens if row.draft is not None else []
-            rows.append(Row(row.seq.cache, row.n_tokens + len(drafted)))
+            rows.append(self._row(row, row.n_tokens + len(drafted)))
             pending = row.seq.pending_ids(row.n_tokens)
             images = row.seq.request.images
             if images and self.encoder is not None:
                 media.append(self.encoder.rows(images, row.seq.n_computed, row.n_tokens))
+                grids.append(vision.rope_positions(images, row.seq.n_computed, row.n_tokens))
                 pending = vision.placeholder_ids(pending, self.encoder.placeholder)
             else:
                 media.append([])
+                grids.append(None)
             token_ids += pending + drafted
             if row.completes:
                 logits_rows.append(i)
                 counts.append(1 + len(drafted))
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
-        return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan), media=media if any(media) else None)
+        return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan), media=media if any(media) else None,
+                          grids=grids if any(g is not None for g in grids) else None)
+
+    def _row(self, row: ScheduledRow, n: int) -> Row:
+        """A scheduled row's part of the step: `n` tokens, and its rope shift where pictures
+        move its positions (server/engine/vision.py)."""
+        images = row.seq.request.images if self.encoder is not None else ()
+        return Row(row.seq.cache, n, shift=vision.shift(images, row.seq.n_computed) if images else 0)
 
     @torch.inference_mode()
     def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int]) -> StepOutput:
@@ -225,7 +234,7 @@ class ModelRunner:
         the host has read it (the engine's overlap): row i's token is `ids[pick[i]]` (`ids`:
         the previous step's argmax). Each row computes one token; `run`'s side effects."""
         self._enable()
-        rows = [Row(row.seq.cache, 1) for row in plan.rows]
+        rows = [self._row(row, 1) for row in plan.rows]
         return self._decode(rows, pick, *self._row_inputs(plan), ids)
 
     def _row_inputs(self, plan: Plan) -> tuple[list[int] | None, list[dict[int, float]]]:
@@ -255,7 +264,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _step(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None,
               long_rows: list[bool] | None, adapter_rows: list[int] | None, biases: list[dict[int, float]] | None = None,
-              media: list[list[tuple[int, torch.Tensor]]] | None = None) -> StepOutput:
+              media: list[list[tuple[int, torch.Tensor]]] | None = None, grids: list[list[list[int]] | None] | None = None
+              ) -> StepOutput:
         self._enable()
         if sum(r.n for r in rows) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for rows of {sum(r.n for r in rows)}")
@@ -274,11 +284,16 @@ class ModelRunner:
         for row in rows:
             given.append(given[-1] + row.n)
         flat_ids, positions, starts, flat_long, flat_adapters = [], [], [0] * len(rows), [], []
+        axes: list[list[int]] = [[], [], []]  # M-RoPE's 3-D positions, where a picture's grid is in the step
         for i in singles + others:
             row = rows[i]
             row.offset = starts[i] = len(flat_ids)
             flat_ids += token_ids[given[i] : given[i + 1]]
-            positions += range(row.kv.length, row.kv.length + row.n)
+            mine = range(row.kv.length + row.shift, row.kv.length + row.shift + row.n)
+            positions += mine
+            if grids is not None:
+                for axis, values in zip(axes, grids[i] or (mine, mine, mine)):
+                    axis += values
             if long_tokens is not None:
                 flat_long += [long_tokens[i]] * row.n
             if adapter_rows is not None:
@@ -295,7 +310,7 @@ class ModelRunner:
         inputs = [self._batch_inputs(group) for group in groups]
         states_in, build_states = self._state_inputs([(r.offset, r.n, r.kv.state, r.kv.length > 0) for r in rows])
         named = {"ids": flat_ids, "positions": positions, "keep": keep, "long": flat_long, "adapters": flat_adapters, "states": states_in,
-                 "pictured": pictured}
+                 "pictured": pictured, "grid": axes[0] + axes[1] + axes[2]}
         for g, (lists, _) in enumerate(inputs):
             named.update({f"{g}.{name}": values for name, values in lists.items()})
         t = _to_device(named, self.device)
@@ -307,7 +322,8 @@ class ModelRunner:
         embeds = None
         if media is not None:  # the pictures' feature rows in place of their placeholders' embeddings
             embeds = self.encoder.embed(t["ids"][None], t["pictured"], torch.cat([f for pieces in media for _, f in pieces]))
-        logits = self._forward(t["ids"][None], t["positions"][None], step, t["keep"], embeds=embeds)
+        pos = t["positions"][None] if grids is None else t["grid"].view(3, 1, -1)
+        logits = self._forward(t["ids"][None], pos, step, t["keep"], embeds=embeds)
         for row in rows:
             row.kv.length += row.n
         return StepOutput(logits)
@@ -343,7 +359,7 @@ class ModelRunner:
         if size > self.max_rows:
             size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
         fits = biases is None or all(len(b) <= BIAS_SLOTS for b in biases)
-        ids, pos, step, bias = self._fill(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
+        ids, pos, shift, step, bias = self._fill(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
         if device_ids is not None:  # the tokens where the buffer's one host copy put their indices
             ids[0, :n].copy_(device_ids[ids[0, :n]])
         graph = self.graphs.get((size, blocks))
@@ -351,7 +367,7 @@ class ModelRunner:
             graph[0].replay()
             out = StepOutput(graph[1].logits[:n], graph[1].greedy[:n] if fits else None)
         else:
-            logits = self._forward(ids, pos, step, None, self._compiled)[:n]
+            logits = self._forward(ids, pos, step, None, self._compiled, shift=shift)[:n]
             biased = _biased(logits, bias[0][:n], bias[1][:n]) if fits and biases and any(biases) else logits
             out = StepOutput(logits, biased.argmax(-1) if fits else None)
         for row in rows:
@@ -361,14 +377,22 @@ class ModelRunner:
     @property
     def _per_row(self) -> int:
         """Persistent decode inputs per row besides its block table: token, position, slot (and
-        a hybrid's state slot, and a LoRA adapter slot where adapters are served)."""
-        return 3 + (self.pool.states is not None) + (self.adapters is not None)
+        a hybrid's state slot, a rope shift where pictures move positions, and a LoRA adapter
+        slot where adapters are served)."""
+        return 3 + (self.pool.states is not None) + self._shifts + (self.adapters is not None)
+
+    @property
+    def _shifts(self) -> bool:
+        """Whether a row's rope positions may run apart from its KV positions (an M-RoPE
+        vision-language model fed pictures: server/engine/vision.py)."""
+        return self.encoder is not None and self.encoder.shifts
 
     def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int, adapter_rows: list[int] | None = None,
               biases: list[dict[int, float]] | None = None, capture: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor, StepContext, tuple[torch.Tensor, torch.Tensor]]:
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, StepContext, tuple[torch.Tensor, torch.Tensor]]:
         """The decode inputs of `rows` in the persistent device buffer, with ONE host-to-device
-        copy: views (ids [1, size], positions [1, size]), the step's context over them (its
+        copy: views (ids [1, size], positions [1, size], the rows' rope shifts [1, size] or None
+        where positions do not shift: `_shifts`), the step's context over them (its
         batch, the recurrent layers' rows, the rows' adapter slots [size] where some row has
         an adapter or for a graph's `capture`) and the rows' logit bias (token ids and float32
         values [size, BIAS_SLOTS], padded with token 0 and 0.0, which adds nothing). Padding
@@ -377,6 +401,8 @@ class ModelRunner:
         positions, slots, tables = self._paged_inputs([r.kv for r in rows], [1] * len(rows), size, 1, blocks)
         states, pad = self.pool.states, size - len(rows)
         extra = [r.kv.state for r in rows] + [states.trash] * pad if states is not None else []
+        if self._shifts:
+            extra += [r.shift for r in rows] + [0] * pad
         if self.adapters is not None:
             extra += (adapter_rows or [0] * len(rows)) + [0] * pad
         bias_ids, bias_bits = [], []
@@ -391,6 +417,8 @@ class ModelRunner:
         ids, pos, slots_t = (meta[i * size : (i + 1) * size] for i in range(3))
         tables_t = meta[per_row * size : size * (per_row + blocks)].view(size, blocks)
         rows_t = recurrent.decode_rows(states, meta[3 * size : 4 * size]) if states is not None else None
+        at = (3 + (states is not None)) * size
+        shift_t = meta[at : at + size][None] if self._shifts else None
         with_adapters = self.adapters is not None and (capture or bool(adapter_rows))
         adapters_t = meta[(per_row - 1) * size : per_row * size] if with_adapters else None
         at = size * (per_row + blocks)
@@ -398,7 +426,7 @@ class ModelRunner:
         # NOTE: a view, not a kernel: the low 32 bits of each long (little-endian) as float32
         values_t = meta[at + size * BIAS_SLOTS : at + 2 * size * BIAS_SLOTS].view(torch.int32)[0::2].view(size, BIAS_SLOTS).view(torch.float32)
         batch = Batch(self.pool, slots_t, tables_t, pos, kernel=self.decode_kernel)
-        return ids[None], pos[None], self._context([], [batch], adapters=adapters_t, states=rows_t), (bias_t, values_t)
+        return ids[None], pos[None], shift_t, self._context([], [batch], adapters=adapters_t, states=rows_t), (bias_t, values_t)
 
     def _paged_inputs(self, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
         """Positions and slots [size * width] and block tables [size, blocks], flat, of
@@ -443,11 +471,16 @@ class ModelRunner:
                                       None if every else t["real"])
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext, keep: torch.Tensor | None,
-                 model: Callable[..., object] | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
+                 model: Callable[..., object] | None = None, embeds: torch.Tensor | None = None,
+                 shift: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of `model` (default: the eager one) over the flattened tokens as `step`
         (or over `embeds` [1, N, hidden], their input embeddings, where pictures are in the
-        step); float32 logits at `keep` (all: None). The one place a step's context is entered:
-        eager steps, compiled decode steps and graph capture all run it."""
+        step); float32 logits at `keep` (all: None). The rope positions are `pos` ([1, N], or
+        [3, 1, N] for M-RoPE's pictures), plus `shift` [1, N] (decode rows' shifts, added here
+        so that a captured graph adds them). The one place a step's context is entered: eager
+        steps, compiled decode steps and graph capture all run it."""
+        if shift is not None:
+            pos = pos + shift
         for batch in step.batches:
             batch.prepare(self.pool.dtype, self.groups)
         tokens = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
@@ -542,8 +575,8 @@ class ModelRunner:
         padding rows while capturing (they write the trash block only)."""
         # every row a padding row; a hybrid's state reads and writes, and the LoRA deltas of each
         # row's adapter slot, are in the graph too
-        ids, pos, step, bias = self._fill([], [], size, blocks, capture=True)
-        warm = self._forward(ids, pos, step, None, self._compiled)  # warm up outside the graph
+        ids, pos, shift, step, bias = self._fill([], [], size, blocks, capture=True)
+        warm = self._forward(ids, pos, step, None, self._compiled, shift=shift)  # warm up outside the graph
         if self._logits is None:  # every graph's output, so none holds logits of its own
             self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
             self._greedy = torch.empty(self.max_rows, dtype=torch.long, device=self.device)
@@ -551,7 +584,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._logits[:size].copy_(self._forward(ids, pos, step, None, self._compiled))
+            self._logits[:size].copy_(self._forward(ids, pos, step, None, self._compiled, shift=shift))
             torch.argmax(_biased(self._logits[:size], *bias), dim=-1, out=self._greedy[:size])
         return graph, StepOutput(self._logits[:size], self._greedy[:size])
 

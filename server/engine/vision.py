@@ -8,6 +8,13 @@ restart's files) compares pictures by content. Two conversations with the same t
 different pictures never share KV; the same picture at the same place is reused. The model
 never sees those ids: `Encoder.embed` gives each such position its feature row instead.
 
+Where a family's rotary positions are 3-D (M-RoPE: Qwen2-VL, Qwen2.5-VL), a picture's positions
+are its grid's (time, row, column) from the position where it starts, and the text after it
+goes on from there, not from its index: the sequence's rope positions run `shift` ahead of (or
+behind) its KV index. `Encoder.place` asks the model's own `get_rope_index` for a picture's
+grid offsets and advance once, when its span is built; the runner adds each row's shift
+(`shift`) and writes a picture's 3-D positions (`rope_positions`).
+
     features: [run length, hidden] per picture (the encoder's output, in the model's dtype)
     embeds:   [1, step tokens, hidden] (the step's flattened tokens, pictures' rows replaced)
 """
@@ -27,8 +34,9 @@ DIGEST_CHUNKS = 4  # 63 bits of the 256-bit digest per position; four positions 
 # The families whose images are fed here, each checked against transformers' `generate`
 # (tests/server/test_vision.py). Another vision-language family is served as text, where
 # transformers builds it as a causal LM, or not at all: its images may move the text model's
-# positions (Qwen2.5-VL's 3-D rotary) or its attention (Gemma 3's bidirectional image spans).
-FAMILIES = frozenset({"llava", "idefics3"})
+# attention (Gemma 3's bidirectional image spans) or add to its hidden states in several layers
+# (Qwen3-VL's deepstack).
+FAMILIES = frozenset({"llava", "idefics3", "qwen2_vl", "qwen2_5_vl"})
 
 
 def key_ids(digest: str, length: int) -> list[int]:
@@ -44,11 +52,17 @@ class ImageSpan:
     run, or one per tile where the family writes tile markers between them: Idefics3), its
     `digest` (the picture's content and the processor's settings; `key_ids`) and the processor's
     tensors for it alone (`pixel_values` and whatever else the family's encoder takes). The
-    encoder's feature rows follow the runs' positions in order."""
+    encoder's feature rows follow the runs' positions in order.
+
+    `grid` (M-RoPE families, `Encoder.place`): each placeholder's rotary position [3, length]
+    (time, row, column) from the picture's first, and `advance`, how far the picture moves
+    the next text position; None and the length elsewhere."""
 
     runs: tuple[tuple[int, int], ...]
     digest: str
     inputs: Mapping[str, torch.Tensor]
+    grid: torch.Tensor | None = None
+    advance: int | None = None
 
     @property
     def length(self) -> int:
@@ -61,6 +75,11 @@ class ImageSpan:
     @property
     def end(self) -> int:
         return self.runs[-1][0] + self.runs[-1][1]
+
+    @property
+    def shift(self) -> int:
+        """How far the picture moves the rope positions after it from their KV index."""
+        return 0 if self.advance is None else self.advance - self.length
 
 
 class Encoder:
@@ -81,6 +100,20 @@ class Encoder:
         self.nbytes = 0
         self._embed = model.get_input_embeddings()
         self.placeholder: int = image_token_id(model.config)
+        self._rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(base, "get_rope_index", None)
+        self.shifts = self._rope_index is not None  # whether pictures move the rope positions after them (M-RoPE)
+
+    def place(self, inputs: Mapping[str, torch.Tensor], length: int) -> tuple[torch.Tensor | None, int]:
+        """(grid, advance) of a picture of `length` placeholders and processor `inputs` (see
+        `ImageSpan`): the model's `get_rope_index` over the picture followed by one text token;
+        (None, length) where the family's positions are 1-D."""
+        if self._rope_index is None:
+            return None, length
+        ids = torch.full((1, length + 1), self.placeholder, dtype=torch.long)
+        kinds = torch.ones_like(ids, dtype=torch.int)
+        ids[0, -1], kinds[0, -1] = 0, 0  # the text token after the picture: where the next position lands
+        positions, _ = self._rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=inputs["image_grid_thw"].cpu())
+        return positions[:, 0, :length].clone(), int(positions[0, 0, length])
 
     def features(self, span: ImageSpan) -> torch.Tensor:
         """[span.length, hidden] on the model's device: cached, or encoded now."""
@@ -142,6 +175,33 @@ class Encoder:
         embeds = self._embed(ids)
         embeds[0, index] = features.to(embeds.dtype)
         return embeds
+
+
+def shift(spans: Sequence[ImageSpan], length: int) -> int:
+    """How far the rope position of the token at index `length` runs from it: the shifts of the
+    pictures that end at or before it (0 where positions are 1-D)."""
+    return sum(span.shift for span in spans if span.end <= length)
+
+
+def rope_positions(spans: Sequence[ImageSpan], first: int, n: int) -> list[list[int]] | None:
+    """The 3-D rope positions [3][n] of the tokens at indexes [first, first + n) where some are a
+    picture's with a grid (M-RoPE); None where the row's positions are 1-D (its index plus
+    `shift`)."""
+    if not any(s.grid is not None and s.start < first + n and s.end > first for s in spans):
+        return None
+    text = [i + shift(spans, i) for i in range(first, first + n)]
+    out = [list(text), list(text), list(text)]
+    for span in spans:
+        if span.grid is None or span.end <= first or span.start >= first + n:
+            continue
+        base = span.start + shift(spans, span.start)
+        grid, k = span.grid.tolist(), 0  # k: the placeholder's index in the picture
+        for start, length in span.runs:
+            for i in range(max(start, first), min(start + length, first + n)):
+                for axis, offsets in zip(out, grid):
+                    axis[i - first] = base + offsets[k + i - start]
+            k += length
+    return out
 
 
 def serves(config) -> bool:

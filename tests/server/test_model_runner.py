@@ -107,7 +107,7 @@ def test_a_bucket_of_no_rows_is_all_padding():
     pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, torch.float32), "cpu", torch.float32)
     runner = ModelRunner(model, pool, paged=True, max_rows=4)
     runner.prepare()
-    ids, pos, step, (bias_ids, bias_values) = runner._fill([], [], 4, 16)
+    ids, pos, _, step, (bias_ids, bias_values) = runner._fill([], [], 4, 16)
     (batch,) = step.batches
     trash = pool.trash_block
     assert ids.tolist() == [[0] * 4] and pos.tolist() == [[0] * 4] and batch.positions.tolist() == [0] * 4

@@ -79,7 +79,7 @@ def test_each_fed_family_gives_generate_s_tokens_alone_beside_text_and_reused(fa
     first = user("Look at ", pictures[0], " and ", pictures[1], " then tell me.")
     want = reference(reference_model, processor, first, pictures, MAX_TOKENS)
     text_want = reference(reference_model, processor, user("Only words here, no pictures at all."), [], MAX_TOKENS)
-    vis = Vision(processor, vision.image_token_id(model.config))
+    vis = Vision(processor, vision.image_token_id(model.config), place=vision.Encoder(model).place)
 
     def prompt(messages):
         text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -110,6 +110,43 @@ def test_each_fed_family_gives_generate_s_tokens_alone_beside_text_and_reused(fa
     assert alone == want and with_image == want and text_only == text_want
     assert final.cached_tokens > spans2[-1].end  # both pictures' KV reused
     assert again == reference(reference_model, processor, second, pictures, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_m_rope_positions_are_transformers_own_through_chunks_and_paged_decode(family, tokenizer):
+    """Qwen2-VL's 3-D rotary: a picture's positions are its grid's, and the text after it goes
+    on from the grid's end. kvserve's positions for every window of a prompt (a prefill chunk)
+    are those of the model's `get_rope_index`, the shift after the prompt is its rope delta,
+    and an engine that cuts both pictures across chunks and decodes on the paged path (the
+    shift in the persistent decode buffer) gives `generate`'s tokens."""
+    from bench.architectures import Served
+    from tests.engines import run
+
+    model, processor = BUILDERS[family](copy.deepcopy(tokenizer), DEVICE, DTYPE)
+    reference_model = BUILDERS[family](copy.deepcopy(tokenizer), DEVICE, DTYPE)[0]
+    pictures = [picture(21), picture(22, (30, 60))]
+    messages = user("See ", pictures[0], " beside ", pictures[1], ", then answer.")
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids, spans = tokens(Vision(processor, vision.image_token_id(model.config), place=vision.Encoder(model).place), text,
+                        [read(p) for p in pictures], "messages")
+    inputs = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
+    want, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"])
+    assert all(s.shift < 0 for s in spans) and vision.shift(spans, len(ids)) == int(delta)
+    for first in range(len(ids)):
+        for n in (1, 5, len(ids) - first):
+            n = min(n, len(ids) - first)
+            got = vision.rope_positions(spans, first, n)
+            expected = want[:, 0, first : first + n].tolist()
+            if got is None:  # no picture in the window: 1-D, the index plus the shift
+                got = [[i + vision.shift(spans, i) for i in range(first, first + n)]] * 3
+            assert got == expected, (first, n)
+    served = Served(model, processor.tokenizer, max_batch_tokens=5, paged=True)
+    try:
+        request = GenerationRequest("m", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), images=spans)
+        got, _ = asyncio.run(run(served.engine, request))
+    finally:
+        served.stop()
+    assert got == reference(reference_model, processor, messages, pictures, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -239,17 +276,39 @@ async def test_a_restart_keeps_a_session_s_pictures(served_llava, tmp_path):
 
 
 def test_a_vision_family_not_fed_and_not_a_causal_lm_is_refused_by_name_at_load(tmp_path):
-    from transformers import Qwen2_5_VLConfig
+    from transformers import Qwen3VLConfig
 
     from server.engine.unsupported import UnsupportedModel
 
-    config = Qwen2_5_VLConfig(text_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-                                           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000},
-                              vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2})
+    config = Qwen3VLConfig(text_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000},
+                           vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2})
     config.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModel) as refused:
         load_model(str(tmp_path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
-    assert refused.value.feature == "vision-family" and "qwen2_5_vl" in str(refused.value)
+    assert refused.value.feature == "vision-family" and "qwen3_vl" in str(refused.value)
+
+
+def test_a_qwen_vl_checkpoint_loads_with_its_processor_or_is_refused_naming_torchvision(tokenizer, tmp_path):
+    """Qwen2-VL's processors hold a video processor, which needs torchvision even for images:
+    where it imports the checkpoint is served with its images; where not, the load is refused
+    by name, saying what is missing (not a traceback)."""
+    import importlib.util
+
+    from server.engine.unsupported import UnsupportedModel
+
+    model, processor = BUILDERS["qwen2_5_vl"](copy.deepcopy(tokenizer), DEVICE, DTYPE)
+    model.save_pretrained(tmp_path)
+    processor.tokenizer.save_pretrained(tmp_path)
+    processor.image_processor.save_pretrained(tmp_path)
+    load = lambda: load_model(str(tmp_path), cache_dir=tmp_path / "cache", device=DEVICE.type, dtype=str(DTYPE).removeprefix("torch."))  # noqa: E731
+    if importlib.util.find_spec("torchvision") is None:
+        with pytest.raises(UnsupportedModel) as refused:
+            load()
+        assert refused.value.feature == "vision-processor" and "torchvision" in str(refused.value)
+        return
+    loaded = load()
+    assert type(loaded.model).__name__ == "Qwen2_5_VLForConditionalGeneration" and vision.sees_images(loaded.model)
 
 
 async def test_images_stream_and_take_structured_output(served_llava):
