@@ -12,6 +12,7 @@ shape is what tests/server/test_vision.py serves.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 
 import numpy as np
@@ -100,12 +101,42 @@ def _images_only(processor_class):
     return type(processor_class.__name__, (processor_class,), {"check_argument_for_proper_class": check_argument_for_proper_class})
 
 
-def _qwen_vl(family: str, tokenizer, device, dtype, seed: int):
-    """(model, processor) of Qwen2-VL or Qwen2.5-VL (3-D M-RoPE: a picture's positions are its
-    grid's), tiny: 8x8 patches merged 2x2, so a 48x40 picture is 3x2 = 6 placeholders."""
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+_QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8, spatial_merge_size=2,
+                     temporal_patch_size=2, num_position_embeddings=16)
+_HYBRID = dict(layer_types=["linear_attention", "full_attention"], linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+               linear_num_value_heads=4)
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# family -> (processor class name, its text config beyond the common one, its vision config)
+_QWEN_VL = {
+    "qwen2_vl": ("Qwen2VLProcessor", {}, dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=8,
+                                             spatial_merge_size=2, temporal_patch_size=2)),
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", {}, dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                                   patch_size=8, spatial_merge_size=2, temporal_patch_size=2, window_size=32,
+                                                   fullatt_block_indexes=[1])),
+    # interleaved M-RoPE, and deepstack: encoder features added to the first text layers' output
+    # (their weights spread wider too, so that leaving them out moves the tokens)
+    "qwen3_vl": ("Qwen3VLProcessor", dict(head_dim=16, rope_parameters={**_MROPE, "mrope_interleaved": True}),
+                 dict(_QWEN3_VISION, deepstack_visual_indexes=[0, 1], initializer_range=0.3)),
+    "qwen3_vl_moe": ("Qwen3VLProcessor", dict(head_dim=16, rope_parameters={**_MROPE, "mrope_interleaved": True}, **_EXPERTS),
+                     dict(_QWEN3_VISION, deepstack_visual_indexes=[0, 1], initializer_range=0.3)),
+    # hybrids: gated delta-net layers beside attention, M-RoPE on half of each head
+    "qwen3_5": ("Qwen3VLProcessor", dict(head_dim=32, rope_parameters={**_MROPE, "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+                                         **_HYBRID), _QWEN3_VISION),
+    "qwen3_5_moe": ("Qwen3VLProcessor", dict(head_dim=32, rope_parameters={**_MROPE, "mrope_interleaved": True, "partial_rotary_factor": 0.5},
+                                             **_HYBRID, **_EXPERTS, shared_expert_intermediate_size=32), _QWEN3_VISION),
+}
+
+
+def qwen_vl(family: str, tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
+    """(model, processor) of a Qwen vision-language `family` (`_QWEN_VL`; 3-D M-RoPE: a
+    picture's positions are its grid's), tiny: 8x8 patches merged 2x2, so a 48x40 picture is
+    3x2 = 6 placeholders."""
+    import transformers
     from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    processor_name, text_extra, vision = _QWEN_VL[family]
     tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOKENS})
     template = TEMPLATE.replace(IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>")
     tokenizer.chat_template = template
@@ -114,34 +145,19 @@ def _qwen_vl(family: str, tokenizer, device, dtype, seed: int):
     # NOTE: weights 15x the default spread, so that the rope positions move the greedy tokens
     # (at the default, a tiny model's tokens do not change when a picture's shift is left out)
     text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, initializer_range=0.3,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    if family == "qwen2_5_vl":
-        from transformers import Qwen2_5_VLProcessor as Processor
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
-                      spatial_merge_size=2, temporal_patch_size=2, window_size=32, fullatt_block_indexes=[1])
-    else:
-        from transformers import Qwen2VLProcessor as Processor
-        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=8, spatial_merge_size=2,
-                      temporal_patch_size=2)
+                num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, initializer_range=0.3, rope_parameters=_MROPE) | text_extra
     config = AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
                                   video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
                                   vision_end_token_id=ids("<|vision_end|>"))
     model = AutoModelForImageTextToText.from_config(config).to(device=device, dtype=dtype).eval()
     images = Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=64 * 64)
-    processor = _images_only(Processor)(image_processor=images, tokenizer=tokenizer, video_processor=None, chat_template=template)
+    processor_class = _images_only(getattr(transformers, processor_name))
+    processor = processor_class(image_processor=images, tokenizer=tokenizer, video_processor=None, chat_template=template)
     return model, processor
 
 
-def qwen2_vl(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
-    return _qwen_vl("qwen2_vl", tokenizer, device, dtype, seed)
-
-
-def qwen2_5_vl(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
-    return _qwen_vl("qwen2_5_vl", tokenizer, device, dtype, seed)
-
-
-BUILDERS = {"llava": llava, "idefics3": idefics3, "qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl}
+BUILDERS = {"llava": llava, "idefics3": idefics3, **{family: functools.partial(qwen_vl, family) for family in _QWEN_VL}}
 
 
 def picture(seed: int, size: tuple[int, int] = (48, 40)) -> Image.Image:

@@ -115,17 +115,23 @@ def refuse_unfed_vision(config) -> None:
                                f"(it feeds {', '.join(sorted(vision.FAMILIES))}: docs/guides/images.md)")
 
 
-def load_processor(name_or_path: str, kwargs: dict) -> ProcessorMixin:
-    """A vision-language checkpoint's AutoProcessor, or UnsupportedModel naming why it cannot
-    be built (Qwen2-VL's family needs torchvision for its video processor, even for images)."""
+def load_processor(name_or_path: str, kwargs: dict, config) -> ProcessorMixin | None:
+    """A vision-language checkpoint's AutoProcessor. Where it cannot be built (Qwen2-VL's
+    families need torchvision for their video processor, even for images): None, with a
+    warning, for a family transformers also builds as a causal LM (served as text, its images
+    a 400); UnsupportedModel naming why for the others."""
     try:
         return AutoProcessor.from_pretrained(name_or_path, **kwargs)
-    except OSError:
-        raise
     except Exception as exc:  # noqa: BLE001 - transformers fails here in several types (an AttributeError without torchvision)
         hint = "" if importlib.util.find_spec("torchvision") else "; it may need torchvision (the build that matches your torch)"
         said = (str(exc).strip().splitlines() or [""])[0]
-        raise UnsupportedModel("vision-processor", f"its processor could not be built ({type(exc).__name__}: {said}){hint}") from exc
+        why = f"its processor could not be built ({type(exc).__name__}: {said}){hint}"
+        if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            log.warning("serving %s as text, without images: %s", config.model_type, why)
+            return None
+        if isinstance(exc, OSError):  # a file missing: the source's fault (ModelSourceError)
+            raise
+        raise UnsupportedModel("vision-processor", why) from exc
 
 
 def takes_images(config) -> bool:
@@ -255,7 +261,8 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
         refuse_unfed_vision(config)
         vision = takes_images(config)
-        processor = load_processor(name_or_path, kwargs) if vision else None
+        processor = load_processor(name_or_path, kwargs, config) if vision else None
+        vision = processor is not None
         if processor is not None and not tokenizer.chat_template and getattr(processor, "chat_template", None):
             tokenizer.chat_template = processor.chat_template  # the one template every prompt is rendered by
         if method is not None or torch_device.type == "cuda":

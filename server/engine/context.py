@@ -129,7 +129,10 @@ class StepContext:
     `adapters` [N]: each token's LoRA adapter slot (server/engine/lora.py; None: the base
     everywhere). `recurrent`: a hybrid's rows and state slots (server/engine/recurrent.py), whose
     writes are stored when the step's forward has run whole (`entered`). `observe(layer, key,
-    value)`: called before each layer attends (families.check's probe). `memo`: what a patch
+    value)`: called before each layer attends (families.check's probe). `deepstack`: the step's
+    picture positions [1, N] bool and, per deepstack layer, their feature rows [M, hidden] in
+    position order (Qwen3-VL: added to the first layers' output, server/engine/vision.py).
+    `memo`: what a patch
     computes once per step and reuses in every layer (masks, a shared product), keyed by its
     owner; it starts empty each time the context is entered.
     """
@@ -141,6 +144,7 @@ class StepContext:
     adapters: torch.Tensor | None = None
     recurrent: StepRows | None = None
     observe: Callable[[int, torch.Tensor, torch.Tensor], object] | None = None
+    deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
     memo: dict = field(default_factory=dict)
 
 

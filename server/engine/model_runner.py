@@ -299,7 +299,7 @@ class ModelRunner:
             if adapter_rows is not None:
                 flat_adapters += [adapter_rows[i]] * row.n
         keep = [starts[i] + rows[i].n - c + j for i, c in zip(logits_rows, counts) for j in range(c)]
-        pictured = [starts[i] + offset + j for i, pieces in enumerate(media or ()) for offset, f in pieces for j in range(f.shape[0])]
+        pictured = [starts[i] + offset + j for i, pieces in enumerate(media or ()) for offset, f in pieces for j in range(f.shape[1])]
         groups = [[rows[i] for i in singles]] if singles else []
         if self.paged and others:  # multi-token rows: one padded batch per width bucket
             widths: dict[int, list[Row]] = {}
@@ -321,7 +321,9 @@ class ModelRunner:
                              states=build_states(t["states"]) if build_states is not None else None)
         embeds = None
         if media is not None:  # the pictures' feature rows in place of their placeholders' embeddings
-            embeds = self.encoder.embed(t["ids"][None], t["pictured"], torch.cat([f for pieces in media for _, f in pieces]))
+            features = torch.cat([f for pieces in media for _, f in pieces], dim=1)
+            embeds = self.encoder.embed(t["ids"][None], t["pictured"], features)
+            step.deepstack = self.encoder.deepstack(len(flat_ids), t["pictured"], features)
         pos = t["positions"][None] if grids is None else t["grid"].view(3, 1, -1)
         logits = self._forward(t["ids"][None], pos, step, t["keep"], embeds=embeds)
         for row in rows:
@@ -662,7 +664,14 @@ def _lora(runner: ModelRunner) -> dict[str, str]:
     return {"lora": f"{len(runner.adapters.slots)} slots of rank {runner.adapters.rank}"}
 
 
-PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _recurrent, _rope, _experts, _merge, _linear, _exact, _lora)
+def _deepstack(runner: ModelRunner) -> dict[str, str]:
+    """Qwen3-VL's deepstack: the step's picture features reach its first text layers."""
+    if runner.encoder is None or not vision.install_deepstack(runner.model):
+        return {}
+    return {"deepstack": "on"}
+
+
+PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _recurrent, _rope, _deepstack, _experts, _merge, _linear, _exact, _lora)
 
 
 def _biased(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -8,15 +8,20 @@ restart's files) compares pictures by content. Two conversations with the same t
 different pictures never share KV; the same picture at the same place is reused. The model
 never sees those ids: `Encoder.embed` gives each such position its feature row instead.
 
-Where a family's rotary positions are 3-D (M-RoPE: Qwen2-VL, Qwen2.5-VL), a picture's positions
+Where a family's rotary positions are 3-D (M-RoPE: the Qwen families), a picture's positions
 are its grid's (time, row, column) from the position where it starts, and the text after it
 goes on from there, not from its index: the sequence's rope positions run `shift` ahead of (or
 behind) its KV index. `Encoder.place` asks the model's own `get_rope_index` for a picture's
 grid offsets and advance once, when its span is built; the runner adds each row's shift
 (`shift`) and writes a picture's 3-D positions (`rope_positions`).
 
-    features: [run length, hidden] per picture (the encoder's output, in the model's dtype)
+    features: [1 + deepstack layers, run length, hidden] per picture (the encoder's output, in
+              the model's dtype; Qwen3-VL's deepstack layers after the input rows)
     embeds:   [1, step tokens, hidden] (the step's flattened tokens, pictures' rows replaced)
+
+Qwen3-VL also adds encoder features to the output of its first text layers at the pictures'
+positions (deepstack): `install_deepstack` hands the step's rows (`StepContext.deepstack`) to
+its language model, which adds them as transformers' own forward does.
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ from dataclasses import dataclass
 
 import torch
 
+from server.engine import context
+
 DIGEST_CHUNKS = 4  # 63 bits of the 256-bit digest per position; four positions carry all of it
 # The families whose images are fed here, each checked against transformers' `generate`
 # (tests/server/test_vision.py). Another vision-language family is served as text, where
-# transformers builds it as a causal LM, or not at all: its images may move the text model's
-# attention (Gemma 3's bidirectional image spans) or add to its hidden states in several layers
-# (Qwen3-VL's deepstack).
-FAMILIES = frozenset({"llava", "idefics3", "qwen2_vl", "qwen2_5_vl"})
+# transformers builds it as a causal LM, or not at all: its images may change the text model's
+# attention (Gemma 3's bidirectional image spans).
+FAMILIES = frozenset({"llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 
 
 def key_ids(digest: str, length: int) -> list[int]:
@@ -116,7 +122,8 @@ class Encoder:
         return positions[:, 0, :length].clone(), int(positions[0, 0, length])
 
     def features(self, span: ImageSpan) -> torch.Tensor:
-        """[span.length, hidden] on the model's device: cached, or encoded now."""
+        """[1 + deepstack layers, span.length, hidden] on the model's device: cached, or
+        encoded now."""
         with self._lock:
             cached = self._cache.get(span.digest)
             if cached is not None:
@@ -128,10 +135,11 @@ class Encoder:
         t0 = time.perf_counter()
         inputs = {k: v.to(self.device) for k, v in span.inputs.items() if k in self._takes}
         with torch.inference_mode():
-            out = self._encode(**inputs, return_dict=True).pooler_output
-        features = torch.cat(list(out), dim=0) if isinstance(out, (list, tuple)) else out.reshape(-1, out.shape[-1])
-        if features.shape[0] != span.length:
-            raise ValueError(f"the encoder gave {features.shape[0]} feature rows for a picture of {span.length} placeholders")
+            out = self._encode(**inputs, return_dict=True)
+        layers = [out.pooler_output, *(getattr(out, "deepstack_features", None) or ())]
+        features = torch.stack([_rows(layer) for layer in layers])
+        if features.shape[1] != span.length:
+            raise ValueError(f"the encoder gave {features.shape[1]} feature rows for a picture of {span.length} placeholders")
         features = features.to(self.dtype)
         if self.metrics is not None:
             self.metrics.encoder_seconds.observe(time.perf_counter() - t0)
@@ -155,7 +163,7 @@ class Encoder:
 
     def rows(self, spans: Sequence[ImageSpan], first: int, n: int) -> list[tuple[int, torch.Tensor]]:
         """The feature rows a row computing positions [first, first + n) needs: (offset in the
-        row's tokens, features [m, hidden]) per picture it touches."""
+        row's tokens, features [1 + deepstack layers, m, hidden]) per run it touches."""
         out = []
         for span in spans:
             if span.end <= first or span.start >= first + n:
@@ -165,16 +173,55 @@ class Encoder:
             for start, length in span.runs:
                 lo, hi = max(start, first), min(start + length, first + n)
                 if lo < hi:
-                    out.append((lo - first, features[row + lo - start : row + hi - start]))
+                    out.append((lo - first, features[:, row + lo - start : row + hi - start]))
                 row += length
         return out
 
     def embed(self, ids: torch.Tensor, index: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """The step's input embeddings [1, N, hidden]: `ids` [1, N] looked up (the pictures'
-        positions hold a placeholder id), then `features` [M, hidden] written at `index` [M]."""
+        positions hold a placeholder id), then `features[0]` [M, hidden] written at `index` [M]."""
         embeds = self._embed(ids)
-        embeds[0, index] = features.to(embeds.dtype)
+        embeds[0, index] = features[0].to(embeds.dtype)
         return embeds
+
+    def deepstack(self, n: int, index: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The step's deepstack inputs (`StepContext.deepstack`) for `n` tokens, `features`
+        [1 + layers, M, hidden] at `index` [M]; None for a family without deepstack layers."""
+        if features.shape[0] == 1:
+            return None
+        order = torch.argsort(index)  # transformers takes them in position order
+        mask = torch.zeros(1, n, dtype=torch.bool, device=index.device)
+        mask[0, index] = True
+        return mask, list(features[1:, order])
+
+
+def _rows(features) -> torch.Tensor:
+    """An encoder output's feature rows [L, hidden] (a tuple per picture, or one tensor)."""
+    if isinstance(features, (list, tuple)):
+        return torch.cat(list(features), dim=0)
+    return features.reshape(-1, features.shape[-1])
+
+
+def install_deepstack(model) -> bool:
+    """Hand each step's deepstack rows (`StepContext.deepstack`) to `model`'s language model,
+    whose own forward adds them after its first layers; False (nothing installed) for a model
+    without deepstack. Calls outside a step (transformers' own `generate`) run as they were."""
+    language_model = getattr(model.base_model, "language_model", None)
+    if language_model is None or "deepstack_visual_embeds" not in inspect.signature(language_model.forward).parameters:
+        return False
+    if getattr(language_model, "_kvserve_deepstack", False):
+        return True
+    original = language_model.forward  # bound: transformers' decorated forward
+
+    def forward(*args, **kwargs):
+        step = context.current()
+        if step is not None and step.deepstack is not None and kwargs.get("deepstack_visual_embeds") is None:
+            kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"] = step.deepstack
+        return original(*args, **kwargs)
+
+    language_model.forward = forward
+    language_model._kvserve_deepstack = True
+    return True
 
 
 def shift(spans: Sequence[ImageSpan], length: int) -> int:

@@ -112,7 +112,7 @@ def test_each_fed_family_gives_generate_s_tokens_alone_beside_text_and_reused(fa
     assert again == reference(reference_model, processor, second, pictures, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", [f for f in sorted(BUILDERS) if f.startswith("qwen")])
 def test_m_rope_positions_are_transformers_own_through_chunks_and_paged_decode(family, tokenizer):
     """Qwen2-VL's 3-D rotary: a picture's positions are its grid's, and the text after it goes
     on from the grid's end. kvserve's positions for every window of a prompt (a prefill chunk)
@@ -275,18 +275,20 @@ async def test_a_restart_keeps_a_session_s_pictures(served_llava, tmp_path):
         assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < 8, other["usage"]
 
 
-def test_a_vision_family_not_fed_and_not_a_causal_lm_is_refused_by_name_at_load(tmp_path):
-    from transformers import Qwen3VLConfig
+def test_a_vision_family_not_fed_and_not_a_causal_lm_is_refused_by_name_at_load(tokenizer, tmp_path):
+    from transformers import Mistral3Config
 
     from server.engine.unsupported import UnsupportedModel
 
-    config = Qwen3VLConfig(text_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-                                        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000},
-                           vision_config={"depth": 1, "hidden_size": 32, "out_hidden_size": 64, "num_heads": 2})
+    config = Mistral3Config(text_config={"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 1000},
+                            vision_config={"model_type": "pixtral", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                           "intermediate_size": 64})
     config.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModel) as refused:
         load_model(str(tmp_path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
-    assert refused.value.feature == "vision-family" and "qwen3_vl" in str(refused.value)
+    assert refused.value.feature == "vision-family" and "mistral3" in str(refused.value)
 
 
 def test_a_qwen_vl_checkpoint_loads_with_its_processor_or_is_refused_naming_torchvision(tokenizer, tmp_path):
@@ -309,6 +311,18 @@ def test_a_qwen_vl_checkpoint_loads_with_its_processor_or_is_refused_naming_torc
         return
     loaded = load()
     assert type(loaded.model).__name__ == "Qwen2_5_VLForConditionalGeneration" and vision.sees_images(loaded.model)
+
+
+def test_a_qwen3_5_checkpoint_without_its_processor_is_served_as_text(tokenizer, tmp_path, caplog):
+    """Qwen3.5 is a causal LM to transformers as well: where its processor cannot be built (no
+    torchvision here, or none saved) it is served as text with a warning saying why, as it
+    was before its images were fed, rather than refused."""
+    model, processor = BUILDERS["qwen3_5"](copy.deepcopy(tokenizer), DEVICE, DTYPE)
+    model.save_pretrained(tmp_path)
+    processor.tokenizer.save_pretrained(tmp_path)  # no image processor: AutoProcessor cannot build one
+    loaded = load_model(str(tmp_path), cache_dir=tmp_path / "cache", device=DEVICE.type, dtype=str(DTYPE).removeprefix("torch."))
+    assert loaded.processor is None and not vision.sees_images(loaded.model)
+    assert "serving qwen3_5 as text, without images" in caplog.text
 
 
 async def test_images_stream_and_take_structured_output(served_llava):
@@ -339,7 +353,7 @@ def test_a_tiled_picture_is_looked_up_and_encoded_once_for_all_its_runs(tokenize
     assert all(len(span.runs) > 1 for span in spans)
     metrics = Metrics()
     rows = vision.Encoder(model, budget_bytes=0, metrics=metrics).rows(spans, 0, len(ids))
-    assert sum(f.shape[0] for _, f in rows) == sum(span.length for span in spans)
+    assert sum(f.shape[1] for _, f in rows) == sum(span.length for span in spans)
     sample = metrics.registry.get_sample_value
     assert sample("kvserve_vision_encoder_seconds_count") == 2
     assert sample("kvserve_vision_encoder_cache_lookups_total", {"result": "miss"}) == 2
