@@ -41,9 +41,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import transformers
@@ -275,11 +277,13 @@ def build(name: str, device: torch.device | str = "cpu", dtype: torch.dtype = to
 
 
 def tokenizer():
-    """SmolLM2's tokenizer (converting the default model once, if it is not yet)."""
+    """SmolLM2's tokenizer (converting the default model once, if it is not yet, into
+    $KVSERVE_CACHE_DIR as the server would)."""
     from server.model_loader import convert_gguf, default_gguf_path
     from server.settings import default_cache_dir
 
-    return AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path(), default_cache_dir()))
+    cache_dir = os.environ.get("KVSERVE_CACHE_DIR") or default_cache_dir()
+    return AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path(), Path(cache_dir)))
 
 
 # -- prompts and references --------------------------------------------------------------------

@@ -2,6 +2,7 @@
 against transformers' `generate` on the same weights, all in one process.
 
     .venv/bin/python -m bench.vision [--shape small] [--turns 3] [--max-tokens 32]
+    .venv/bin/python -m bench.vision --save DIR    # the tiny LLaVA as a checkpoint to serve
 
 Prints, per shape: a later turn of a conversation holding an image, its session reused vs
 prefilled afresh (TTFT); an image seen again without its KV, the encoder cache hit vs miss;
@@ -227,6 +228,7 @@ class _Served:
             async for chunk in self.engine.submit(request, asyncio.get_running_loop()):
                 out += [t.token_id for t in chunk.tokens]
                 first = first or (time.perf_counter() if out else None)
+                self.prefilled = (len(ids) - chunk.cached_tokens, len(ids))
             end = time.perf_counter()
             return out, first - start, (len(out) - 1) / max(end - first, 1e-9)
 
@@ -261,8 +263,16 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--save", metavar="DIR", help="write the tiny LLaVA (weights, processor, chat template) to DIR and exit: "
+                        "a vision-language checkpoint to serve (docs/guides/images.md)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    if args.save:
+        model, processor = llava(smollm2_tokenizer(), shape="tiny")
+        model.save_pretrained(args.save)
+        processor.save_pretrained(args.save)
+        print(f"a random-weight LLaVA in {args.save}")
+        return
     model, processor = llava(smollm2_tokenizer(), shape=args.shape)
     reference_model = llava(copy.deepcopy(processor.tokenizer), shape=args.shape)[0]  # the same weights, untouched
     a, b = picture(1, (320, 240)), picture(2, (240, 320))
@@ -275,18 +285,20 @@ def main() -> None:
                          {"role": "user", "content": f"And what about detail {k}? Tell me more about the ships."}]
         return messages
 
-    rows, identical, total = {}, 0, 0
+    rows, computed, identical, total = {}, {}, 0, 0
     for reuse in (True, False):
         served = _Served(model, processor, reuse)
         try:
-            ttfts = []
+            ttfts, prefilled = [], []
             for turn in range(args.turns):
                 out, ttft, _ = served.generate(conversation(turn), [a], args.max_tokens, session="s")
                 if turn:
                     ttfts.append(ttft)
+                    prefilled.append(served.prefilled)
                 want = reference(reference_model, processor, conversation(turn), [a], args.max_tokens)
                 identical, total = identical + (out == want), total + 1
             rows[reuse] = statistics.median(ttfts)
+            computed[reuse] = sum(n for n, _ in prefilled), sum(total for _, total in prefilled)
         finally:
             served.stop()
     served = _Served(model, processor, reuse=False)  # no KV kept: every request prefills its picture
@@ -306,6 +318,9 @@ def main() -> None:
     print("|---|---|---|---|")
     print(f"| later-turn TTFT with an image in the conversation (s): session reused / prefilled afresh | "
           f"{rows[True]:.3f} | {rows[False]:.3f} | **{rows[True] / rows[False]:.3f}** |")
+    print(f"| later turns' prompt tokens prefilled: session reused / afresh (the TTFT ratio's floor) | "
+          f"{computed[True][0]} of {computed[True][1]} | {computed[False][0]} of {computed[False][1]} | "
+          f"**{computed[True][0] / computed[False][0]:.3f}** |")
     print(f"| TTFT of an image seen again without its KV (s): encoder cache hit / miss | {hit:.3f} | {miss:.3f} | **{hit / miss:.3f}** |")
     print(f"| decode tokens/s, an image in the prompt: kvserve / generate | {with_image:.1f} | {gen_image:.1f} | **{with_image / gen_image:.2f}** |")
     print(f"| decode tokens/s, text only: kvserve / generate | {text_only:.1f} | {gen_text:.1f} | **{text_only / gen_text:.2f}** |")

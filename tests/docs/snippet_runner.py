@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ TIMEOUT_S = 120
 
 
 READY_TIMEOUT_S = 180
+SERVER_SETUP_TIMEOUT_S = 300
 
 
 class ServerPool:
@@ -36,11 +38,14 @@ class ServerPool:
         self._servers: dict[str, ServerProcess] = {}
         self._stack = contextlib.ExitStack()
 
-    def get(self, flags: str) -> ServerProcess:
-        """The server for `flags`; its `api_key` attribute is its first key, or None."""
+    def get(self, flags: str, prepare: Callable[[Path], None] | None = None) -> ServerProcess:
+        """The server for `flags`; its `api_key` attribute is its first key, or None.
+        `prepare(tmp)` runs once before it starts ({tmp}: its temp dir)."""
         if flags not in self._servers:
             tmp = self.work_dir / f"server-{len(self._servers)}"
             (tmp / "tmp").mkdir(parents=True)
+            if prepare is not None:
+                prepare(tmp / "tmp")
             argv = shlex.split(flags.replace("{tmp}", str(tmp / "tmp")))
             server = self._stack.enter_context(launch(tmp, *self.base_flags, *argv, ready_timeout_s=READY_TIMEOUT_S))
             server.api_key = api_key(argv, ())
@@ -66,7 +71,14 @@ def run(block: Block, pool: ServerPool, tmp: Path, repo: Path, server_env: dict[
         for serve in serves:
             _start_and_stop(block, serve, cwd, tmp, env)
         return ""
-    server = pool.get(block.server_flags)
+
+    def prepare(server_tmp: Path) -> None:
+        for setup in block.values("server-setup"):
+            setup = setup.replace("{tmp}", str(server_tmp))
+            _check_exit(block, f"server-setup `{setup}`", SERVER_SETUP_TIMEOUT_S,
+                        *_execute(["bash", "-euo", "pipefail", "-c", setup], cwd, tmp, env, SERVER_SETUP_TIMEOUT_S))
+
+    server = pool.get(block.server_flags, prepare)
     env |= {"OPENAI_BASE_URL": server.base_url, "OPENAI_API_KEY": server.api_key or "unused", "KVSERVE_URL": server.url}
     code = LOCAL_SERVER.sub(f"127.0.0.1:{server.port}", block.commands)
     if block.kind == "python":

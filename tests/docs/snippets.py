@@ -11,6 +11,9 @@ The convention, for whoever writes the docs:
     <!-- server: FLAGS -->     run against `kvserve serve FLAGS` ({tmp} = that server's temp
                                dir); without it, the default server. One server per distinct
                                FLAGS per test session.
+    <!-- server-setup: SHELL --> a bash command run once before that server starts, in a
+                               snippet directory ({tmp} as in `server`): what its flags need
+                               first (a model written by `python -m bench.vision --save`)
     <!-- setup: SHELL -->      a bash command run first, in the snippet's directory
     <!-- expect: REGEX -->     stdout must match (re.search, DOTALL); may repeat
 * A run: bash/sh/shell with `bash -euo pipefail -c`; console: only the `$ ` lines are commands
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LANGUAGES = {"bash": "shell", "sh": "shell", "shell": "shell", "console": "console", "python": "python", "py": "python"}
-MARKERS = ("not-run", "server", "setup", "expect")
+MARKERS = ("not-run", "server", "server-setup", "setup", "expect")
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _COMMENT = re.compile(r"^\s*<!--(?P<body>.*?)-->\s*$")
@@ -152,8 +155,10 @@ class Block:
         for name in ("not-run", "server"):
             if names.count(name) > 1:
                 out.append(f"{self.id}: more than one {name!r} marker")
-        if self.not_run is not None and set(names) & {"server", "setup", "expect"}:
+        if self.not_run is not None and set(names) & {"server", "server-setup", "setup", "expect"}:
             out.append(f"{self.id}: not-run together with server/setup/expect markers")
+        if "server-setup" in names and not self.server_flags:
+            out.append(f"{self.id}: a 'server-setup' marker without the 'server' whose start it prepares")
         for pattern in self.values("expect"):
             try:
                 re.compile(pattern)

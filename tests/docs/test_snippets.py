@@ -144,13 +144,18 @@ def test_convention_breaks_are_reported_by_file_and_line():
         "sample.md:6: 'server' marker not directly above a fence",
         "sample.md:16: 'expect' marker above a fence (it goes directly after the closing fence)",
         "sample.md:1: empty 'not-run' marker (give the reason)",
-        "sample.md:11: unknown marker 'skip' (known: not-run, server, setup, expect)",
+        "sample.md:11: unknown marker 'skip' (known: not-run, server, server-setup, setup, expect)",
         "sample.md:21: `Qwen/Qwen3-0.6B` downloads a model from the hub: mark it <!-- not-run: downloads a model from the hub -->",
         "sample.md:25: expect '[' is not a regex (unterminated character set at position 0)",
         "sample.md:25: mixes `kvserve serve` with other commands: split it, or mark it not-run",
         "sample.md:32: markers on a 'yaml' block, which is never run",
         "sample.md:36: must not run here: it (re)installs packages; the suite runs after `scripts/install.sh test`; mark it not-run",
     ]
+
+
+def test_a_server_setup_needs_the_server_it_prepares():
+    page = sample_page("<!-- server-setup: true -->\n```bash\ntrue\n```\n")
+    assert snippets.problems([page]) == ["sample.md:2: a 'server-setup' marker without the 'server' whose start it prepares"]
 
 
 def test_json_checks():
@@ -187,6 +192,8 @@ def test_runner_on_a_sample_page(server_pool, server_env, tmp_path):
     snippet_runner.run(allowed, server_pool, tmp_path / "allowed", REPO, server_env)
     fails("```python\nprint('hello')\n```\n<!-- expect: goodbye -->\n", r"bad.md:1: stdout does not match expect 'goodbye'")
     fails("```sh\necho partial; false\n```\n", r"(?s)bad.md:1: exited 1.*partial")
+    fails("<!-- server: --max-running 3 -->\n<!-- server-setup: echo preparing; exit 3 -->\n```sh\ntrue\n```\n",
+          r"(?s)bad.md:3: exited 3.*server-setup `echo preparing; exit 3`.*preparing")
     fails("```bash\nkvserve serve --max-running 0\n```\n", r"bad.md:1: `kvserve serve --max-running 0 --host 127.0.0.1 --port \d+` did not become ready")
 
 

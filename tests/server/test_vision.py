@@ -357,3 +357,53 @@ def test_a_tiled_picture_is_looked_up_and_encoded_once_for_all_its_runs(tokenize
     sample = metrics.registry.get_sample_value
     assert sample("kvserve_vision_encoder_seconds_count") == 2
     assert sample("kvserve_vision_encoder_cache_lookups_total", {"result": "miss"}) == 2
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def thinking_llava(tokenizer):
+    """A tiny LLaVA that thinks and calls tools as Qwen3 does (tests/thinking.py's markers and
+    template, the template taught to render image parts and tool results holding them)."""
+    from tests import thinking
+
+    model, processor = llava(thinking.family_tokenizer(tokenizer, "qwen3"), DEVICE, DTYPE)
+    # the messages loop's content: text parts and an image token per image part (the first
+    # `set content` reads the last query's text, which stays a string's)
+    content = "{%- set content = m.content if m.content is string else '' -%}"
+    template = thinking.QWEN3_TEMPLATE.strip()
+    at = template.rindex(content)
+    parts = "{%- set content = m.content if m.content is string else (m.content | map(attribute='text', default='<image>') | join('')) -%}"
+    template = template[:at] + parts + template[at + len(content):]
+    processor.tokenizer.chat_template = processor.chat_template = template
+    model.generation_config.eos_token_id = thinking.end_of_turn_ids(processor.tokenizer)
+    return LoadedModel(model, processor.tokenizer, "tiny-thinking-llava", DEVICE, DTYPE, 2048, processor=processor)
+
+
+async def test_images_with_thinking_a_forced_tool_call_and_a_tool_result_holding_an_image(thinking_llava):
+    """A picture in the question: the model thinks (the budget ends it), then calls the tool
+    (forced); the call's result comes back as a tool message holding a second picture, on the
+    same session: the next turn reuses the first's KV, picture included, and counts both
+    pictures' tokens."""
+    ask = [{"role": "user", "content": chat_parts("What is the weather where ", picture(31), " was taken?")}]
+    async with openai_client(thinking_llava) as (client, http):
+        first = await client.chat.completions.create(
+            model="tiny-thinking-llava", messages=ask, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+            temperature=0, max_tokens=80, prompt_cache_key="trip", extra_body={"max_reasoning_tokens": 4})
+        choice = first.choices[0]
+        reasoning = (choice.message.model_extra or {}).get("reasoning_content")
+        assert reasoning and "<tool_call>" not in reasoning
+        assert first.usage.completion_tokens_details.reasoning_tokens == 4 + 2  # <think> (opened before the grammar), 4, </think>
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        result = [{"type": "text", "text": "Sunny; the sky looks like "}, {"type": "image_url", "image_url": {"url": data_url(picture(32))}}]
+        follow = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                        {"role": "tool", "tool_call_id": call.id, "content": result}]
+        second = await client.chat.completions.create(model="tiny-thinking-llava", messages=follow, tools=[WEATHER], temperature=0,
+                                                      max_tokens=6, prompt_cache_key="trip", extra_body={"max_reasoning_tokens": 2})
+        picture_tokens = 16  # the tiny shape's placeholders a picture
+        assert second.usage.prompt_tokens > first.usage.prompt_tokens + picture_tokens
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
