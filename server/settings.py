@@ -119,7 +119,8 @@ class Settings(BaseSettings):
         600.0, gt=0, description="A request still running after this many seconds is ended (504)."
     )
     max_body_bytes: int = Field(
-        4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413."
+        4 * 1024 * 1024, ge=1024, description="Larger request bodies get 413. Serving a vision-language model, the limit "
+        "grows by room for --max-request-image-bytes of images as base64 data: URLs."
     )
     session_reuse: bool = Field(
         True, description="Keep each session's KV cache between requests (off: every request prefills)."

@@ -56,6 +56,15 @@ class AppState:
         self.draining = False
 
     @property
+    def body_limit(self) -> int:
+        """The largest request body: --max-body-bytes, plus room for --max-request-image-bytes of
+        images written as base64 data: URLs once a vision-language model serves."""
+        limit = self.settings.max_body_bytes
+        if self.ctx is not None and self.ctx.vision is not None:
+            limit += 4 * -(-self.settings.max_request_image_bytes // 3)
+        return limit
+
+    @property
     def ready(self) -> bool:
         return self.ctx is not None and not self.draining and self.ctx.engine.dead is None
 
@@ -141,7 +150,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle, loaded: LoadedModel | N
     metrics.watch_response_store(state.responses)
     # The last added runs first: metrics see every request, auth runs before any body is read.
     app.add_middleware(HeadAsGet)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=lambda: state.body_limit)
     app.add_middleware(Auth, keys=settings.api_keys(), metrics=metrics)
     app.add_middleware(RequestMetrics, metrics=metrics)
     return app

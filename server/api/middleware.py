@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Callable
 
 from server.api.errors import APIError
 from server.metrics import Metrics
@@ -31,17 +32,20 @@ async def _send_error(send, error: APIError) -> None:
 
 
 class BodyLimit:
-    """Buffers the request body up to `max_bytes`; larger bodies get 413 before any parsing."""
+    """Buffers the request body up to `limit()` bytes (read per request: it grows once a
+    vision-language model is loaded, `AppState.body_limit`); larger bodies get 413 before any
+    parsing."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, limit: Callable[[], int]) -> None:
+        self.app, self.limit = app, limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "DELETE", "OPTIONS"):
             return await self.app(scope, receive, send)
-        too_large = APIError(413, f"request body larger than {self.max_bytes} bytes", code="request_too_large")
+        max_bytes = self.limit()
+        too_large = APIError(413, f"request body larger than {max_bytes} bytes", code="request_too_large")
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             return await _send_error(send, too_large)
         chunks, size = [], 0
         while True:
@@ -50,7 +54,7 @@ class BodyLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
+            if size > max_bytes:
                 return await _send_error(send, too_large)
             if not message.get("more_body", False):
                 break

@@ -222,6 +222,22 @@ async def test_bad_images_are_400s_naming_the_part_and_the_server_keeps_serving(
         assert fine.status_code == 200, fine.text
 
 
+async def test_a_photo_larger_than_the_text_body_limit_is_taken(served_llava, smollm2):
+    """An inline photo of a few MB is bigger than --max-body-bytes (4 MiB, sized for text): a
+    vision-language model's limit has room for --max-request-image-bytes of base64 images,
+    a text-only model's stays as it was."""
+    photo = data_url(picture(41, (1400, 1000)))  # random pixels: PNG does not shrink them
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi "}, {"type": "image_url", "image_url": {"url": photo}}]}]}
+    assert len(photo) > 4 * 2**20
+    async with openai_client(served_llava) as (client, http):
+        taken = await http.post("/v1/chat/completions", json={"model": "tiny-llava", **body})
+        assert taken.status_code == 200, taken.text[:300]
+    async with openai_client(smollm2) as (client, http):
+        refused = await http.post("/v1/chat/completions", json={"model": smollm2.model_id, **body})
+        assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+
+
 async def test_a_text_only_model_refuses_images_by_name(smollm2):
     async with openai_client(smollm2) as (client, http):
         response = await http.post("/v1/chat/completions", json={"model": smollm2.model_id, "max_tokens": 2, "messages": [
