@@ -64,24 +64,36 @@ IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>", "<end_of_utteran
     f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 
 
-def idefics3(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
-    """(model, processor): Idefics3 (SmolVLM's family) with image splitting, so a picture is a
-    global view plus tiles, each tile's 4 placeholders between row/column markers; tiny."""
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor, Idefics3VisionConfig, LlamaConfig
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+def idefics3(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0, family: str = "idefics3"):
+    """(model, processor): Idefics3 (or SmolVLM, its successor: `family`) with image splitting,
+    so a picture is a global view plus tiles, each tile's 4 placeholders between row/column
+    markers; tiny."""
+    import importlib
 
+    import transformers
+    from transformers import LlamaConfig
+
+    prefix = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[family]
+    module = getattr(transformers.models, family)
+    image_processor = getattr(importlib.import_module(f"transformers.models.{family}.image_processing_pil_{family}"),
+                              f"{prefix}ImageProcessorPil")
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, *IDEFICS3_TOKENS]})
     tokenizer.chat_template = TEMPLATE
     torch.manual_seed(seed)
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                  image_size=32, patch_size=8)
-    config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(), scale_factor=2,
-                            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
-    model = Idefics3ForConditionalGeneration(config).to(device=device, dtype=dtype).eval()
-    images = Idefics3ImageProcessorPil(do_image_splitting=True, size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
-    processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=TEMPLATE)
+    vision = getattr(module, f"{prefix}VisionConfig")(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                                     image_size=32, patch_size=8)
+    config = getattr(module, f"{prefix}Config")(vision_config=vision.to_dict(), text_config=text.to_dict(), scale_factor=2,
+                                               image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    model = getattr(module, f"{prefix}ForConditionalGeneration")(config).to(device=device, dtype=dtype).eval()
+    images = image_processor(do_image_splitting=True, size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor_class = getattr(module, f"{prefix}Processor")
+    if family == "smolvlm":  # a video processor of its own (torchvision): none here
+        processor = _images_only(processor_class)(image_processor=images, tokenizer=tokenizer, video_processor=None, image_seq_len=4,
+                                                  chat_template=TEMPLATE)
+    else:
+        processor = processor_class(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=TEMPLATE)
     return model, processor
 
 
@@ -158,7 +170,37 @@ def qwen_vl(family: str, tokenizer, device="cpu", dtype=torch.float32, seed: int
     return model, processor
 
 
-BUILDERS = {"llava": llava, "idefics3": idefics3, **{family: functools.partial(qwen_vl, family) for family in _QWEN_VL}}
+GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def gemma3(tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
+    """(model, processor): Gemma 3, whose picture (4 soft tokens between its start and end
+    markers here) attends to itself whole; sliding-window and full layers; tiny."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA3_TOKENS})
+    ids = tokenizer.convert_tokens_to_ids
+    # the names Gemma3Processor reads off a Gemma tokenizer
+    tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token = GEMMA3_TOKENS
+    tokenizer.boi_token_id, tokenizer.eoi_token_id, tokenizer.image_token_id = map(ids, GEMMA3_TOKENS)
+    template = TEMPLATE.replace(IMAGE_TOKEN, GEMMA3_TOKENS[0])
+    tokenizer.chat_template = template
+    torch.manual_seed(seed)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"], bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=ids(GEMMA3_TOKENS[0]),
+                          eoi_token_index=ids(GEMMA3_TOKENS[1]), image_token_index=ids(GEMMA3_TOKENS[2]))
+    model = Gemma3ForConditionalGeneration(config).to(device=device, dtype=dtype).eval()
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    processor = Gemma3Processor(image_processor=images, tokenizer=tokenizer, chat_template=template, image_seq_length=4)
+    return model, processor
+
+
+BUILDERS = {"llava": llava, "idefics3": idefics3, "smolvlm": functools.partial(idefics3, family="smolvlm"), "gemma3": gemma3, **{family: functools.partial(qwen_vl, family) for family in _QWEN_VL}}
 
 
 def picture(seed: int, size: tuple[int, int] = (48, 40)) -> Image.Image:
@@ -197,7 +239,7 @@ class _Served:
         cache = CacheManager(model.config, model.device, model.dtype, 2048, CacheConfig(budget_bytes=2**30, reuse=reuse), self.metrics)
         self.engine = Engine(model, processor.tokenizer, EngineConfig(max_context=2048, max_batch_tokens=2048), cache, metrics=self.metrics)
         self.engine.start()
-        self.vision = Vision(processor, vision.image_token_id(model.config), place=self.engine.runner.encoder.place)
+        self.vision = Vision(processor, vision.image_token_id(model.config), span=self.engine.runner.encoder.span)
 
     def prompt(self, messages: list[dict], pictures: list[Image.Image]):
         from server.api.media import MediaLimits, decode

@@ -199,7 +199,7 @@ def vision(settings: Settings, loaded: LoadedModel, engine: Engine) -> vision_pr
         allowed_domains=tuple(settings.allowed_media_domains), fetch_timeout_s=settings.media_fetch_timeout_s,
     )
     encoder = engine.runner.encoder
-    return vision_prompt.Vision(loaded.processor, encoder.placeholder, limits, place=encoder.place)
+    return vision_prompt.Vision(loaded.processor, encoder.placeholder, limits, span=encoder.span)
 
 
 def build_cache_manager(settings: Settings, loaded: LoadedModel, metrics: Metrics, max_context: int, budget_bytes: int, mode: str) -> CacheManager:

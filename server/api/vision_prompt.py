@@ -31,9 +31,9 @@ class Vision:
     limits: media.MediaLimits = field(default_factory=media.MediaLimits)
     fetcher: media.Fetcher | None = None  # with limits.allowed_domains: remote images fetched through it
     settings: str = ""  # the image processor's settings, part of every picture's digest
-    # a picture's rope grid and advance from its encoder inputs and placeholder count, where the
-    # model's positions are 3-D (server/engine/vision.Encoder.place); None: 1-D positions
-    place: Callable[[Mapping[str, torch.Tensor], int], tuple[torch.Tensor | None, int]] | None = None
+    # a picture's span (runs, digest, encoder inputs) as the model takes it: its rope grid where
+    # positions are 3-D, whether it attends to itself whole (server/engine/vision.Encoder.span)
+    span: Callable[[tuple[tuple[int, int], ...], str, Mapping[str, torch.Tensor]], ImageSpan] = ImageSpan
 
     def __post_init__(self) -> None:
         if not self.settings:
@@ -80,11 +80,9 @@ def tokens(vision: Vision, text: str, images: list[media.Image], prompt_param: s
             count -= mine[-1][1]
         if count or not mine:
             break
-        inputs = {k: v for k, v in alone.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-        length = sum(n for _, n in mine)
-        grid, advance = vision.place(inputs, length) if vision.place is not None else (None, None)
+        inputs = {k: v for k, v in alone.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")}
         digest = hashlib.sha256(f"{image.digest}\n{vision.settings}".encode()).hexdigest()
-        spans.append(ImageSpan(tuple(mine), digest, inputs, grid, advance))
+        spans.append(vision.span(tuple(mine), digest, inputs))
     if len(spans) != len(images) or runs:
         raise APIError(400, f"the chat template placed the request's {len(images)} images otherwise than the model's processor "
                        "expands them; images are taken where the model's template renders them", code="invalid_value",

@@ -236,7 +236,8 @@ def _mask(row: Row, layer: int, first: int, n_keys: int, groups: int, dtype: tor
     mask = row.masks.get(window)
     if mask is None:
         device = row.kv.pool.device
-        allowed = _causal(row.kv.length, row.n, torch.arange(first, first + n_keys, device=device), window)
+        reach = None if row.reach is None else torch.tensor(row.reach, device=device)[:, None]
+        allowed = _causal(row.kv.length, row.n, torch.arange(first, first + n_keys, device=device), window, reach)
         mask = row.masks[window] = additive(allowed, dtype).repeat(groups, 1)
     return mask
 
@@ -341,10 +342,11 @@ def _spans(row: Row, layer: int, first: int, groups: int, query: torch.Tensor) -
     return spans
 
 
-def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Bool [n, L]: query at position start+i sees keys at positions <= its own (and, with a
-    window, > its own - window: transformers' sliding-window rule)."""
-    return context.visible(key_positions[None, :], torch.arange(start, start + n, device=key_positions.device)[:, None], window)
+def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None, reach: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool [n, L]: query at position start+i sees keys at positions <= its own (or its
+    `reach` [n, 1]: `context.visible`; and, with a window, > its own - window: transformers'
+    sliding-window rule)."""
+    return context.visible(key_positions[None, :], torch.arange(start, start + n, device=key_positions.device)[:, None], window, reach)
 
 
 def _attend(q, keys, values, mask, scale, softcap, sinks=None):

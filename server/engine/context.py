@@ -44,6 +44,7 @@ class Row:
     n: int
     offset: int = 0
     shift: int = 0
+    reach: list[int] | None = None  # the last position each token sees (a whole picture's: vision.reach); None: its own
     slots: torch.Tensor | None = None  # slot of every position 0..length+n-1, when gathered
     masks: dict = field(default_factory=dict)  # window -> the row's additive mask
 
@@ -61,9 +62,10 @@ class Batch:
     in place by block table: no gather index, no masks."""
 
     def __init__(self, pool: kv.Pool, slots: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
-                 width: int = 1, tokens: torch.Tensor | None = None, real: torch.Tensor | None = None, kernel: bool = False) -> None:
+                 width: int = 1, tokens: torch.Tensor | None = None, real: torch.Tensor | None = None, kernel: bool = False,
+                 reach: torch.Tensor | None = None) -> None:
         self.pool, self.slots, self.tables, self.positions = pool, slots, tables, positions
-        self.width, self.tokens, self.real = width, tokens, real
+        self.width, self.tokens, self.real, self.reach = width, tokens, real, reach
         self.kernel = kernel and width == 1
         self.token_slots: torch.Tensor | None = None
         self.targets: torch.Tensor | None = None  # tokens[real]: where the real outputs go
@@ -84,9 +86,10 @@ class Batch:
         self.token_slots = (self.tables[:, :, None] * bs + offsets).flatten(1)
         keys = torch.arange(self.token_slots.shape[1], device=self.tables.device)[None, None, :]
         queries = self.positions.view(self.size, self.width, 1)
+        reach = None if self.reach is None else self.reach.view(self.size, self.width, 1)
         self.masks = {}
         for window in set(self.pool.layout.windows):
-            mask = additive(visible(keys, queries, window), dtype)
+            mask = additive(visible(keys, queries, window, reach), dtype)
             # a KV head's query heads side by side, as `_attend_batch` folds them (one query
             # per row: the same mask for each, broadcast)
             self.masks[window] = (mask.repeat(1, groups, 1) if self.width > 1 else mask)[:, None]
@@ -180,11 +183,12 @@ def entered(context: StepContext) -> Iterator[StepContext]:
             context.recurrent.finish(stored=finished)
 
 
-def visible(keys: torch.Tensor, queries: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Which keys each query sees, by position (broadcast): those at or before its own and,
-    with a sliding window, after its own - window (transformers' rule). The one causal rule of
-    every torch attention path; the Triton kernels write it in their own terms."""
-    allowed = keys <= queries
+def visible(keys: torch.Tensor, queries: torch.Tensor, window: int | None, reach: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each query sees, by position (broadcast): those at or before its own (or its
+    `reach`: a picture that attends to itself whole, server/engine/vision.py) and, with a
+    sliding window, after its own - window (transformers' rule). The one causal rule of every
+    torch attention path; the Triton kernels write it in their own terms."""
+    allowed = keys <= (queries if reach is None else reach)
     if window is not None:
         allowed &= keys > queries - window
     return allowed

@@ -195,7 +195,10 @@ class Engine:
             exact=config.exact,
             adapters=adapters,
             merge=True,
-            encoder=vision.Encoder(model, config.encoder_cache_bytes, metrics) if vision.sees_images(model) else None,
+            # NOTE: exact mode's attention spans do not reach across a whole picture (Gemma 3):
+            # such a model serves text there, its images a 400
+            encoder=vision.Encoder(model, config.encoder_cache_bytes, metrics)
+            if vision.sees_images(model) and not (config.exact and model.config.model_type in vision.WHOLE) else None,
         )
         self.scheduler = Scheduler(config.max_batch_tokens, config.max_running, chunk_alone=self.runner.paged)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
@@ -777,8 +780,8 @@ class Engine:
         if row.draft is not None:
             self.speculator.discard(row)
             return [Plan([ScheduledRow(row.seq, row.n_tokens)])]
-        if row.n_tokens > 1:
-            return [Plan([ScheduledRow(row.seq, row.n_tokens // 2)])]
+        if row.n_tokens > 1 and (half := row.seq.fit(row.n_tokens // 2)) < row.n_tokens:
+            return [Plan([ScheduledRow(row.seq, half)])]
         return []
 
     def _relax(self) -> None:

@@ -226,7 +226,10 @@ class ModelRunner:
         """A scheduled row's part of the step: `n` tokens, and its rope shift where pictures
         move its positions (server/engine/vision.py)."""
         images = row.seq.request.images if self.encoder is not None else ()
-        return Row(row.seq.cache, n, shift=vision.shift(images, row.seq.n_computed) if images else 0)
+        if not images:
+            return Row(row.seq.cache, n)
+        first = row.seq.n_computed
+        return Row(row.seq.cache, n, shift=vision.shift(images, first), reach=vision.reach(images, first, n))
 
     @torch.inference_mode()
     def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int]) -> StepOutput:
@@ -469,8 +472,11 @@ class ModelRunner:
         lists["tokens"] = [r.offset + min(t, r.n - 1) for r in rows for t in range(width)]
         lists["real"] = [i * width + t for i, r in enumerate(rows) for t in range(r.n)]
         every = len(lists["real"]) == len(lists["tokens"])
+        if any(r.reach is not None for r in rows):  # a picture that attends to itself whole (padding: as positions)
+            lists["reach"] = [r.reach[min(t, r.n - 1)] if r.reach is not None else p
+                              for r, chunk in zip(rows, _chunks(positions, width)) for t, p in enumerate(chunk)]
         return lists, lambda t: Batch(self.pool, t["slots"], t["tables"].view(size, blocks), t["positions"], width, t["tokens"],
-                                      None if every else t["real"])
+                                      None if every else t["real"], reach=t.get("reach"))
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext, keep: torch.Tensor | None,
                  model: Callable[..., object] | None = None, embeds: torch.Tensor | None = None,
@@ -662,6 +668,11 @@ def _lora(runner: ModelRunner) -> dict[str, str]:
         return {}
     runner.adapters.attach()  # after packing: the adapters' wrappers run the packed layers
     return {"lora": f"{len(runner.adapters.slots)} slots of rank {runner.adapters.rank}"}
+
+
+def _chunks(values: list[int], width: int) -> list[list[int]]:
+    """`values` in consecutive pieces of `width`."""
+    return [values[i : i + width] for i in range(0, len(values), width)]
 
 
 def _deepstack(runner: ModelRunner) -> dict[str, str]:

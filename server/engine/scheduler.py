@@ -52,6 +52,10 @@ class Schedulable(Protocol):
         """The most tokens its next prefill chunk may take (a hybrid model pauses one token
         before its prompt's end: `Sequence.chunk_limit`)."""
 
+    def fit(self, n: int) -> int:
+        """A chunk of `n` tokens from here, or as many as end where it may (a picture computed
+        in one pass: `Sequence.fit`)."""
+
 
 @dataclass(slots=True)
 class ScheduledRow:
@@ -137,6 +141,7 @@ class Scheduler:
             n = min(seq.chunk_limit, max(budget, 1 if i == 0 else 0))
             if n <= 0:
                 break
+            n = seq.fit(n)
             rows.append(ScheduledRow(seq, n))
             budget -= n
         return Plan(rows)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cache_manager import kv
+from server.engine import vision
 from server.engine.detokenizer import TextStream
 from server.engine.reasoning import Reasoning, ReasoningSpec
 from server.engine.sampling import SamplingParams, make_generator
@@ -223,6 +224,11 @@ class Sequence:
         if self.cache is not None and self.cache.state is not None and self.n_computed < stop:
             return min(self.num_pending, stop - self.n_computed)
         return self.num_pending
+
+    def fit(self, n: int) -> int:
+        """A chunk of `n` tokens from here, or as many as end outside a picture that is
+        computed in one pass (`vision.fit`: Gemma 3's)."""
+        return vision.fit(self.request.images, self.n_computed, n) if self.request.images else n
 
     def pending_ids(self, n: int) -> list[int]:
         """The next `n` tokens to compute."""

@@ -11,7 +11,7 @@ never sees those ids: `Encoder.embed` gives each such position its feature row i
 Where a family's rotary positions are 3-D (M-RoPE: the Qwen families), a picture's positions
 are its grid's (time, row, column) from the position where it starts, and the text after it
 goes on from there, not from its index: the sequence's rope positions run `shift` ahead of (or
-behind) its KV index. `Encoder.place` asks the model's own `get_rope_index` for a picture's
+behind) its KV index. `Encoder.span` asks the model's own `get_rope_index` for a picture's
 grid offsets and advance once, when its span is built; the runner adds each row's shift
 (`shift`) and writes a picture's 3-D positions (`rope_positions`).
 
@@ -22,6 +22,11 @@ grid offsets and advance once, when its span is built; the runner adds each row'
 Qwen3-VL also adds encoder features to the output of its first text layers at the pictures'
 positions (deepstack): `install_deepstack` hands the step's rows (`StepContext.deepstack`) to
 its language model, which adds them as transformers' own forward does.
+
+Gemma 3's picture attends to itself whole (bidirectional attention over its placeholder run;
+the text stays causal): a `whole` picture is computed in one pass (`fit` ends a prefill chunk
+outside it), and each of its tokens sees up to the run's last position (`reach`, which the
+attention's masks take: `context.visible`).
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ from server.engine import context
 DIGEST_CHUNKS = 4  # 63 bits of the 256-bit digest per position; four positions carry all of it
 # The families whose images are fed here, each checked against transformers' `generate`
 # (tests/server/test_vision.py). Another vision-language family is served as text, where
-# transformers builds it as a causal LM, or not at all: its images may change the text model's
-# attention (Gemma 3's bidirectional image spans).
-FAMILIES = frozenset({"llava", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
+# transformers builds it as a causal LM, or not at all.
+FAMILIES = frozenset({"llava", "idefics3", "smolvlm", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                      "qwen3_5_moe"})
+WHOLE = frozenset({"gemma3"})  # families whose picture attends to itself whole (transformers' token_type_ids blocks)
 
 
 def key_ids(digest: str, length: int) -> list[int]:
@@ -60,15 +66,17 @@ class ImageSpan:
     tensors for it alone (`pixel_values` and whatever else the family's encoder takes). The
     encoder's feature rows follow the runs' positions in order.
 
-    `grid` (M-RoPE families, `Encoder.place`): each placeholder's rotary position [3, length]
+    `grid` (M-RoPE families, `Encoder.span`): each placeholder's rotary position [3, length]
     (time, row, column) from the picture's first, and `advance`, how far the picture moves
-    the next text position; None and the length elsewhere."""
+    the next text position; None and the length elsewhere. `whole`: each run attends to
+    itself whole (Gemma 3: `WHOLE`), so it is computed in one pass."""
 
     runs: tuple[tuple[int, int], ...]
     digest: str
     inputs: Mapping[str, torch.Tensor]
     grid: torch.Tensor | None = None
     advance: int | None = None
+    whole: bool = False
 
     @property
     def length(self) -> int:
@@ -108,18 +116,20 @@ class Encoder:
         self.placeholder: int = image_token_id(model.config)
         self._rope_index: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = getattr(base, "get_rope_index", None)
         self.shifts = self._rope_index is not None  # whether pictures move the rope positions after them (M-RoPE)
+        self.whole = model.config.model_type in WHOLE  # whether a picture attends to itself whole
 
-    def place(self, inputs: Mapping[str, torch.Tensor], length: int) -> tuple[torch.Tensor | None, int]:
-        """(grid, advance) of a picture of `length` placeholders and processor `inputs` (see
-        `ImageSpan`): the model's `get_rope_index` over the picture followed by one text token;
-        (None, length) where the family's positions are 1-D."""
+    def span(self, runs: tuple[tuple[int, int], ...], digest: str, inputs: Mapping[str, torch.Tensor]) -> ImageSpan:
+        """The `ImageSpan` of a picture at `runs`, as this model takes it: where its positions
+        are 3-D, its grid and advance (the model's `get_rope_index` over the picture followed
+        by one text token), and whether it attends to itself whole (`WHOLE`)."""
+        length = sum(n for _, n in runs)
         if self._rope_index is None:
-            return None, length
+            return ImageSpan(runs, digest, inputs, whole=self.whole)
         ids = torch.full((1, length + 1), self.placeholder, dtype=torch.long)
         kinds = torch.ones_like(ids, dtype=torch.int)
         ids[0, -1], kinds[0, -1] = 0, 0  # the text token after the picture: where the next position lands
         positions, _ = self._rope_index(ids, mm_token_type_ids=kinds, image_grid_thw=inputs["image_grid_thw"].cpu())
-        return positions[:, 0, :length].clone(), int(positions[0, 0, length])
+        return ImageSpan(runs, digest, inputs, positions[:, 0, :length].clone(), int(positions[0, 0, length]), self.whole)
 
     def features(self, span: ImageSpan) -> torch.Tensor:
         """[1 + deepstack layers, span.length, hidden] on the model's device: cached, or
@@ -249,6 +259,32 @@ def rope_positions(spans: Sequence[ImageSpan], first: int, n: int) -> list[list[
                     axis[i - first] = base + offsets[k + i - start]
             k += length
     return out
+
+
+def reach(spans: Sequence[ImageSpan], first: int, n: int) -> list[int] | None:
+    """The last position each token at [first, first + n) sees: a `whole` picture's token the
+    end of its run, any other its own; None where no such picture is among them."""
+    runs = [(start, length) for s in spans if s.whole for start, length in s.runs if start < first + n and start + length > first]
+    if not runs:
+        return None
+    out = list(range(first, first + n))
+    for start, length in runs:
+        for i in range(max(start, first), min(start + length, first + n)):
+            out[i - first] = start + length - 1
+    return out
+
+
+def fit(spans: Sequence[ImageSpan], first: int, n: int) -> int:
+    """`n` tokens from `first`, or as many as end outside a `whole` picture's run: cut back to
+    its start, or grown to its end where the chunk starts at it (a picture is computed in one
+    pass, even past the step's token budget)."""
+    for span in spans:
+        if not span.whole:
+            continue
+        for start, length in span.runs:
+            if start < first + n < start + length:
+                n = start - first if start > first else start + length - first
+    return n
 
 
 def serves(config) -> bool:

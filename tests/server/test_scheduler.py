@@ -15,9 +15,16 @@ class Seq:
     num_pending: int
     session_key: str | None = None
 
+    whole: tuple[int, int] | None = None  # a (start, end) of pending tokens a chunk must not end inside
+
     @property
     def chunk_limit(self) -> int:
         return self.num_pending
+
+    def fit(self, n: int) -> int:
+        if self.whole is not None and self.whole[0] < n < self.whole[1]:
+            return self.whole[0] or self.whole[1]
+        return n
 
 
 def decode(name, pending=1):
@@ -135,3 +142,10 @@ def test_a_failing_reservation_refuses_that_sequence_only():
     pool = Pool(room=5, broken={"b"})
     out = Scheduler(512).admit(waiting(("a", None), ("b", None), ("c", None)), [], pool.reserve)
     assert names(out.started) == ["a", "c"] and [(s.name, e) for s, e in out.refused] == [("b", "internal")]
+
+
+def test_a_chunk_ends_outside_a_picture_computed_in_one_pass():
+    """Gemma 3's picture attends to itself whole: a chunk that would end inside it stops at its
+    start, and one that starts at it takes it whole, past the budget."""
+    assert rows(Scheduler(8, chunk_alone=True).schedule([Seq("a", Status.PREFILL, 40, whole=(5, 20))])) == [("a", 5, False)]
+    assert rows(Scheduler(8, chunk_alone=True).schedule([Seq("a", Status.PREFILL, 40, whole=(0, 20))])) == [("a", 20, False)]

@@ -13,6 +13,7 @@ import json
 
 import openai
 import pytest
+import torch
 
 from bench.vision import BUILDERS, data_url, llava, picture, reference
 from server.api import media
@@ -79,7 +80,7 @@ def test_each_fed_family_gives_generate_s_tokens_alone_beside_text_and_reused(fa
     first = user("Look at ", pictures[0], " and ", pictures[1], " then tell me.")
     want = reference(reference_model, processor, first, pictures, MAX_TOKENS)
     text_want = reference(reference_model, processor, user("Only words here, no pictures at all."), [], MAX_TOKENS)
-    vis = Vision(processor, vision.image_token_id(model.config), place=vision.Encoder(model).place)
+    vis = Vision(processor, vision.image_token_id(model.config), span=vision.Encoder(model).span)
 
     def prompt(messages):
         text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -127,7 +128,7 @@ def test_m_rope_positions_are_transformers_own_through_chunks_and_paged_decode(f
     pictures = [picture(21), picture(22, (30, 60))]
     messages = user("See ", pictures[0], " beside ", pictures[1], ", then answer.")
     text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids, spans = tokens(Vision(processor, vision.image_token_id(model.config), place=vision.Encoder(model).place), text,
+    ids, spans = tokens(Vision(processor, vision.image_token_id(model.config), span=vision.Encoder(model).span), text,
                         [read(p) for p in pictures], "messages")
     inputs = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False)
     want, delta = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"])
@@ -147,6 +148,45 @@ def test_m_rope_positions_are_transformers_own_through_chunks_and_paged_decode(f
     finally:
         served.stop()
     assert got == reference(reference_model, processor, messages, pictures, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
+def test_a_gemma3_picture_attends_to_itself_whole(tokenizer, paged):
+    """Gemma 3's picture attends to itself whole (transformers' token_type_ids blocks): the KV
+    kvserve leaves in the pool, prefilled in chunks of 3 (each ending outside a picture: a
+    4-token picture is taken whole), is transformers' own with the blocks, and measurably not
+    the causal one (a random model's greedy tokens barely feel the difference; its second
+    layer's keys at the pictures do)."""
+    from cache_manager import kv
+    from server.engine.model_runner import ModelRunner
+    from server.engine.scheduler import Plan, ScheduledRow
+    from server.engine.sequence import Sequence
+
+    model, processor = BUILDERS["gemma3"](copy.deepcopy(tokenizer), DEVICE, DTYPE)
+    pictures = [picture(51), picture(52, (30, 60))]
+    text = processor.tokenizer.apply_chat_template(user("Look at ", pictures[0], " and ", pictures[1], " then tell me."),
+                                                   add_generation_prompt=True, tokenize=False)
+    encoder = vision.Encoder(model)
+    ids, spans = tokens(Vision(processor, encoder.placeholder, span=encoder.span), text, [read(p) for p in pictures], "messages")
+    assert all(s.whole for s in spans)
+    inputs = processor(text=[text], images=pictures, return_tensors="pt", add_special_tokens=False).to(DEVICE)
+    with torch.inference_mode():
+        blocks = model(**inputs, use_cache=True).past_key_values.layers[1].keys
+        causal = model(**{k: v for k, v in inputs.items() if k != "token_type_ids"}, use_cache=True).past_key_values.layers[1].keys
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, 4 * len(ids), model.dtype), DEVICE, model.dtype)
+    runner = ModelRunner(model, pool, paged=paged, cuda_graphs=False, packed=None, overlap=False, encoder=encoder)
+    seq = Sequence(GenerationRequest("g", ids, SamplingParams(max_tokens=1), images=spans), processor.tokenizer, DEVICE)
+    seq.cache = pool.allocate(len(ids))
+    chunks = []
+    while seq.n_computed < len(ids):
+        chunks.append(seq.fit(min(3, len(ids) - seq.n_computed)))
+        runner.run(Plan([ScheduledRow(seq, chunks[-1])]))
+    assert 4 in chunks  # a picture taken whole past the chunk size
+    got = kv.read(seq.cache, 1, 0, len(ids))[0].float()
+    scale = float(blocks.abs().max())
+    assert float((got - blocks.float()).abs().max()) <= (1e-4 if DTYPE == torch.float32 else 0.05) * scale
+    if DTYPE == torch.float32:  # the test can tell the two apart (by ~25x its tolerance here)
+        assert float((causal - blocks).abs().max()) > 1e-3 * scale
 
 
 @pytest.fixture(scope="module")
