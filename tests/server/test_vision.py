@@ -189,6 +189,20 @@ def test_a_gemma3_picture_attends_to_itself_whole(tokenizer, paged):
         assert float((causal - blocks).abs().max()) > 1e-3 * scale
 
 
+def test_exact_mode_serves_gemma3_as_text(tokenizer):
+    """Exact mode's attention spans do not reach across a picture that attends to itself whole:
+    there Gemma 3 gets no encoder (its images are a 400, `refuse_images`); other families keep theirs."""
+    from bench.architectures import Served
+
+    for family, fed in (("gemma3", False), ("llava", True)):
+        model, processor = BUILDERS[family](copy.deepcopy(tokenizer), DEVICE, DTYPE)
+        served = Served(model, processor.tokenizer, exact=True)
+        try:
+            assert (served.engine.runner.encoder is not None) == fed
+        finally:
+            served.stop()
+
+
 @pytest.fixture(scope="module")
 def served_llava(tiny):
     model, processor = tiny
