@@ -44,6 +44,7 @@ class Row:
     n: int
     offset: int = 0
     shift: int = 0
+    grid: list[list[int]] | None = None  # its tokens' 3-D rope positions where a picture's grid is among them (vision.rope_positions)
     reach: list[int] | None = None  # the last position each token sees (a whole picture's: vision.reach); None: its own
     slots: torch.Tensor | None = None  # slot of every position 0..length+n-1, when gathered
     masks: dict = field(default_factory=dict)  # window -> the row's additive mask

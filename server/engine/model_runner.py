@@ -201,7 +201,7 @@ class ModelRunner:
         Side effect: writes their KV into each sequence's cache (its length moves forward, drafted
         tokens included: postprocess crops the rejected ones).
         """
-        rows, token_ids, logits_rows, counts, media, grids = [], [], [], [], [], []
+        rows, token_ids, logits_rows, counts, media = [], [], [], [], []
         for i, row in enumerate(plan.rows):
             drafted = row.draft.tokens if row.draft is not None else []
             rows.append(self._row(row, row.n_tokens + len(drafted)))
@@ -209,27 +209,26 @@ class ModelRunner:
             images = row.seq.request.images
             if images and self.encoder is not None:
                 media.append(self.encoder.rows(images, row.seq.n_computed, row.n_tokens))
-                grids.append(vision.rope_positions(images, row.seq.n_computed, row.n_tokens))
                 pending = vision.placeholder_ids(pending, self.encoder.placeholder)
             else:
                 media.append([])
-                grids.append(None)
             token_ids += pending + drafted
             if row.completes:
                 logits_rows.append(i)
                 counts.append(1 + len(drafted))
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
-        return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan), media=media if any(media) else None,
-                          grids=grids if any(g is not None for g in grids) else None)
+        return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan), media=media if any(media) else None)
 
     def _row(self, row: ScheduledRow, n: int) -> Row:
-        """A scheduled row's part of the step: `n` tokens, and its rope shift where pictures
-        move its positions (server/engine/vision.py)."""
+        """A scheduled row's part of the step: `n` tokens, and what its pictures do to them
+        (server/engine/vision.py): the rope shift they leave, a grid's 3-D positions, how far
+        a picture that attends to itself whole sees."""
         images = row.seq.request.images if self.encoder is not None else ()
         if not images:
             return Row(row.seq.cache, n)
         first = row.seq.n_computed
-        return Row(row.seq.cache, n, shift=vision.shift(images, first), reach=vision.reach(images, first, n))
+        return Row(row.seq.cache, n, shift=vision.shift(images, first), grid=vision.rope_positions(images, first, n),
+                   reach=vision.reach(images, first, n))
 
     @torch.inference_mode()
     def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int]) -> StepOutput:
@@ -267,8 +266,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _step(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None,
               long_rows: list[bool] | None, adapter_rows: list[int] | None, biases: list[dict[int, float]] | None = None,
-              media: list[list[tuple[int, torch.Tensor]]] | None = None, grids: list[list[list[int]] | None] | None = None
-              ) -> StepOutput:
+              media: list[list[tuple[int, torch.Tensor]]] | None = None) -> StepOutput:
         self._enable()
         if sum(r.n for r in rows) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for rows of {sum(r.n for r in rows)}")
@@ -287,6 +285,7 @@ class ModelRunner:
         for row in rows:
             given.append(given[-1] + row.n)
         flat_ids, positions, starts, flat_long, flat_adapters = [], [], [0] * len(rows), [], []
+        grids = any(r.grid is not None for r in rows)
         axes: list[list[int]] = [[], [], []]  # M-RoPE's 3-D positions, where a picture's grid is in the step
         for i in singles + others:
             row = rows[i]
@@ -294,8 +293,8 @@ class ModelRunner:
             flat_ids += token_ids[given[i] : given[i + 1]]
             mine = range(row.kv.length + row.shift, row.kv.length + row.shift + row.n)
             positions += mine
-            if grids is not None:
-                for axis, values in zip(axes, grids[i] or (mine, mine, mine)):
+            if grids:
+                for axis, values in zip(axes, row.grid or (mine, mine, mine)):
                     axis += values
             if long_tokens is not None:
                 flat_long += [long_tokens[i]] * row.n
@@ -327,7 +326,7 @@ class ModelRunner:
             features = torch.cat([f for pieces in media for _, f in pieces], dim=1)
             embeds = self.encoder.embed(t["ids"][None], t["pictured"], features)
             step.deepstack = self.encoder.deepstack(len(flat_ids), t["pictured"], features)
-        pos = t["positions"][None] if grids is None else t["grid"].view(3, 1, -1)
+        pos = t["grid"].view(3, 1, -1) if grids else t["positions"][None]
         logits = self._forward(t["ids"][None], pos, step, t["keep"], embeds=embeds)
         for row in rows:
             row.kv.length += row.n
