@@ -7,6 +7,7 @@ the full context fits them.
 
       budget = utilization x total memory - memory in use (weights, CUDA context, cuBLAS
                workspace, other processes) - activation peak - attention workspace - reserve
+               - the vision encoder's feature cache (a vision-language model: --encoder-cache-bytes)
 
   The attention workspace is computed, not measured: kvserve's attention (server/engine/attention.py)
   gathers each row's keys and values out of the pool into one dense tensor per layer (in the
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import kv
+from server.engine import vision
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +64,14 @@ def choose(settings, model, device: torch.device, max_context: int) -> Budget:
             max_context=max_context,
             kv_dtype=settings.kv_cache_dtype,
             logits_rows=settings.max_running * (1 + (settings.speculative_max_draft if settings.speculative != "off" else 0)),
+            encoder_cache_bytes=settings.encoder_cache_bytes if vision.sees_images(model) else 0,
         )
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Budget(int(total * settings.kv_budget_fraction), f"--kv-budget-fraction {settings.kv_budget_fraction} of {total / GiB:.1f} GiB RAM")
 
 
 def measure(model, device: torch.device, *, utilization: float, max_batch_tokens: int, max_rows: int,
-            max_context: int, kv_dtype: str, logits_rows: int) -> Budget:
+            max_context: int, kv_dtype: str, logits_rows: int, encoder_cache_bytes: int = 0) -> Budget:
     """The budget a CUDA device leaves the KV pool (the module docstring's formula); 0 or less
     when nothing is left (`check` then refuses it)."""
     peak = activation_peak(model, device, max_batch_tokens, min(logits_rows, max_batch_tokens))
@@ -78,10 +81,12 @@ def measure(model, device: torch.device, *, utilization: float, max_batch_tokens
     text = model.config.get_text_config(decoder=True)
     workspace = attention_workspace(kv.layout(model.config), text.num_attention_heads, model.dtype, kv_dtype,
                                     rows=max_rows, chunk=max_batch_tokens, context=max_context)
-    nbytes = int(utilization * total) - in_use - peak - workspace - RESERVE_BYTES
+    nbytes = int(utilization * total) - in_use - peak - workspace - RESERVE_BYTES - encoder_cache_bytes
     how = (f"measured: {utilization} x {total / GiB:.1f} GiB - {in_use / GiB:.2f} GiB in use - "
            f"{peak / GiB:.2f} GiB forward peak at {max_batch_tokens} tokens - {workspace / GiB:.2f} GiB attention "
            f"workspace - {RESERVE_BYTES / GiB:.2f} GiB reserve")
+    if encoder_cache_bytes:
+        how += f" - {encoder_cache_bytes / GiB:.2f} GiB vision encoder cache"
     return Budget(max(nbytes, 0), how)
 
 

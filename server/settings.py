@@ -194,7 +194,8 @@ class Settings(BaseSettings):
     )
     media_fetch_timeout_s: float = Field(10.0, gt=0, description="Time-out of fetching one image by URL (connect and body).")
     encoder_cache_bytes: int = Field(
-        256 * 2**20, ge=0, description="Bytes of image features kept by digest, so a picture seen again skips the vision encoder.",
+        256 * 2**20, ge=0, description="Bytes of image features kept by digest, so a picture seen again skips the vision encoder "
+        "(on a GPU, set aside from the KV budget).",
     )
     response_store_bytes: int = Field(
         64 * 2**20, ge=0,
