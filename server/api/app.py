@@ -25,7 +25,7 @@ from server.api.errors import APIError, install_handlers
 from server.api.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.api.openapi import install_openapi
 from server.api.response_store import ResponseStore
-from server.api.routes import chat, completions, health, lora_admin, models, responses, router_compat, sessions
+from server.api.routes import chat, completions, health, lora_admin, models, responses, router_compat, sessions, tokenize
 from server.api.serving import ServingContext
 from server.metrics import Metrics
 from server.model_loader import LoadedModel
@@ -142,7 +142,7 @@ def create_app(settings: Settings, lifecycle: Lifecycle, loaded: LoadedModel | N
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan, redirect_slashes=False)
     app.state.kv = state
     install_handlers(app)
-    for module in (health, models, chat, completions, responses, sessions, router_compat):
+    for module in (health, models, chat, completions, responses, sessions, tokenize, router_compat):
         app.include_router(module.router)
     if settings.enable_lora_loading:  # otherwise the routes do not exist (404, as vLLM without runtime updating)
         app.include_router(lora_admin.router)

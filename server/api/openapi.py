@@ -70,6 +70,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/responses/{response_id}/input_items"): Operation((400, 401, 404)),
     ("get", "/v1/sessions"): Operation((401, 503)),
     ("delete", "/v1/sessions/{session_id}"): Operation((401, 404, 409, 503), success=204, media=()),
+    ("post", "/tokenize"): Operation((400, 401, 404, 413, 415, 503)),
+    ("post", "/detokenize"): Operation((400, 401, 404, 413, 415, 503)),
     ("get", "/server_info"): Operation((401, 503)),
     ("get", "/v1/loads"): Operation((400, 401, 503)),
     ("get", "/loads"): Operation((400, 401, 404, 503)),

@@ -405,3 +405,49 @@ class CompletionRequest(SamplingFields):
             top_logprobs=self.logprobs or 0,
             seed_offset=seed_offset,
         )
+
+
+class TokenizeRequest(OpenAIModel):
+    """POST /tokenize (vLLM's shape): a `prompt`, or chat `messages` rendered by the model's
+    template (with `tools`, the thinking switches in `chat_template_kwargs`, and the generation
+    prompt, or the last message left open with `continue_final_message`)."""
+
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    prompt: Annotated[str, Field(max_length=10_000_000)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template writes them)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either 'prompt' or 'messages'")
+        if self.add_generation_prompt and self.continue_final_message and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("'add_generation_prompt' and 'continue_final_message' cannot both be true")
+        return self
+
+    def chat(self, model: str) -> ChatCompletionRequest:
+        """The messages as a chat request (the one path chat prompts are rendered by)."""
+        return ChatCompletionRequest(model=model, messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs)
+
+
+class DetokenizeRequest(OpenAIModel):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    tokens: TokenIds
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int  # the served context
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

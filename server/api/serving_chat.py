@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from server.api.dialect import Dialect
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest
 from server.engine.sequence import RequestOutput, TokenInfo
+from server.engine.vision import ImageSpan
 from server.api.serving import ServingContext
 
 ROUTE = "/v1/chat/completions"
@@ -103,24 +105,27 @@ def template_messages(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest) -
     return messages
 
 
-def chat_text(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest, template_kwargs: dict | None = None) -> str:
-    """The chat template's text of the conversation (blocking: templates are slow).
-    `template_kwargs`: the thinking switches (`reasoning.controls`)."""
+def chat_text(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest, template_kwargs: dict | None = None, *,
+              generation_prompt: bool = True, continue_final: bool = False) -> str:
+    """The chat template's text of the conversation (blocking: templates are slow), ending
+    with the generation prompt (or without it; or, `continue_final`, inside the last message,
+    left open). `template_kwargs`: the thinking switches (`reasoning.controls`)."""
     try:
         messages = template_messages(tokenizer, fmt, body)
         return tokenizer.apply_chat_template(
-            messages, tools=body.tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+            messages, tools=body.tools, add_generation_prompt=generation_prompt and not continue_final, continue_final_message=continue_final,
+            tokenize=False, **(template_kwargs or {})
         )
     except (TemplateError, ValueError, TypeError) as exc:
         raise APIError(400, f"the chat template rejected the messages: {exc}", code="invalid_value", param="messages", rejection="bad_request") from None
 
 
 def render_prompt(tokenizer, fmt: ToolFormat, body: ChatCompletionRequest, template_kwargs: dict | None = None, *,
-                  max_context: int | None = None, prompt_param: str = "messages") -> list[int]:
+                  max_context: int | None = None, prompt_param: str = "messages", **ending) -> list[int]:
     """Chat template -> token ids (runs off the event loop: templates and tokenizers are slow).
     With `max_context`, a conversation far longer than the context is refused early, naming
-    `prompt_param` (`limits.prompt_ids`)."""
-    text = chat_text(tokenizer, fmt, body, template_kwargs)
+    `prompt_param` (`limits.prompt_ids`). `ending`: `chat_text`'s."""
+    text = chat_text(tokenizer, fmt, body, template_kwargs, **ending)
     if max_context is None:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return limits.prompt_ids(tokenizer, text, max_context, prompt_param, add_special_tokens=False)
@@ -153,23 +158,33 @@ class Submitted:
         return Assembly(self.dialect, self.tokenizer, self.tool_mode, thinking=self.thinking, tools=self.tools)
 
 
+async def prompt(ctx: ServingContext, body: ChatCompletionRequest, template_kwargs: dict, prompt_param: str = "messages", *,
+                 bounded: bool = True, **ending) -> tuple[list[int], tuple[ImageSpan, ...]]:
+    """A conversation's prompt ids as the engine takes them, and its pictures' spans (their
+    positions keyed by content: server/api/vision_prompt.py); images sent to a model that
+    takes none are a 400. `bounded`: a conversation far longer than the context is refused
+    early (`render_prompt`). `ending`: how the text ends (`chat_text`)."""
+    images = body.images()
+    if images and ctx.vision is None:
+        vision_prompt.refuse_images(ctx.model_id, images)
+    render = functools.partial(chat_text, ctx.tokenizer, ctx.dialect.calls, body, template_kwargs, **ending)
+    if images:
+        return await vision_prompt.render(ctx.vision, render, images, prompt_param)
+    ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, ctx.dialect.calls, body, template_kwargs, prompt_param=prompt_param,
+                                  max_context=ctx.max_context if bounded else None, **ending)
+    return ids, ()
+
+
 async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Request, request_id: str, *,
                  requested_max_tokens: int | None, max_tokens_param: str = "max_tokens", prompt_param: str = "messages") -> Submitted:
     """Everything between a chat request and the engine, for both APIs (the Responses API
     converts its turn to a chat request first): the thinking controls, the chat template, the
     token limit, sampling, the grammar, the reasoning spec; then its sequences are queued."""
     template_kwargs, budget = reasoning.controls(ctx, body.reasoning_effort, body.chat_template_kwargs, body.max_reasoning_tokens)
-    images, spans = body.images(), ()
-    if images and ctx.vision is None:
-        vision_prompt.refuse_images(ctx.model_id, images)
-    if images:
-        prompt_ids, spans = await vision_prompt.render(
-            ctx.vision, lambda: chat_text(ctx.tokenizer, ctx.dialect.calls, body, template_kwargs), images, prompt_param)
+    prompt_ids, spans = await prompt(ctx, body, template_kwargs, prompt_param)
+    if spans:
         ctx.metrics.images.inc(len(spans))
         ctx.metrics.image_tokens.inc(sum(span.length for span in spans))
-    else:
-        prompt_ids = await asyncio.to_thread(render_prompt, ctx.tokenizer, ctx.dialect.calls, body, template_kwargs,
-                                             max_context=ctx.max_context, prompt_param=prompt_param)
     max_tokens = ctx.resolve_max_tokens(len(prompt_ids), requested_max_tokens, max_tokens_param, prompt_param)
     work = limits.Work(1, body.n, (body.top_logprobs or 0) if body.logprobs else 0, max_tokens_param)
     if requested_max_tokens is None:

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.anyio
 KEY = "sk-guard"
 OPEN = frozenset({"/health", "/ready"})  # as docs/guides/api.md documents them
 API_ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
-              ("GET", "/v1/models"), ("GET", "/metrics"), ("DELETE", "/v1/sessions/{session_id:path}")}
+              ("GET", "/v1/models"), ("GET", "/metrics"), ("DELETE", "/v1/sessions/{session_id:path}"), ("POST", "/tokenize"),
+              ("POST", "/detokenize")}
 
 
 def routes(app) -> list[tuple[str, str]]:

@@ -292,6 +292,18 @@ async def test_a_photo_larger_than_the_text_body_limit_is_taken(served_llava, sm
         assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
 
 
+async def test_tokenize_counts_a_conversations_pictures_as_chat_prefills_them(served_llava):
+    """/tokenize on messages with a picture: the count is the chat request's prompt_tokens, the
+    picture's positions the model's placeholder token (never the content key ids)."""
+    messages = [{"role": "user", "content": chat_parts("What is in ", picture(61), "?")}]
+    async with openai_client(served_llava) as (client, http):
+        counted = (await http.post("/tokenize", json={"messages": messages})).json()
+        chat = await client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=1)
+    placeholder = vision.image_token_id(served_llava.model.config)
+    assert counted["count"] == chat.usage.prompt_tokens and counted["tokens"].count(placeholder) == 16
+    assert min(counted["tokens"]) >= 0
+
+
 async def test_a_text_only_model_refuses_images_by_name(smollm2):
     async with openai_client(smollm2) as (client, http):
         response = await http.post("/v1/chat/completions", json={"model": smollm2.model_id, "max_tokens": 2, "messages": [
