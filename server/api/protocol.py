@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.engine.sampling import SamplingParams
@@ -421,6 +421,7 @@ class TokenizeRequest(OpenAIModel):
     continue_final_message: bool = False
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template writes them)
     return_token_strs: bool = False
+    _chat: ChatCompletionRequest | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -428,11 +429,19 @@ class TokenizeRequest(OpenAIModel):
             raise ValueError("give either 'prompt' or 'messages'")
         if self.add_generation_prompt and self.continue_final_message and "add_generation_prompt" in self.model_fields_set:
             raise ValueError("'add_generation_prompt' and 'continue_final_message' cannot both be true")
+        if self.messages is not None:  # checked as chat checks them: a bad conversation is a 400 here too
+            try:
+                self._chat = ChatCompletionRequest(model=self.model or "served", messages=self.messages, tools=self.tools,
+                                                   chat_template_kwargs=self.chat_template_kwargs)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
         return self
 
-    def chat(self, model: str) -> ChatCompletionRequest:
-        """The messages as a chat request (the one path chat prompts are rendered by)."""
-        return ChatCompletionRequest(model=model, messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs)
+    @property
+    def chat(self) -> ChatCompletionRequest | None:
+        """The messages as a chat request (the one path chat prompts are rendered by); None for a prompt."""
+        return self._chat
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -61,6 +61,11 @@ async def test_bad_bodies_are_400s_and_a_wrong_model_404(app_client, smollm2):
             assert response.status_code == status, (path, body, response.text)
             error = response.json()["error"]
             assert code in (error["code"], error["type"]), (path, body, error)
+        # what chat itself refuses in a conversation is a 400 here too, never a 500
+        huge = {"type": "function", "function": {"name": "f", "description": "x" * 600_000, "parameters": {"type": "object"}}}
+        too_big = await client.post("/tokenize", json={"messages": ASK, "tools": [huge]})
+        assert_error_shape(too_big, 400)
+        assert "tools" in too_big.json()["error"]["message"]
         picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
         refused = await client.post("/tokenize", json={"messages": [{"role": "user", "content": [picture]}]})
         assert_error_shape(refused, 400, "images_not_supported")

@@ -22,7 +22,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = (await asyncio.to_thread(ctx.tokenizer, body.prompt, add_special_tokens=special))["input_ids"]
     else:
-        chat = body.chat(body.model or ctx.model_id)
+        chat = body.chat
         template_kwargs, _ = reasoning.controls(ctx, None, chat.chat_template_kwargs, None)
         ids, _ = await serving_chat.prompt(ctx, chat, template_kwargs, bounded=False, generation_prompt=body.add_generation_prompt,
                                            continue_final=body.continue_final_message)
