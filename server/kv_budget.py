@@ -64,7 +64,7 @@ def choose(settings, model, device: torch.device, max_context: int) -> Budget:
             max_context=max_context,
             kv_dtype=settings.kv_cache_dtype,
             logits_rows=settings.max_running * (1 + (settings.speculative_max_draft if settings.speculative != "off" else 0)),
-            encoder_cache_bytes=settings.encoder_cache_bytes if vision.sees_images(model) else 0,
+            encoder_cache_bytes=settings.encoder_cache_bytes if vision.sees_images(model, settings.deterministic) else 0,
         )
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Budget(int(total * settings.kv_budget_fraction), f"--kv-budget-fraction {settings.kv_budget_fraction} of {total / GiB:.1f} GiB RAM")

@@ -195,10 +195,7 @@ class Engine:
             exact=config.exact,
             adapters=adapters,
             merge=True,
-            # NOTE: exact mode's attention spans do not reach across a whole picture (Gemma 3):
-            # such a model serves text there, its images a 400
-            encoder=vision.Encoder(model, config.encoder_cache_bytes, metrics)
-            if vision.sees_images(model) and not (config.exact and model.config.model_type in vision.WHOLE) else None,
+            encoder=vision.Encoder(model, config.encoder_cache_bytes, metrics) if vision.sees_images(model, config.exact) else None,
         )
         self.scheduler = Scheduler(config.max_batch_tokens, config.max_running, chunk_alone=self.runner.paged)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()

@@ -292,10 +292,12 @@ def serves(config) -> bool:
     return getattr(config, "model_type", None) in FAMILIES
 
 
-def sees_images(model) -> bool:
-    """Whether `model` is a vision-language model of `FAMILIES`, whose pictures this module feeds."""
+def sees_images(model, exact: bool = False) -> bool:
+    """Whether `model` is a vision-language model of `FAMILIES`, whose pictures this module feeds
+    (in `exact` mode, not a `WHOLE` family's: exact mode's attention spans do not reach across
+    a picture, so such a model serves text there, its images a 400)."""
     return serves(model.config) and callable(getattr(model.base_model, "get_image_features", None)) \
-        and image_token_id(model.config) is not None
+        and image_token_id(model.config) is not None and not (exact and model.config.model_type in WHOLE)
 
 
 def image_token_id(config) -> int | None:
