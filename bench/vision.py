@@ -131,14 +131,20 @@ _QWEN_VL = {
     # (their weights spread wider too, so that leaving them out moves the tokens)
     "qwen3_vl": ("Qwen3VLProcessor", dict(head_dim=16, rope_parameters={**_MROPE, "mrope_interleaved": True}),
                  dict(_QWEN3_VISION, deepstack_visual_indexes=[0, 1], initializer_range=0.3)),
-    "qwen3_vl_moe": ("Qwen3VLProcessor", dict(head_dim=16, rope_parameters={**_MROPE, "mrope_interleaved": True}, **_EXPERTS),
-                     dict(_QWEN3_VISION, deepstack_visual_indexes=[0, 1], initializer_range=0.3)),
     # hybrids: gated delta-net layers beside attention, M-RoPE on half of each head
     "qwen3_5": ("Qwen3VLProcessor", dict(head_dim=32, rope_parameters={**_MROPE, "mrope_interleaved": True, "partial_rotary_factor": 0.5},
                                          **_HYBRID), _QWEN3_VISION),
-    "qwen3_5_moe": ("Qwen3VLProcessor", dict(head_dim=32, rope_parameters={**_MROPE, "mrope_interleaved": True, "partial_rotary_factor": 0.5},
-                                             **_HYBRID, **_EXPERTS, shared_expert_intermediate_size=32), _QWEN3_VISION),
 }
+
+
+def _with_experts(family: str, **more):
+    """`family`'s entry with its MLPs experts (the MoE variant)."""
+    processor, text, vision = _QWEN_VL[family]
+    return processor, {**text, **_EXPERTS, **more}, vision
+
+
+_QWEN_VL["qwen3_vl_moe"] = _with_experts("qwen3_vl")
+_QWEN_VL["qwen3_5_moe"] = _with_experts("qwen3_5", shared_expert_intermediate_size=32)
 
 
 def qwen_vl(family: str, tokenizer, device="cpu", dtype=torch.float32, seed: int = 0):
