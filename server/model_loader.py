@@ -25,12 +25,16 @@ from pathlib import Path
 import torch
 import transformers
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PreTrainedModel,
-    PreTrainedTokenizerBase, ProcessorMixin,
+    AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification, AutoProcessor,
+    AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
+from transformers.utils import cached_file
 
-from server.engine import vision
+from server.engine import pooling_spec, vision
+from server.engine.pooling_spec import PoolingConfigError, PoolingSpec
 from server.engine.unsupported import UnsupportedModel
 
 log = logging.getLogger(__name__)
@@ -104,6 +108,52 @@ class LoadedModel:
     dtype: torch.dtype
     max_context: int
     processor: ProcessorMixin | None = None  # a vision-language model's AutoProcessor (its image processor and template)
+    task: str = "generate"  # what it is served for (Settings.task, `auto` resolved: `resolve_task`)
+    pooling: PoolingSpec | None = None  # the embed task's pooling, from the checkpoint's configuration
+
+
+def checkpoint_text(name_or_path: str, filename: str, kwargs: dict) -> str | None:
+    """The text of one file of the checkpoint (a directory or a hub id); None if it has none."""
+    local = {k: v for k, v in kwargs.items() if k == "local_files_only"}
+    try:
+        path = cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **local)
+    except OSError:
+        return None
+    return Path(path).read_text() if path is not None else None
+
+
+def resolve_task(requested: str, name_or_path: str, config, kwargs: dict) -> str:
+    """--task with `auto` resolved: a sentence-transformers checkpoint (modules.json) embeds, a
+    sequence-classification architecture reranks, anything else generates."""
+    if requested != "auto":
+        return requested
+    if checkpoint_text(name_or_path, "modules.json", kwargs) is not None:
+        return "embed"
+    if any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or ()):
+        return "rerank"
+    return "generate"
+
+
+def pooling_class(task: str, config):
+    """The transformers class a pooling task loads: the bare model for embeddings (as
+    sentence-transformers does, a causal LM's head dropped), the classifier of a cross-encoder, or
+    the causal LM of a decoder reranker (its yes/no logits)."""
+    if task == "embed":
+        return AutoModel
+    if any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or ()):
+        return AutoModelForSequenceClassification
+    return AutoModelForCausalLM
+
+
+def read_pooling(name_or_path: str, config, kwargs: dict) -> PoolingSpec:
+    """The embed task's pooling: the checkpoint's sentence-transformers modules, else the default
+    of its kind (an encoder's mean, a decoder's normalized last token)."""
+    try:
+        spec = pooling_spec.read_modules(lambda filename: checkpoint_text(name_or_path, filename, kwargs))
+    except (PoolingConfigError, ValueError) as exc:
+        raise UnsupportedModel("pooling", f"{name_or_path}: {exc}") from exc
+    return spec or pooling_spec.default_spec(is_decoder=config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
 
 def refuse_unfed_vision(config) -> None:
@@ -249,18 +299,25 @@ def load_model(
     dtype: str = "auto",
     trust_remote_code: bool = False,
     model_id: str | None = None,
+    task: str = "generate",
 ) -> LoadedModel:
-    """Load the model and tokenizer in eval mode on the chosen device (may convert a GGUF)."""
+    """Load the model and tokenizer in eval mode on the chosen device (may convert a GGUF), as the
+    class its task (`resolve_task`) needs."""
     torch_device, torch_dtype = resolve_device_dtype(device, dtype)
     name_or_path, kwargs = resolve_source(source, cache_dir)
     kwargs["trust_remote_code"] = trust_remote_code
     method = None
+    pooling = None
     try:
         config = AutoConfig.from_pretrained(name_or_path, **kwargs)
         method = check_quantization(name_or_path, config)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-        refuse_unfed_vision(config)
-        vision = takes_images(config)
+        task = resolve_task(task, name_or_path, config, kwargs)
+        if task == "embed":
+            pooling = read_pooling(name_or_path, config, kwargs)
+        if task == "generate":
+            refuse_unfed_vision(config)
+        vision = task == "generate" and takes_images(config)
         processor = load_processor(name_or_path, kwargs, config) if vision else None
         vision = processor is not None
         if processor is not None and not tokenizer.chat_template and getattr(processor, "chat_template", None):
@@ -270,7 +327,8 @@ def load_model(
             # refuse or de-quantize them), and a big model loads straight onto the GPU instead
             # of through host memory (a 32B model in bf16 would need 65 GB of RAM first)
             kwargs["device_map"] = str(torch_device)
-        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
+        model_class = (AutoModelForImageTextToText if vision else AutoModelForCausalLM) if task == "generate" else pooling_class(task, config)
+        model = model_class.from_pretrained(name_or_path, dtype=torch_dtype, **kwargs)
     except OSError as exc:
         raise ModelSourceError(f"cannot load model {name_or_path!r}: {exc}") from exc
     except (ModelSourceError, UnsupportedModel):
@@ -289,7 +347,8 @@ def load_model(
     if "device_map" not in kwargs:
         model.to(torch_device)
     model.eval()
-    log.info("loaded %s%s", name_or_path, f" ({method}-quantized weights)" if method else "")
+    log.info("loaded %s%s as %s (--task %s)", name_or_path, f" ({method}-quantized weights)" if method else "",
+             type(model).__name__, task)
     config = model.config.get_text_config(decoder=True)
     context = getattr(config, "max_position_embeddings", None) or 2048
     return LoadedModel(
@@ -300,4 +359,6 @@ def load_model(
         dtype=torch_dtype,
         max_context=context,
         processor=processor,
+        task=task,
+        pooling=pooling,
     )

@@ -38,6 +38,15 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="Model id reported by /v1/models; default: derived from --model."
     )
+    task: Literal["auto", "generate", "embed", "rerank"] = Field(
+        "auto",
+        description="What the model is served for, one task per server: generate = chat, completions, Responses "
+        "(a causal LM); embed = /v1/embeddings (pooling from the checkpoint's sentence-transformers modules, else "
+        "mean for an encoder and a normalized last token for a decoder); rerank = /v1/rerank and /v1/score (a "
+        "*ForSequenceClassification cross-encoder, or a causal LM scored by its yes/no logits as Qwen3-Reranker). "
+        "auto = embed for a sentence-transformers checkpoint (modules.json), rerank for a *ForSequenceClassification "
+        "architecture, else generate. The other task's routes answer 400.",
+    )
     model_aliases: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Other ids accepted in the `model` field (comma-separated)."
     )

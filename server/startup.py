@@ -25,6 +25,7 @@ from server.api import app, dialect, vision_prompt
 from server.api.media import MediaLimits
 from server.api.response_store import ResponseStore
 from server.api.serving import ServingContext
+from server.api.serving_pooling import PoolingContext
 from server.engine import compiled, exact, families, lora
 from server.engine.core import Engine, EngineConfig
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
@@ -35,6 +36,7 @@ from server.engine.speculative import SpeculativeConfig
 from server.metrics import Metrics
 from server.model_loader import LoadedModel, load_model
 from server.settings import Settings
+from server.startup_pooling import build_pooling_context, warm_up_pooling
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +302,14 @@ async def start(settings: Settings, metrics: Metrics, loaded: LoadedModel | None
         if loaded is None:
             loaded = await _in_own_thread(
                 load_model, s.model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
-                trust_remote_code=s.trust_remote_code,
+                trust_remote_code=s.trust_remote_code, task=s.task,
             )
+        if loaded.task != "generate":  # a pooling task: no KV cache, no generation engine
+            ctx = build_pooling_context(s, loaded, metrics)
+            ctx.engine.start()
+            await warm_up_pooling(ctx)
+            log.info("ready: %s on %s (%s) for --task %s", ctx.model_id, loaded.device, loaded.dtype, loaded.task)
+            return ctx
         draft = None
         if s.speculative == "draft":
             draft = await _in_own_thread(
@@ -334,6 +342,9 @@ def failed(exc: BaseException) -> tuple[int, str]:
 def close(ctx: ServingContext, grace_s: float) -> None:
     """End every request still in the engine now (finish_reason `abort`), stop the engine
     thread and close the cache manager, whose sessions go to the disk tier if there is one."""
+    if isinstance(ctx, PoolingContext):  # no sessions: its queued requests fail with 503
+        ctx.engine.stop()
+        return
     ended = ctx.engine.stop()
     ctx.cache_manager.close(timeout_s=max(5.0, grace_s), release=ended)
 
@@ -346,6 +357,14 @@ async def startup_check(settings: Settings) -> tuple[dict | None, tuple[int, str
         ctx = await start(settings, Metrics())
     except Exception as exc:
         return None, failed(exc)
+    if isinstance(ctx, PoolingContext):
+        try:
+            device = ctx.engine.device
+            return {"model": ctx.model_id, "task": ctx.task, "device": str(device), "max_model_len": ctx.max_context,
+                    "dtype": str(next(ctx.engine.model.parameters()).dtype).removeprefix("torch."),
+                    **({"pooling": ctx.pooling.describe(), "dimensions": ctx.dimensions} if ctx.task == "embed" else {})}, None
+        finally:
+            await asyncio.to_thread(close, ctx, settings.shutdown_grace_s)
     try:
         manager, pool = ctx.cache_manager, ctx.cache_manager.pool
         tiers = manager.tier_usage()

@@ -13,9 +13,9 @@ from tests.device import SETTINGS
 
 
 @contextlib.asynccontextmanager
-async def openai_client(loaded, **settings):
-    """`async with openai_client(loaded, **settings) as (client, http)`: an app serving the
-    `LoadedModel` with those settings, ready; the AsyncOpenAI client and the raw httpx client."""
+async def served(loaded, **settings):
+    """`async with served(loaded, **settings) as (app, http)`: an app serving the `LoadedModel`
+    with those settings, ready; the ASGI app and a raw httpx client on it."""
     from asgi_lifespan import LifespanManager
 
     from server.startup import create_app
@@ -27,7 +27,15 @@ async def openai_client(loaded, **settings):
         async with httpx.AsyncClient(transport=transport, base_url="http://kvserve", timeout=120) as http:
             while (await http.get("/ready")).status_code != 200:
                 await anyio.sleep(0.05)
-            yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=http, max_retries=0), http
+            yield manager.app, http
+
+
+@contextlib.asynccontextmanager
+async def openai_client(loaded, **settings):
+    """`async with openai_client(loaded, **settings) as (client, http)`: the AsyncOpenAI client
+    and the raw httpx client on a `served` app."""
+    async with served(loaded, **settings) as (_, http):
+        yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=http, max_retries=0), http
 
 
 async def ready_once_loaded(app) -> httpx.Response:
@@ -41,3 +49,17 @@ async def ready_once_loaded(app) -> httpx.Response:
                     break
                 await anyio.sleep(0.05)
             return await client.get("/ready")
+
+
+@contextlib.asynccontextmanager
+async def anthropic_client(loaded, **settings):
+    """`async with anthropic_client(loaded, **settings) as (client, http)`: as `openai_client`,
+    with the official anthropic SDK (whose transport is httpx2's) on the same app."""
+    import httpx2
+    from anthropic import AsyncAnthropic
+
+    async with served(loaded, **settings) as (app, http):
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://kvserve", timeout=120) as http2:
+            keys = settings.get("api_key") or ["x"]
+            yield AsyncAnthropic(base_url="http://kvserve", api_key=keys[0], http_client=http2, max_retries=0), http

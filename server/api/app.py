@@ -25,8 +25,10 @@ from server.api.errors import APIError, install_handlers
 from server.api.middleware import Auth, BodyLimit, HeadAsGet, RequestMetrics
 from server.api.openapi import install_openapi
 from server.api.response_store import ResponseStore
-from server.api.routes import chat, completions, health, lora_admin, models, responses, router_compat, sessions, tokenize
+from server.api.routes import chat, completions, health, lora_admin, messages, models, responses, router_compat, sessions, tokenize
+from server.api.routes import embeddings, rerank
 from server.api.serving import ServingContext
+from server.api.serving_pooling import PoolingContext
 from server.metrics import Metrics
 from server.model_loader import LoadedModel
 from server.settings import Settings
@@ -50,7 +52,7 @@ class AppState:
         self.metrics = metrics
         self.lifecycle = lifecycle
         self.responses = lifecycle.response_store(settings)
-        self.ctx: ServingContext | None = None
+        self.ctx: ServingContext | PoolingContext | None = None  # by --task: generation or pooling
         self.load_error: str | None = None  # for the log and the process, never sent to clients
         self.exit_status: int | None = None  # set with load_error: the status `serve` exits with
         self.draining = False
@@ -97,6 +99,27 @@ class AppState:
             self.lifecycle.close(self.ctx, self.settings.shutdown_grace_s)
 
     def require_ctx(self) -> ServingContext:
+        """The generation context; 400 on a server started for a pooling task (--task embed, rerank)."""
+        ctx = self.require_served()
+        if isinstance(ctx, PoolingContext):
+            what = {"embed": "embeddings (/v1/embeddings)", "rerank": "reranking (/v1/rerank, /v1/score)"}[ctx.task]
+            raise APIError(400, f"this server serves the model '{ctx.model_id}' for {what} (--task {ctx.task}), not for generation: "
+                           "start kvserve with --task generate and a generative model for chat, completions, Responses and Messages",
+                           code="task_not_served", rejection="bad_request")
+        return ctx
+
+    def require_pooling(self, task: str, route: str) -> PoolingContext:
+        """The pooling context of `task` ("embed", "rerank"); 400 on a server started for another task."""
+        ctx = self.require_served()
+        if not isinstance(ctx, PoolingContext) or ctx.task != task:
+            served = "generation" if isinstance(ctx, ServingContext) else f"--task {ctx.task}"
+            kind = {"embed": "an embedding model", "rerank": "a reranker (a cross-encoder or a Qwen3-Reranker-style decoder)"}[task]
+            raise APIError(400, f"{route} needs a server started with --task {task} and {kind}; this one serves the model "
+                           f"'{ctx.model_id}' for {served}", code="task_not_served", rejection="bad_request")
+        return ctx
+
+    def require_served(self) -> ServingContext | PoolingContext:
+        """The context the server serves with, whatever its task; 503 while it cannot serve."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": "1"})
         if self.ctx is None and self.load_error is not None:
@@ -142,7 +165,9 @@ def create_app(settings: Settings, lifecycle: Lifecycle, loaded: LoadedModel | N
     app = FastAPI(title="kvserve", version=VERSION, lifespan=lifespan, redirect_slashes=False)
     app.state.kv = state
     install_handlers(app)
-    for module in (health, models, chat, completions, responses, sessions, tokenize, router_compat):
+    for module in (health, models, chat, completions, responses, messages, sessions, tokenize, router_compat):
+        app.include_router(module.router)
+    for module in (embeddings, rerank):  # the pooling tasks' routes (a 400 on a server of another task)
         app.include_router(module.router)
     if settings.enable_lora_loading:  # otherwise the routes do not exist (404, as vLLM without runtime updating)
         app.include_router(lora_admin.router)

@@ -1,4 +1,6 @@
-"""OpenAI-shaped errors: every non-2xx response is `{"error": {message, type, param, code}}`.
+"""OpenAI-shaped errors: every non-2xx response is `{"error": {message, type, param, code}}`;
+Anthropic-shaped on the Messages API's paths (`{"type": "error", "error": {type, message}}`,
+`anthropic_path`), where an overloaded server answers 529 `overloaded_error` as Anthropic's does.
 
 Handlers are installed on the app for our own `APIError`, FastAPI's validation errors, Starlette's
 HTTP exceptions (404/405 of unknown routes) and anything unexpected (500 without details: no
@@ -33,6 +35,28 @@ _TYPES = {
 }
 
 
+# Anthropic's error types by status (its API reference, "Errors"); 529: the server is overloaded.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+OVERLOADED = 529
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    """The path is the Messages API's (`/v1/messages`, `/v1/messages/count_tokens`): its errors
+    are in Anthropic's shape."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
 class APIError(Exception):
     """An error the client should see as-is, in OpenAI's shape."""
 
@@ -57,8 +81,26 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.status, self.message, code=self.code, param=self.param)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    @property
+    def anthropic_status(self) -> int:
+        """The status Anthropic's API would answer: 529 for a server that cannot take the
+        request now (queue full, loading, shutting down), else the same."""
+        return OVERLOADED if self.status == 503 or self.code == "queue_full" else self.status
+
+    def anthropic_body(self) -> dict:
+        status = self.anthropic_status
+        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def shaped(self, path: str) -> tuple[int, dict]:
+        """(status, body) in the shape of the API `path` belongs to."""
+        if anthropic_path(path):
+            return self.anthropic_status, self.anthropic_body()
+        return self.status, self.body()
+
+    def response(self, path: str = "") -> JSONResponse:
+        status, body = self.shaped(path)
+        return JSONResponse(body, status_code=status, headers=self.headers)
 
 
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict:
@@ -76,8 +118,9 @@ _BRANCH_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"
 
 
 def _param_path(loc: tuple) -> str | None:
-    """('body', 'messages', 0, 'content') -> 'messages[0].content'; ('query', 'limit') -> 'limit'."""
-    parts = [p for p in loc if p not in ("body", "query", "path")]
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'; ('query', 'limit') -> 'limit'.
+    Only the first element says where the field is: a body field may be named `query` (rerank's)."""
+    parts = list(loc[1:]) if loc and loc[0] in ("body", "query", "path") else list(loc)
     out = ""
     for part in parts:
         if isinstance(part, int):
@@ -156,14 +199,14 @@ def install_handlers(app: FastAPI) -> None:
         state = getattr(request.app.state, "kv", None)  # server.api.app.AppState
         if exc.rejection is not None and state is not None:
             state.metrics.rejections.labels(exc.rejection).inc()
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         state = getattr(request.app.state, "kv", None)  # server.api.app.AppState
         if state is not None:
             state.metrics.rejections.labels("bad_request").inc()
-        return (body_error(exc, request.headers) or validation_error(exc)).response()
+        return (body_error(exc, request.headers) or validation_error(exc)).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -174,7 +217,7 @@ def install_handlers(app: FastAPI) -> None:
             state = getattr(request.app.state, "kv", None)
             if state is not None:
                 state.metrics.rejections.labels("bad_request").inc()
-            return unparseable_body(exc.__cause__).response()
+            return unparseable_body(exc.__cause__).response(request.url.path)
         codes = {404: "not_found", 405: "method_not_allowed"}
         message = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
         return APIError(
@@ -182,9 +225,9 @@ def install_handlers(app: FastAPI) -> None:
             message.get(exc.status_code, str(exc.detail)),
             code=codes.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "internal_error"),
             headers=getattr(exc, "headers", None),
-        ).response()
+        ).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return APIError(500, "internal server error", code="internal_error").response()
+        return APIError(500, "internal server error", code="internal_error").response(request.url.path)

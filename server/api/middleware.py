@@ -23,11 +23,12 @@ def principal_for(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-async def _send_error(send, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
+async def _send_error(scope, send, error: APIError) -> None:
+    status, shaped = error.shaped(scope["path"])
+    body = json.dumps(shaped).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -46,7 +47,7 @@ class BodyLimit:
         too_large = APIError(413, f"request body larger than {max_bytes} bytes", code="request_too_large")
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            return await _send_error(send, too_large)
+            return await _send_error(scope, send, too_large)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -55,7 +56,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > max_bytes:
-                return await _send_error(send, too_large)
+                return await _send_error(scope, send, too_large)
             if not message.get("more_body", False):
                 break
         replayed = False
@@ -71,19 +72,24 @@ class BodyLimit:
 
 
 class Auth:
-    """Bearer-key auth on every path but /health and /ready; sets `request.state.principal`."""
+    """API-key auth on every path but /health and /ready: `Authorization: Bearer <key>`, or
+    `x-api-key: <key>` (Anthropic's header: its SDKs and Claude Code send it); sets
+    `request.state.principal`."""
 
     def __init__(self, app, keys: list[str], metrics: Metrics) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
         self.metrics = metrics
 
-    def _principal(self, header: bytes | None) -> str | None:
+    def _principal(self, headers: dict[bytes, bytes]) -> str | None:
         # NOTE: the auth scheme is case-insensitive (RFC 9110 11.1): "bearer sk-a" is valid.
-        scheme, _, given = (header or b"").strip().partition(b" ")
-        if scheme.lower() != b"bearer":
+        scheme, _, given = headers.get(b"authorization", b"").strip().partition(b" ")
+        if scheme.lower() == b"bearer":
+            given = given.strip()
+        elif b"x-api-key" in headers:
+            given = headers[b"x-api-key"].strip()
+        else:
             return None
-        given = given.strip()
         # NOTE: compare against every key, without stopping early, so timing says nothing
         # about which key (or how much of one) matched.
         matched = None
@@ -99,11 +105,11 @@ class Auth:
         if not self.keys or scope["path"] in PUBLIC_PATHS:
             state["principal"] = ANONYMOUS
             return await self.app(scope, receive, send)
-        principal = self._principal(dict(scope["headers"]).get(b"authorization"))
+        principal = self._principal(dict(scope["headers"]))
         if principal is None:
             self.metrics.rejections.labels("auth").inc()
-            return await _send_error(send, APIError(
-                401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+            return await _send_error(scope, send, APIError(
+                401, "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
             ))
         state["principal"] = principal

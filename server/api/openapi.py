@@ -1,5 +1,5 @@
 """/openapi.json as the server really answers: 400 (not FastAPI's 422) for invalid input, 204 for
-DELETE, and every documented non-2xx in OpenAI's error shape.
+DELETE, and every documented non-2xx in OpenAI's error shape (Anthropic's on the Messages API).
 
 One table, `OPERATIONS`, says for each route what it answers besides its success; a route the
 table does not know fails the document (and the test that fetches it), so a new route cannot go
@@ -32,6 +32,19 @@ ERROR_SCHEMA = {
         }
     },
 }
+ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
+ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string", "minLength": 1}},
+        },
+    },
+}
 ERRORS = {
     400: "Invalid request; `param` names the offending field",
     401: "Missing or wrong API key (only when the server has keys)",
@@ -43,8 +56,10 @@ ERRORS = {
     503: "Model loading or server shutting down",
     504: "The request ran past its deadline",
     507: "No room for another LoRA adapter (--max-cpu-loras, or host memory)",
+    529: "Overloaded (Messages API): queue full, model loading or server shutting down; retry after `Retry-After` seconds",
 }
 _GENERATION = (400, 401, 404, 409, 413, 415, 429, 503, 504)
+_MESSAGES = (400, 401, 404, 409, 413, 415, 504, 529)  # Anthropic's statuses: 529 for 429 queue_full and 503
 
 
 class Operation(NamedTuple):
@@ -53,6 +68,7 @@ class Operation(NamedTuple):
     errors: tuple[int, ...]
     success: int = 200
     media: tuple[str, ...] = ("application/json",)
+    anthropic: bool = False  # errors in Anthropic's shape
 
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
@@ -68,10 +84,16 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/responses/{response_id}"): Operation((401, 404)),
     ("delete", "/v1/responses/{response_id}"): Operation((401, 404)),
     ("get", "/v1/responses/{response_id}/input_items"): Operation((400, 401, 404)),
+    ("post", "/v1/messages"): Operation(_MESSAGES, media=("application/json", "text/event-stream"), anthropic=True),
+    ("post", "/v1/messages/count_tokens"): Operation((400, 401, 404, 413, 415, 529), anthropic=True),
     ("get", "/v1/sessions"): Operation((401, 503)),
     ("delete", "/v1/sessions/{session_id}"): Operation((401, 404, 409, 503), success=204, media=()),
     ("post", "/tokenize"): Operation((400, 401, 404, 413, 415, 503)),
     ("post", "/detokenize"): Operation((400, 401, 404, 413, 415, 503)),
+    # the pooling tasks (--task embed, rerank); a 400 `task_not_served` on a server of another task
+    ("post", "/v1/embeddings"): Operation((400, 401, 404, 413, 415, 429, 503)),
+    ("post", "/v1/rerank"): Operation((400, 401, 404, 413, 415, 429, 503)),
+    ("post", "/v1/score"): Operation((400, 401, 404, 413, 415, 429, 503)),
     ("get", "/server_info"): Operation((401, 503)),
     ("get", "/v1/loads"): Operation((400, 401, 503)),
     ("get", "/loads"): Operation((400, 401, 404, 503)),
@@ -97,7 +119,7 @@ def describe(operation: dict, spec: Operation) -> None:
     content = {media: schemas.get(media, {"schema": {"type": "string"}}) for media in spec.media}
     success = {"description": "Success"} | ({"content": content} if content else {})
     operation["responses"] = {str(spec.success): success} | {
-        str(status): {"description": ERRORS[status], "content": {"application/json": {"schema": ERROR_REF}}}
+        str(status): {"description": ERRORS[status], "content": {"application/json": {"schema": ANTHROPIC_ERROR_REF if spec.anthropic else ERROR_REF}}}
         for status in spec.errors
     }
 
@@ -115,6 +137,7 @@ def document(app: FastAPI) -> dict:
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
     schemas["ErrorResponse"] = ERROR_SCHEMA
+    schemas["AnthropicErrorResponse"] = ANTHROPIC_ERROR_SCHEMA
     return schema
 
 

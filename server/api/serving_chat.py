@@ -147,6 +147,7 @@ class Submitted:
     """A chat turn the engine took: its sequences' handles, and how its output is assembled."""
 
     handles: list
+    prompt_tokens: int
     tool_mode: str | None
     thinking: bool  # the model's reasoning parser runs for it
     tools: list | None
@@ -176,12 +177,14 @@ async def prompt(ctx: ServingContext, body: ChatCompletionRequest, template_kwar
 
 
 async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Request, request_id: str, *,
-                 requested_max_tokens: int | None, max_tokens_param: str = "max_tokens", prompt_param: str = "messages") -> Submitted:
-    """Everything between a chat request and the engine, for both APIs (the Responses API
-    converts its turn to a chat request first): the thinking controls, the chat template, the
-    token limit, sampling, the grammar, the reasoning spec; then its sequences are queued."""
+                 requested_max_tokens: int | None, max_tokens_param: str = "max_tokens", prompt_param: str = "messages",
+                 continue_final: bool = False) -> Submitted:
+    """Everything between a chat request and the engine, for every API (the Responses and
+    Messages APIs convert their turn to a chat request first): the thinking controls, the chat
+    template, the token limit, sampling, the grammar, the reasoning spec; then its sequences
+    are queued. `continue_final`: the answer continues the last (assistant) message."""
     template_kwargs, budget = reasoning.controls(ctx, body.reasoning_effort, body.chat_template_kwargs, body.max_reasoning_tokens)
-    prompt_ids, spans = await prompt(ctx, body, template_kwargs, prompt_param)
+    prompt_ids, spans = await prompt(ctx, body, template_kwargs, prompt_param, continue_final=continue_final)
     if spans:
         ctx.metrics.images.inc(len(spans))
         ctx.metrics.image_tokens.inc(sum(span.length for span in spans))
@@ -196,7 +199,7 @@ async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar, thinking,
                                            images=spans)
     handles = serving.submit_all(ctx, requests, len(params))
-    return Submitted(handles, tool_mode, thinking is not None, body.tools, ctx.tokenizer, ctx.dialect)
+    return Submitted(handles, len(prompt_ids), tool_mode, thinking is not None, body.tools, ctx.tokenizer, ctx.dialect)
 
 
 async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Request):

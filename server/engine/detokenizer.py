@@ -74,6 +74,7 @@ class TextStream:
         self._text = ""  # all decoded text so far
         self._sent = 0  # how much of _text has been handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def _decode_new(self) -> str:
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
@@ -90,9 +91,9 @@ class TextStream:
         self._text += self._decode_new()
         if self._stops:
             search_from = max(0, self._sent - max(len(s) for s in self._stops) + 1)
-            hits = [i for s in self._stops if (i := self._text.find(s, search_from)) >= 0]
+            hits = [(i, s) for s in self._stops if (i := self._text.find(s, search_from)) >= 0]
             if hits:
-                end = min(hits)
+                end, self.matched = min(hits)
                 out = self._text[self._sent : end]
                 self._sent = len(self._text)
                 self.stopped = True

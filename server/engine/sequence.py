@@ -86,6 +86,7 @@ class RequestOutput:
     cached_tokens: int = 0
     reasoning_tokens: int = 0  # completion tokens before the answer (usage's reasoning_tokens)
     miss_reason: str | None = None  # why nothing was reused (None on a hit)
+    stop: str | None = None  # the stop string that ended the answer (the final output's)
     admitted: bool = False  # the first output: the engine took the request, cache decided
 
     @property
@@ -251,6 +252,7 @@ class Sequence:
             completion_tokens=len(self.generated),
             cached_tokens=self.cached_tokens,
             miss_reason=self.miss_reason,
+            stop=self.text.matched,
         )
 
     def admitted_output(self) -> RequestOutput:

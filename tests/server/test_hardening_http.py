@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import pytest
 
+from server.api.errors import anthropic_path
 from tests.server.test_api import HELLO, MODEL, assert_error_shape
 
 pytestmark = pytest.mark.anyio
@@ -139,14 +140,16 @@ async def test_openapi_documents_what_the_server_answers(app_client):
     """11. 400 (not 422) in the error shape, DELETE is 204, 401/404/429 where they apply."""
     async with app_client() as client:
         doc = (await client.get("/openapi.json")).json()
-    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
     for path, methods in doc["paths"].items():
+        shape = "AnthropicErrorResponse" if anthropic_path(path) else "ErrorResponse"  # the Messages API's own
         for method, operation in methods.items():
             responses = operation["responses"]
             assert "422" not in responses, (method, path)
             for status, response in responses.items():
                 if int(status) >= 400:
-                    assert response["content"]["application/json"]["schema"] == error_ref, (method, path, status)
+                    assert response["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{shape}"}, (method, path, status)
+    messages = doc["paths"]["/v1/messages"]["post"]["responses"]
+    assert "529" in messages and "429" not in messages and "503" not in messages  # Anthropic's overloaded_error
     assert "HTTPValidationError" not in doc["components"]["schemas"]
     delete = doc["paths"]["/v1/sessions/{session_id}"]["delete"]["responses"]
     assert set(delete) == {"204", "401", "404", "409", "503"} and "content" not in delete["204"]

@@ -1,5 +1,6 @@
 """Every route guarded alike (issue 37): with API keys set, each route of the app, every method,
-refuses a missing and a wrong key with 401 in OpenAI's error shape, except the documented open
+refuses a missing and a wrong key with 401 in OpenAI's error shape (Anthropic's on the Messages
+API's paths), except the documented open
 ones (docs/guides/api.md: `/health` and `/ready`; `/metrics` is open only on the separate --metrics-port).
 
 The routes are enumerated from the app itself, so a route added later is checked too: it fails
@@ -12,18 +13,20 @@ import re
 import pytest
 from starlette.routing import Mount
 
-from server.api import middleware
+from server.api import errors, middleware
 from server.startup import create_app
 from server.settings import Settings
 from tests.device import SETTINGS
 from tests.server.test_api import assert_error_shape
+from tests.server.test_messages import assert_anthropic_error
 
 pytestmark = pytest.mark.anyio
 KEY = "sk-guard"
 OPEN = frozenset({"/health", "/ready"})  # as docs/guides/api.md documents them
 API_ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
               ("GET", "/v1/models"), ("GET", "/metrics"), ("DELETE", "/v1/sessions/{session_id:path}"), ("POST", "/tokenize"),
-              ("POST", "/detokenize")}
+              ("POST", "/detokenize"), ("POST", "/v1/embeddings"), ("POST", "/v1/rerank"), ("POST", "/v1/score"),
+              ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens")}
 
 
 def routes(app) -> list[tuple[str, str]]:
@@ -69,6 +72,8 @@ async def test_every_route_refuses_a_missing_or_wrong_key(app_client):
                 refused = await client.request(method, url, headers=headers)
                 if method == "HEAD":
                     assert refused.status_code == 401 and not refused.content, (method, path, headers)
+                elif errors.anthropic_path(path):
+                    assert_anthropic_error(refused, 401, "authentication_error")
                 else:
                     assert_error_shape(refused, 401, "invalid_api_key")
                 assert refused.headers["www-authenticate"] == "Bearer", (method, path)

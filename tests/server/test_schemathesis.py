@@ -21,11 +21,13 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from server.startup import create_app
+from server.api.errors import anthropic_path
 from server.api.openapi import OPERATIONS
 from server.api.routes import lora_admin
 from server.model_loader import load_model
 from server.settings import Settings
 from tests.server.test_api import MODEL, assert_error_shape
+from tests.server.test_messages import assert_anthropic_error
 
 MAX_TOKENS = 2
 MAX_EXAMPLES = 25
@@ -67,6 +69,30 @@ def lora_api_schema(lora_model, tmp_path):
     yield from schema_of(create_app(settings, loaded=lora_model))
 
 
+# the pooling tasks' routes, fuzzed on a server of their task (`pooling_schema`); a generating
+# server answers them with a 400 (fuzzed by `test_api_conforms_to_its_openapi_document` too)
+POOLING_ROUTES = [("bert-mean", "/v1/embeddings"), ("bert-reranker", "/v1/rerank"), ("bert-reranker", "/v1/score")]
+
+
+@pytest.fixture(scope="module")
+def pooling_models(tmp_path_factory):
+    """Tiny random-weight checkpoints (bench/embeddings.py) loaded for their task (auto)."""
+    from bench.embeddings import save
+    from tests.conftest import test_cache_dir
+    from tests.device import DEVICE, DTYPE_NAME
+
+    root = tmp_path_factory.mktemp("pooling")
+    return {kind: load_model(str(save(kind, root / kind)), cache_dir=test_cache_dir(), device=str(DEVICE), dtype=DTYPE_NAME, task="auto")
+            for kind in ("bert-mean", "bert-reranker")}
+
+
+@pytest.fixture
+def pooling_schema(pooling_models, request):
+    """`api_schema` of a server of a pooling task, serving `request.param` under the name the
+    generated bodies carry."""
+    yield from schema_of(create_app(Settings(served_model_name=MODEL), loaded=pooling_models[request.param]))
+
+
 def schema_of(app):
     loaded = schemathesis.openapi.from_asgi("/openapi.json", app)
     deadline = time.monotonic() + 60
@@ -87,12 +113,16 @@ def bounded(body):
 
 
 def check(case) -> None:
-    """No 5xx, every answer as documented, and every non-2xx in OpenAI's error shape."""
+    """No 5xx, every answer as documented, and every non-2xx in OpenAI's error shape (Anthropic's
+    on the Messages API)."""
     if case.method == "POST":
         case.body = bounded(case.body)
     response = case.call_and_validate(checks=CHECKS, timeout=REQUEST_TIMEOUT_S)
     if response.status_code >= 400:
-        assert_error_shape(response, response.status_code)
+        if anthropic_path(case.path):
+            assert_anthropic_error(response, response.status_code)
+        else:
+            assert_error_shape(response, response.status_code)
 
 
 # NOTE: operations come from our own table rather than schemathesis' pytest plugin
@@ -116,10 +146,16 @@ def conforms(operation) -> None:
     run()
 
 
+@pytest.mark.parametrize("pooling_schema, path", POOLING_ROUTES, indirect=["pooling_schema"])
+def test_the_pooling_routes_conform_on_a_server_of_their_task(pooling_schema, path):
+    conforms(pooling_schema[path]["POST"])
+
+
 STREAMED = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}]},
     "/v1/completions": {"prompt": "Hi"},
     "/v1/responses": {"input": "Hi"},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}]},
 }
 
 

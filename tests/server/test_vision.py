@@ -23,7 +23,7 @@ from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest
 from server.model_loader import LoadedModel, load_model
 from tests.device import DEVICE, DTYPE
-from tests.inprocess import openai_client
+from tests.inprocess import anthropic_client, openai_client
 
 MAX_TOKENS = 10
 pytestmark = pytest.mark.anyio
@@ -261,6 +261,30 @@ async def test_responses_take_input_image_and_refuse_file_ids(served_llava):
             await client.responses.create(model="tiny-llava", max_output_tokens=4, input=[
                 {"role": "user", "content": [{"type": "input_text", "text": "Hi"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
         assert bad.value.body["param"] == "input[0].content[1]", bad.value.body
+
+
+async def test_messages_take_image_blocks_as_chat_takes_image_parts(served_llava):
+    """An Anthropic image block (base64 source) is the chat's image part: the same greedy text and
+    prompt; a tool_result's image too; a bad picture is a 400 in Anthropic's shape naming its block."""
+    a = data_url(picture(3))
+    media_type, data = a.removeprefix("data:").split(";base64,")
+    block = {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+    async with anthropic_client(served_llava) as (client, http):
+        chat = (await http.post("/v1/chat/completions", json={"model": "tiny-llava", "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Describe "}, {"type": "image_url", "image_url": {"url": a}}]}]})).json()
+        message = await client.messages.create(model="tiny-llava", max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Describe "}, block]}])
+        assert message.content[0].text == chat["choices"][0]["message"]["content"]
+        assert message.usage.input_tokens + message.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
+        looked = await client.messages.create(model="tiny-llava", max_tokens=2, tools=[{"name": "look", "input_schema": {"type": "object"}}], messages=[
+            {"role": "user", "content": "Look."}, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "look", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [block]}]}])
+        assert looked.usage.input_tokens + looked.usage.cache_read_input_tokens > 16
+        broken = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+        refused = await http.post("/v1/messages", json={"model": "tiny-llava", "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, broken]}]})
+        assert refused.status_code == 400 and refused.json()["type"] == "error"
+        assert "messages[0].content[1]" in refused.json()["error"]["message"], refused.text
 
 
 async def test_bad_images_are_400s_naming_the_part_and_the_server_keeps_serving(served_llava):

@@ -1,9 +1,11 @@
 """GET /v1/models: the served model, then each LoRA adapter as a model of its own (aliases are
-accepted in requests, not listed)."""
+accepted in requests, not listed). A model served for a pooling task (--task embed, rerank) is
+listed with its task and no KV cache."""
 
 from fastapi import APIRouter, Request
 
 from server.api.errors import APIError
+from server.api.serving_pooling import PoolingContext
 
 router = APIRouter()
 
@@ -28,6 +30,15 @@ def _card(model_id: str, ctx) -> dict:
     }
 
 
+def _pooling_card(ctx) -> dict:
+    """A pooling model's object: its task (vLLM's `task`), context and, for embeddings, the length
+    of its vectors."""
+    card = {"id": ctx.model_id, "object": "model", "created": 0, "owned_by": "kvserve", "max_model_len": ctx.max_context, "task": ctx.task}
+    if ctx.task == "embed":
+        card["dimensions"] = ctx.dimensions
+    return card
+
+
 def _adapter_card(adapter, ctx) -> dict:
     """An adapter's model object, as vLLM lists one: `parent` the base model, `root` where its
     weights were read."""
@@ -39,14 +50,19 @@ def _adapter_card(adapter, ctx) -> dict:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
-    ctx = request.app.state.kv.require_ctx()
+    ctx = request.app.state.kv.require_served()
+    if isinstance(ctx, PoolingContext):
+        return {"object": "list", "data": [_pooling_card(ctx)]}
     adapters = [a for name in ctx.adapters.names if (a := ctx.adapter(name)) is not None] if ctx.adapters is not None else []
     return {"object": "list", "data": [_card(ctx.model_id, ctx), *(_adapter_card(a, ctx) for a in adapters)]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
-    ctx = request.app.state.kv.require_ctx()
+    ctx = request.app.state.kv.require_served()
+    if isinstance(ctx, PoolingContext):
+        ctx.check_model(model_id)
+        return _pooling_card(ctx)
     if (adapter := ctx.adapter(model_id)) is not None:
         return _adapter_card(adapter, ctx)
     if model_id != ctx.model_id and model_id not in ctx.model_aliases:
