@@ -48,7 +48,7 @@ def build_pooling_context(settings: Settings, loaded: LoadedModel, metrics: Metr
     return PoolingContext(
         engine=pooler, tokenizer=tokenizer, metrics=metrics, task=loaded.task, model_id=settings.served_model_name or loaded.model_id,
         model_aliases=frozenset(settings.model_aliases) | {loaded.model_id}, max_context=max_context,
-        vocab_size=config.get_text_config().vocab_size, **facts,
+        vocab_size=config.get_text_config().vocab_size, request_timeout_s=settings.request_timeout_s, **facts,
     )
 
 

@@ -4,6 +4,7 @@ tiny random-weight models talk to kvserve."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import anyio
 import httpx
@@ -12,10 +13,20 @@ from openai import AsyncOpenAI
 from tests.device import SETTINGS
 
 
+@dataclass(frozen=True)
+class Served:
+    """An app being served in-process: the FastAPI app (its state), the ASGI app its lifespan
+    wraps (what a transport calls), and a raw httpx client on it."""
+
+    app: object
+    asgi: object
+    http: httpx.AsyncClient
+
+
 @contextlib.asynccontextmanager
 async def served(loaded, **settings):
-    """`async with served(loaded, **settings) as (app, http)`: an app serving the `LoadedModel`
-    with those settings, ready; the ASGI app and a raw httpx client on it."""
+    """`async with served(loaded, **settings) as s`: an app serving the `LoadedModel` with those
+    settings, ready (`Served`)."""
     from asgi_lifespan import LifespanManager
 
     from server.startup import create_app
@@ -27,15 +38,15 @@ async def served(loaded, **settings):
         async with httpx.AsyncClient(transport=transport, base_url="http://kvserve", timeout=120) as http:
             while (await http.get("/ready")).status_code != 200:
                 await anyio.sleep(0.05)
-            yield manager.app, http
+            yield Served(app, manager.app, http)
 
 
 @contextlib.asynccontextmanager
 async def openai_client(loaded, **settings):
     """`async with openai_client(loaded, **settings) as (client, http)`: the AsyncOpenAI client
     and the raw httpx client on a `served` app."""
-    async with served(loaded, **settings) as (_, http):
-        yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=http, max_retries=0), http
+    async with served(loaded, **settings) as s:
+        yield AsyncOpenAI(base_url="http://kvserve/v1", api_key="x", http_client=s.http, max_retries=0), s.http
 
 
 async def ready_once_loaded(app) -> httpx.Response:
@@ -58,8 +69,8 @@ async def anthropic_client(loaded, **settings):
     import httpx2
     from anthropic import AsyncAnthropic
 
-    async with served(loaded, **settings) as (app, http):
-        transport = httpx2.ASGITransport(app=app)
+    async with served(loaded, **settings) as s:
+        transport = httpx2.ASGITransport(app=s.asgi)
         async with httpx2.AsyncClient(transport=transport, base_url="http://kvserve", timeout=120) as http2:
             keys = settings.get("api_key") or ["x"]
-            yield AsyncAnthropic(base_url="http://kvserve", api_key=keys[0], http_client=http2, max_retries=0), http
+            yield AsyncAnthropic(base_url="http://kvserve", api_key=keys[0], http_client=http2, max_retries=0), s.http

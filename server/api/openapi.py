@@ -91,9 +91,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/tokenize"): Operation((400, 401, 404, 413, 415, 503)),
     ("post", "/detokenize"): Operation((400, 401, 404, 413, 415, 503)),
     # the pooling tasks (--task embed, rerank); a 400 `task_not_served` on a server of another task
-    ("post", "/v1/embeddings"): Operation((400, 401, 404, 413, 415, 429, 503)),
-    ("post", "/v1/rerank"): Operation((400, 401, 404, 413, 415, 429, 503)),
-    ("post", "/v1/score"): Operation((400, 401, 404, 413, 415, 429, 503)),
+    ("post", "/v1/embeddings"): Operation((400, 401, 404, 413, 415, 429, 503, 504)),
+    ("post", "/v1/rerank"): Operation((400, 401, 404, 413, 415, 429, 503, 504)),
+    ("post", "/v1/score"): Operation((400, 401, 404, 413, 415, 429, 503, 504)),
     ("get", "/server_info"): Operation((401, 503)),
     ("get", "/v1/loads"): Operation((400, 401, 503)),
     ("get", "/loads"): Operation((400, 401, 404, 503)),

@@ -312,6 +312,11 @@ def cache_headers(output: RequestOutput) -> dict[str, str]:
     return headers
 
 
+def timed_out(timeout_s: float) -> APIError:
+    """The 504 of a request still running at its deadline (--request-timeout-s)."""
+    return APIError(504, f"the request ran longer than its {timeout_s:g} s deadline", code="timeout")
+
+
 def engine_error(output: RequestOutput, timeout_s: float) -> APIError:
     if output.error == "kv_budget":
         return APIError(
@@ -324,7 +329,7 @@ def engine_error(output: RequestOutput, timeout_s: float) -> APIError:
     if output.error == "adapter_unloaded":
         return APIError(404, "the LoRA adapter this request asked for was unloaded before it finished", code="model_not_found", param="model")
     if output.error == "timeout":
-        return APIError(504, f"the request ran longer than its {timeout_s:g} s deadline", code="timeout")
+        return timed_out(timeout_s)
     if output.error == "grammar":
         return APIError(
             400,

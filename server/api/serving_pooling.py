@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from fastapi import Request
 from transformers import PreTrainedTokenizerBase
 
 from server.api import limits
@@ -24,7 +25,7 @@ from server.api.protocol_pooling import (
     Embedding, EmbeddingRequest, EmbeddingResponse, PoolingUsage, RerankDocument, RerankRequest, RerankResponse, RerankResult,
     Score, ScoreRequest, ScoreResponse,
 )
-from server.api.serving import RETRY_AFTER_S, new_id
+from server.api.serving import RETRY_AFTER_S, new_id, timed_out
 from server.engine.core import EngineStopped, QueueFull
 from server.engine.pooling import Pooler, PoolingInput
 from server.engine.pooling_spec import PoolingSpec
@@ -92,6 +93,7 @@ class PoolingContext:
     model_aliases: frozenset[str]
     max_context: int
     vocab_size: int
+    request_timeout_s: float  # --request-timeout-s: a request's deadline, queueing included
     pooling: PoolingSpec | None = None  # embed: how vectors are pooled
     dimensions: int = 0  # embed: the length of a full vector
     matryoshka: tuple[int, ...] | bool = False  # embed: the lengths it may be cut to (True: any)
@@ -117,8 +119,10 @@ class PoolingContext:
                            param=param, rejection="bad_request")
         return x
 
-    async def run(self, inputs: list[PoolingInput]) -> list[torch.Tensor]:
-        """Each input's result from the pooling engine; the HTTP answer to a refusal."""
+    async def run(self, request: Request, inputs: list[PoolingInput]) -> list[torch.Tensor]:
+        """Each input's result from the pooling engine; the HTTP answer to a refusal. Past the
+        request's deadline (--request-timeout-s) a 504, and once the client has gone nothing more
+        is computed for it: its rows not yet run are dropped."""
         try:
             future = self.engine.submit(inputs, asyncio.get_running_loop())
         except QueueFull as exc:
@@ -126,15 +130,31 @@ class PoolingContext:
                            rejection="queue_full") from None
         except EngineStopped:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": RETRY_AFTER_S}) from None
+        watcher = asyncio.create_task(_cancel_when_gone(request, future))
         try:
-            results = await future
+            results = await asyncio.wait_for(future, self.request_timeout_s)
+        except TimeoutError:
+            raise timed_out(self.request_timeout_s) from None
+        except asyncio.CancelledError:
+            if not watcher.done():  # this task itself was cancelled (the server stopping)
+                raise
+            raise APIError(499, "the client closed the request", code="client_closed") from None
         except EngineStopped:
             raise APIError(503, "the server is shutting down", code="shutting_down", headers={"Retry-After": RETRY_AFTER_S}) from None
         except Exception:  # noqa: BLE001 - logged by the engine thread; no internals to the client
             raise APIError(500, "the forward pass failed; the server log says why", code="internal_error") from None
+        finally:
+            watcher.cancel()
         self.metrics.pooled_inputs.labels(self.task).inc(len(inputs))
         self.metrics.pooled_tokens.labels(self.task).inc(sum(len(x.ids) for x in inputs))
         return results
+
+
+async def _cancel_when_gone(request: Request, future: asyncio.Future) -> None:
+    """Cancel `future` once the client disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    future.cancel()
 
 
 def _tokenize(ctx: PoolingContext, texts: list[str | list[int]], param: str) -> list[PoolingInput]:
@@ -166,12 +186,12 @@ def _encode(vector: np.ndarray, fmt: str) -> list[float] | str:
     return vector.tolist()
 
 
-async def embed(ctx: PoolingContext, body: EmbeddingRequest) -> EmbeddingResponse:
+async def embed(ctx: PoolingContext, body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
     ctx.check_model(body.model)
     cut = _cut(ctx, body.dimensions)
     inputs = await asyncio.to_thread(_tokenize, ctx, body.inputs(), "input")
     # NOTE: numpy, not torch, past the engine: only the engine thread runs torch ops (one OpenMP team)
-    vectors = np.stack([v.numpy() for v in await ctx.run(inputs)])
+    vectors = np.stack([v.numpy() for v in await ctx.run(request, inputs)])
     if cut is not None:  # Matryoshka: the first dimensions, normalized again if the model normalizes
         vectors = vectors[:, :cut]
         if ctx.pooling.normalize:
@@ -183,19 +203,19 @@ async def embed(ctx: PoolingContext, body: EmbeddingRequest) -> EmbeddingRespons
     )
 
 
-async def _scores(ctx: PoolingContext, pairs: list[tuple[str, str]], instruction: str | None, param: str) -> tuple[list[float], int]:
+async def _scores(ctx: PoolingContext, request: Request, pairs: list[tuple[str, str]], instruction: str | None, param: str) -> tuple[list[float], int]:
     def encode() -> list[PoolingInput]:
         return [ctx.bounded(ctx.pairs.encode(q, d, instruction), param) for q, d in pairs]
 
     inputs = await asyncio.to_thread(encode)
-    scores = await ctx.run(inputs)
+    scores = await ctx.run(request, inputs)
     return [float(s) for s in scores], sum(len(x.ids) for x in inputs)
 
 
-async def rerank(ctx: PoolingContext, body: RerankRequest) -> RerankResponse:
+async def rerank(ctx: PoolingContext, body: RerankRequest, request: Request) -> RerankResponse:
     ctx.check_model(body.model)
     texts = body.texts()
-    scores, tokens = await _scores(ctx, [(body.query, t) for t in texts], body.instruction, "documents")
+    scores, tokens = await _scores(ctx, request, [(body.query, t) for t in texts], body.instruction, "documents")
     order = sorted(range(len(texts)), key=lambda i: -scores[i])[: body.top_n or None]
     return RerankResponse(
         id=new_id("rerank"), model=body.model or ctx.model_id, usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens),
@@ -204,9 +224,9 @@ async def rerank(ctx: PoolingContext, body: RerankRequest) -> RerankResponse:
     )
 
 
-async def score(ctx: PoolingContext, body: ScoreRequest) -> ScoreResponse:
+async def score(ctx: PoolingContext, body: ScoreRequest, request: Request) -> ScoreResponse:
     ctx.check_model(body.model)
-    scores, tokens = await _scores(ctx, body.pairs(), body.instruction, "text_2")
+    scores, tokens = await _scores(ctx, request, body.pairs(), body.instruction, "text_2")
     return ScoreResponse(
         id=new_id("score"), created=int(time.time()), model=body.model or ctx.model_id,
         data=[Score(index=i, score=s) for i, s in enumerate(scores)], usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens),

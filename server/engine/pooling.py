@@ -127,6 +127,12 @@ class _Job:
         self.left = len(inputs)
         self.future: asyncio.Future = loop.create_future()
         self.failed = False
+        self.future.add_done_callback(self._dropped)
+
+    def _dropped(self, future: asyncio.Future) -> None:
+        """A future cancelled by its waiter (deadline, client gone): its rows not yet run are skipped."""
+        if future.cancelled():
+            self.failed = True
 
     def done(self, row: int, value: torch.Tensor) -> None:
         self.results[row] = value
@@ -171,8 +177,8 @@ class Pooler:
 
     def submit(self, inputs: list[PoolingInput], loop: asyncio.AbstractEventLoop) -> asyncio.Future:
         """Queue a request's inputs; the future resolves to one CPU float32 tensor per input (in
-        order), or raises the forward pass's error. QueueFull beyond `max_queue` requests waiting,
-        EngineStopped while draining or stopped."""
+        order), or raises the forward pass's error; cancelling it drops the rows not yet run.
+        QueueFull beyond `max_queue` requests waiting, EngineStopped while draining or stopped."""
         job = _Job(inputs, loop)
         with self._cond:
             if self._draining or self._stopping or self.dead is not None:

@@ -27,7 +27,7 @@ from server.engine.pooling_spec import PoolingSpec
 from server.model_loader import load_model
 from tests.conftest import test_cache_dir as cache_dir
 from tests.device import DEVICE, DTYPE_NAME, SERVE_FLAGS
-from tests.inprocess import openai_client
+from tests.inprocess import openai_client, served
 from tests.server.test_api import assert_error_shape
 
 TOLERANCE = 1e-5  # float32 on CPU; sentence-transformers pads and batches differently
@@ -245,6 +245,41 @@ async def test_the_pooler_runs_queued_requests_in_one_padded_forward(checkpoints
         pooler.stop()
     assert head.rows[2:] == [1] * 7
     assert max((a - b).abs().max().item() for a, b in zip(together, alone)) < TOLERANCE
+
+
+@pytest.mark.anyio
+async def test_a_request_past_its_deadline_is_a_504_and_its_rows_are_dropped(checkpoints):
+    """A request whose waiter gives up (its deadline, or the client gone: the future is
+    cancelled) has its rows not yet run dropped from the next round; over HTTP the deadline is a
+    504 `timeout`, and the pooler is left idle."""
+    loaded = load_model(str(checkpoints["bert-mean"]), cache_dir=cache_dir(), device=str(DEVICE), dtype=DTYPE_NAME, task="embed")
+    head = _Gated(EmbedHead(PoolingSpec(("mean",), True, "test")))
+    pooler = Pooler(loaded.model, head, pad_id=0, max_batch_tokens=4096, max_queue=8)
+    pooler.start()
+    loop = asyncio.get_running_loop()
+    ids = [loaded.tokenizer(t)["input_ids"] for t in TEXTS[:4]]
+    try:
+        first = pooler.submit([PoolingInput(ids[0])], loop)
+        await asyncio.to_thread(head.entered.wait, 10)
+        dropped = pooler.submit([PoolingInput(i) for i in ids[1:3]], loop)
+        kept = pooler.submit([PoolingInput(ids[3])], loop)
+        dropped.cancel()
+        await asyncio.sleep(0)  # its done callbacks (the drop among them) run on the loop
+        head.release.set()
+        await first
+        assert len(await kept) == 1 and head.rows == [1, 1]  # the cancelled request's two rows never ran
+    finally:
+        head.release.set()
+        pooler.stop()
+    async with served(loaded, request_timeout_s=1e-6) as s:
+        late = await s.http.post("/v1/embeddings", json={"input": TEXTS[:8]})
+        assert_error_shape(late, 504, "timeout")
+        engine = s.app.state.kv.ctx.engine
+        for _ in range(100):
+            if engine.idle:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.idle
 
 
 def _files(**files):

@@ -10,4 +10,4 @@ router = APIRouter()
 
 @router.post("/v1/embeddings")
 async def create_embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
-    return await serving_pooling.embed(request.app.state.kv.require_pooling("embed", "/v1/embeddings"), body)
+    return await serving_pooling.embed(request.app.state.kv.require_pooling("embed", "/v1/embeddings"), body, request)

@@ -11,9 +11,9 @@ router = APIRouter()
 
 @router.post("/v1/rerank", response_model_exclude_none=True)
 async def rerank(body: RerankRequest, request: Request) -> RerankResponse:
-    return await serving_pooling.rerank(request.app.state.kv.require_pooling("rerank", "/v1/rerank"), body)
+    return await serving_pooling.rerank(request.app.state.kv.require_pooling("rerank", "/v1/rerank"), body, request)
 
 
 @router.post("/v1/score")
 async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
-    return await serving_pooling.score(request.app.state.kv.require_pooling("rerank", "/v1/score"), body)
+    return await serving_pooling.score(request.app.state.kv.require_pooling("rerank", "/v1/score"), body, request)
