@@ -81,8 +81,9 @@ TINY = dict(
 )
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)  # Mixtral's names
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)  # Qwen's names; others spell their own
-# multi-head latent attention: keys 16 + 8 (rope) wide, values 12, over latents of 32 (queries) and 16
-MLA = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, head_dim=8, num_key_value_heads=4)
+# multi-head latent attention: keys 16 + 8 (rope) wide, values 12, over latents of 32 (queries) and 24 (KV:
+# no width equal to another, so a transposed up-projection cannot pass)
+MLA = dict(q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, head_dim=8, num_key_value_heads=4)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)
 
 
@@ -230,6 +231,19 @@ FAMILIES: dict[str, Family] = {
         **MLA,
         num_layers=1, ffn_hidden_size=128, expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=2, moe_topk=2),
         "two MLA attentions per layer, zero experts"),
+    "youtu": Family("youtu", MLA, "MLA"),
+    "axk1": Family("axk1", dict(
+        **MLA,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32),
+        "MLA"),
+    "axk2": Family("axk2", dict(
+        **MLA,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32),
+        "MLA with a sparse top-k indexer"),
+    "hy_v4": Family("hy_v4", MLA, "MLA with a sparse top-k indexer"),
+    "glm_moe_dsa": Family("glm_moe_dsa", dict(
+        **MLA,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "MLA with a sparse top-k indexer"),
     "mimo_v2_flash": Family("mimo_v2_flash", dict(
         v_head_dim=12, sliding_window=WINDOW, **_layers(FULL, SLIDE), mlp_layer_types=["dense", "sparse"], n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32), "sinks on sliding layers, values narrower than keys"),
@@ -257,6 +271,10 @@ FAMILIES: dict[str, Family] = {
         layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], num_experts=4,
         num_experts_per_token=2, moe_intermediate_size=32, linear_head_dim=16, linear_num_heads=4,
         **{**MLA, "q_lora_rank": None}), "KDA linear attention, MLA"),
+    "bailing_hybrid": Family("bailing_hybrid", dict(
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, num_expert_group=1, topk_group=1, linear_head_dim=16,
+        linear_num_heads=4, **MLA), "linear attention, MLA"),
     "nemotron_h": Family("nemotron_h", dict(
         layers_block_type=["linear_attention", "full_attention", "mlp"], mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
         n_groups=1, chunk_size=16), "Mamba2 layers"),
@@ -582,8 +600,6 @@ def run_family(name: str, tok, device: torch.device | str = "cpu", dtype: torch.
     except Exception as exc:
         result.message = f"build: {_first_line(exc)}"
         return result
-    with contextlib.suppress(Exception):
-        result.kv_bytes_per_token = kv.layout(model.config).bytes_per_token(dtype)
     engines = [(kw, [c for c in names if c in checks]) for kw, names in MODES]
     engines = [(kw, names) for kw, names in engines if names]
     case = None
@@ -601,6 +617,8 @@ def run_family(name: str, tok, device: torch.device | str = "cpu", dtype: torch.
                 outcome = f"refused [{exc.feature}]" if isinstance(exc, UnsupportedModel) else f"ERROR at start: {_first_line(exc)}"
                 result.checks.update((c, outcome) for c in names)
                 continue
+            if i == 0:  # as its engine keeps it (an MLA model's latent: server/engine/mla.py)
+                result.kv_bytes_per_token = served.engine.cache_manager.pool.layout.bytes_per_token(dtype)
             try:
                 if case is None:
                     try:

@@ -37,7 +37,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from cache_manager.kv import LAYOUT_VERSION
+from cache_manager.kv import LAYOUT_VERSION, layout
 
 FORMAT = "kvserve-session/1"
 SUFFIX = ".kv"
@@ -87,7 +87,9 @@ def fingerprint(model, dtype: torch.dtype, mode: str = "") -> str:
     milliseconds.
     """
     h = hashlib.sha256()
-    h.update(f"{FORMAT}|layout {LAYOUT_VERSION}|{dtype}|{mode}".encode())
+    # an MLA model's latent and its decompressed heads are two layouts of the same weights
+    kind = " latent" if layout(model.config).latent else ""
+    h.update(f"{FORMAT}|layout {LAYOUT_VERSION}{kind}|{dtype}|{mode}".encode())
     h.update(model.config.to_json_string(use_diff=False).encode())
     with torch.no_grad():
         for name, param in model.state_dict().items():

@@ -8,7 +8,9 @@ interface); a transformers upgrade breaks them and their tests.
 Layout (docs/architecture.md, "KV pool"):
 
 * A `Pool` holds, per layer, keys [kv_heads, slots, key_dim] and values [kv_heads, slots,
-  value_dim] (MLA models, DeepSeek-V3's, have values narrower than keys): `num_blocks` blocks
+  value_dim] (MLA models, DeepSeek-V3's, have values narrower than keys; served from their
+  latent, `Layout.latent`, they keep one "head": the rotary key as the key and the compressed
+  KV as the value, server/engine/mla.py): `num_blocks` blocks
   of `block_size` token slots, plus one trash block that belongs to no sequence (padded rows of
   a batch bucket write and read there, so padding never touches a live slot).
 * A sequence's `SequenceKV` is its block table into the pool and its `length`: position p lives
@@ -46,6 +48,9 @@ from cache_manager import state as recurrent
 from cache_manager.blocks import BlockAllocator, NoBlocks
 
 BLOCK_SIZE = 16
+# The text-config attribute by which server/engine/mla.py (`configure`) says how an MLA model's
+# pool keeps its KV: "latent" (`Layout.latent`) or "heads" (transformers' decompressed keys and values)
+LATENT = "kvserve_mla_cache"
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 # Layers that keep a recurrent state (cache_manager/state.py) and no KV ("hybrid": both)
 _STATE_ONLY = ("linear_attention", "conv")
@@ -189,6 +194,10 @@ class Layout:
     sources: tuple[int, ...] | None = None
     # Layers that keep no keys and values (a hybrid model's recurrent layers, its MLP-only ones)
     no_kv: tuple[int, ...] = ()
+    # Multi-head latent attention kept as its latent (server/engine/mla.py): per token and layer
+    # one "KV head" whose key is the shared rotary key (key_dim: qk_rope_head_dim) and whose
+    # value is the normalized compressed KV (value_dim: kv_lora_rank), nothing per head
+    latent: bool = False
 
     @property
     def owners(self) -> tuple[int, ...]:
@@ -232,7 +241,8 @@ def layout(config: PretrainedConfig) -> Layout:
     """The KV layout of `config`; UnsupportedLayers for layer kinds this engine cannot batch.
 
     Key and value widths: `qk_head_dim` and `v_head_dim` where the config has them (MLA:
-    DeepSeek-V2/V3, Kimi K2), else `head_dim` (or hidden_size / heads) for both.
+    DeepSeek-V2/V3, Kimi K2), else `head_dim` (or hidden_size / heads) for both; an MLA model
+    whose config server/engine/mla.py marked (`LATENT`) keeps its latent instead (`Layout.latent`).
     server/engine/families.py checks them against what the model's layers really produce."""
     text_config = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
@@ -254,6 +264,8 @@ def layout(config: PretrainedConfig) -> Layout:
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     key_dim = getattr(text_config, "qk_head_dim", None) or head_dim
     value_dim = getattr(text_config, "v_head_dim", None) or head_dim
+    if getattr(text_config, LATENT, None) == "latent":
+        return Layout(windows, 1, text_config.qk_rope_head_dim, text_config.kv_lora_rank, rope_switch(text_config), sources, no_kv, latent=True)
     return Layout(windows, heads, key_dim, value_dim, rope_switch(text_config), sources, no_kv)
 
 

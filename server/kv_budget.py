@@ -111,6 +111,8 @@ def attention_workspace(layout: kv.Layout, heads: int, dtype: torch.dtype, kv_dt
     `context` positions."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_position = layout.kv_heads * (layout.key_dim + layout.value_dim) * itemsize  # keys and values, dequantized
+    if layout.latent:  # and both side by side, as the absorbed queries meet them (server/engine/mla.py)
+        per_position *= 2
     if kv.kv_format(kv_dtype).quantized:
         per_position += layout.bytes_per_token(dtype, kv_dtype) // len(layout.owners)  # one layer's stored bytes
     groups = heads // layout.kv_heads

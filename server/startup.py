@@ -26,7 +26,7 @@ from server.api.media import MediaLimits
 from server.api.response_store import ResponseStore
 from server.api.serving import ServingContext
 from server.api.serving_pooling import PoolingContext
-from server.engine import compiled, exact, families, lora
+from server.engine import compiled, exact, families, lora, mla
 from server.engine.core import Engine, EngineConfig
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
 from server.engine.prompt_lookup import NgramProposer
@@ -113,7 +113,9 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     adapters loaded, the KV budget sized, the cache manager, engine and grammar compiler built.
     The engine is not started yet (`start` does)."""
     # a family whose features the engine does not model is refused here, by name, before any
-    # cache is sized for it (server/engine/families.py)
+    # cache is sized for it (server/engine/families.py); an MLA model's pool keeps its latent
+    # where it can (server/engine/mla.py)
+    mla.configure(loaded.model, settings.mla_cache, lora=settings.serves_adapters)
     families.check(loaded.model)
     if draft is not None:
         families.check(draft.model)

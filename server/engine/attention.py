@@ -43,7 +43,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from cache_manager import kv
-from server.engine import context, exact, paged_kernel
+from server.engine import context, exact, mla, paged_kernel
 from server.engine.context import Batch, Row, StepContext, additive
 from server.engine.unsupported import UnsupportedModel
 
@@ -87,12 +87,21 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         if s_aux is not None:
             kwargs["s_aux"] = s_aux
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)
-    layer = module.layer_idx
-    heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
     if step.observe is not None:
-        step.observe(layer, key, value)
+        step.observe(module.layer_idx, key, value)
     if kwargs or (attention_mask is not None and attention_mask.numel() != 1):
-        _refuse_unknown(step, layer, kwargs, attention_mask)
+        _refuse_unknown(step, module.layer_idx, kwargs, attention_mask)
+    if not step.pool.layout.latent:
+        return _attend_step(step, module.layer_idx, query, key, value, scaling, softcap, s_aux), None
+    # MLA from its latent (server/engine/mla.py): the absorbed queries meet one latent KV head
+    out = _attend_step(step, module.layer_idx, mla.absorb(module, query, step.exact), key, value, scaling, softcap, s_aux)
+    return mla.expand(module, out, step.exact), None
+
+
+def _attend_step(step: StepContext, layer: int, query, key, value, scaling, softcap, s_aux) -> torch.Tensor:
+    """`_attention`'s body: the step's queries [1, H, N, Dk] over its rows' keys and values,
+    the new ones [1, Hkv, N, Dk / Dv] stored first -> [1, N, H, Dv]."""
+    heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     sinks = None if s_aux is None else s_aux.float().view(kv_heads, groups, 1)  # [Hkv, groups, 1]
@@ -100,7 +109,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     batches = step.batches
     if not step.rows and len(batches) == 1 and batches[0].tokens is None and batches[0].size == query.shape[2]:
         # decode rows alone (what a CUDA graph replays): their output is the layer's, no copy
-        return _attend_batch(batches[0], layer, query[0], key[0], value[0], groups, scale, softcap, sinks, attend)[None], None
+        return _attend_batch(batches[0], layer, query[0], key[0], value[0], groups, scale, softcap, sinks, attend)[None]
     out = query.new_empty(1, query.shape[2], heads, value_dim)
     for batch in batches:
         o = _attend_batch(batch, layer, query[0], key[0], value[0], groups, scale, softcap, sinks, attend)
@@ -110,7 +119,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             out[0].index_copy_(0, batch.targets, o if batch.real is None else o[batch.real])
     if step.exact and step.rows:
         _attend_exact(step, layer, query, key, value, out, groups, scale, softcap, sinks)
-        return out, None
+        return out
     for row in step.rows:
         lo, hi = row.offset, row.offset + row.n
         k_row, v_row, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi])
@@ -119,7 +128,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         q = query[:, :, lo:hi].reshape(1, kv_heads, groups * row.n, head_dim)
         o = _attend(q, k_row, v_row, mask, scale, softcap, _sink_rows(sinks, row.n))
         out[:, lo:hi] = o.reshape(1, heads, row.n, -1).transpose(1, 2)
-    return out, None
+    return out
 
 
 def _refuse_unknown(step: StepContext, layer: int, kwargs: dict, attention_mask=None) -> None:
@@ -134,15 +143,11 @@ def _refuse_unknown(step: StepContext, layer: int, kwargs: dict, attention_mask=
         if value is None or name in _IGNORED or name.startswith("output_"):  # what a forward returns, not how it attends
             continue
         if name == "sliding_window":
-            window = _pool_of(step).layout.windows[layer]
+            window = step.pool.layout.windows[layer]
             if value == window:
                 continue
             raise UnsupportedModel("sliding-window", f"layer {layer} attends in a window of {value} where its layer type says {window}")
         raise UnsupportedModel(f"attention-{name}", f"its attention passes `{name}`, which kvserve's attention does not model")
-
-
-def _pool_of(step: StepContext) -> kv.Pool:
-    return step.batches[0].pool if step.batches else step.rows[0].kv.pool
 
 
 def _sink_rows(sinks: torch.Tensor | None, t: int, rows: int | None = None) -> torch.Tensor | None:
@@ -180,7 +185,8 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, groups: int, scal
     k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
     extra = {} if sinks is None else {"sinks": _sink_rows(sinks, t)}
     if attend is exact.attend:  # where the mask comes from: the kernel skips what a whole tile cannot see
-        o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, positions=batch.positions.view(b, t), window=window, **extra)
+        o = attend(q, mla.meet(q, k_rows, v_rows), v_rows, batch.masks[window], scale, softcap, positions=batch.positions.view(b, t),
+                   window=window, **extra)
     else:
         o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, **extra)
     # [B, Hkv, groups * T, Dv] -> [B * T, H, Dv]
@@ -352,7 +358,9 @@ def _causal(start: int, n: int, key_positions: torch.Tensor, window: int | None,
 def _attend(q, keys, values, mask, scale, softcap, sinks=None):
     """q [B, Hkv, M, Dk] over keys/values [B, Hkv, L, Dk/Dv] with an additive `mask` (or None)
     -> [B, Hkv, M, Dv]; `sinks` [1, Hkv, M, 1] (float32): a logit per query row that joins the
-    softmax's denominator and adds no value."""
+    softmax's denominator and adds no value. A latent pool's queries meet its values and keys
+    side by side (`mla.meet`)."""
+    keys = mla.meet(q, keys, values)
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     # NOTE: sdpa has neither soft-capping (Gemma 2) nor sinks (gpt-oss): the eager formula,

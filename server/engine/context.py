@@ -151,6 +151,11 @@ class StepContext:
     deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
     memo: dict = field(default_factory=dict)
 
+    @property
+    def pool(self) -> kv.Pool:
+        """The KV pool the step's rows live in."""
+        return self.batches[0].pool if self.batches else self.rows[0].kv.pool
+
 
 def current() -> StepContext | None:
     """The context of the step running on this thread (None outside kvserve's steps)."""

@@ -196,8 +196,14 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """
     if getattr(layer, "kvserve_exact_kernel", False):
         return KERNELS[x.device.type].linear(x, layer.weight, layer.bias)
+    return product(x, layer.weight, layer.bias)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with each row's result independent of the other rows: one
+    F.linear call per whole tile of rows (`linear`'s NOTE)."""
     tile = ROW_TILE if x.device.type == "cpu" else CUDA_ROW_TILE
-    return by_tiles(lambda rows: F.linear(rows, layer.weight, layer.bias), x, tile, one_call=False)
+    return by_tiles(lambda rows: F.linear(rows, weight, bias), x, tile, one_call=False)
 
 
 def norm(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

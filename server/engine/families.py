@@ -22,7 +22,9 @@ named: a model that runs and gives other tokens than transformers is the failure
   new transformers release adds fails here rather than producing text.
 
 Modelled, so served: sliding windows, soft-capping, attention sinks (gpt-oss), unequal key and
-value widths (MLA: DeepSeek-V3, Kimi K2), LongRoPE per sequence (server/engine/rope.py).
+value widths (MLA: DeepSeek-V3, Kimi K2), multi-head latent attention from its latent
+(server/engine/mla.py: a latent the probe finds different goes back to decompressed heads),
+LongRoPE per sequence (server/engine/rope.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from transformers.integrations.heterogeneity.configuration_utils import AmbiguousGlobalPerLayerAttributeError
 
 from cache_manager import kv, state
-from server.engine import rope
+from server.engine import mla, rope
 from server.engine.unsupported import UnsupportedModel
 
 
@@ -51,8 +53,17 @@ def check(model) -> None:
     still run the model's own). Runs once per model: a passing model is marked."""
     if getattr(model, "_kvserve_checked", False):
         return
+    if not mla.configured(model):
+        mla.configure(model)  # MLA from its latent where it can be (the server configures it from its settings first)
     layout = check_config(model)
-    _on_own_thread(_probe, model, layout)
+    try:
+        _on_own_thread(_probe, model, layout)
+    except UnsupportedModel as exc:
+        if not layout.latent:
+            raise
+        mla.fall_back(model, f"{exc.feature}: {exc}")
+        layout = check_config(model)
+        _on_own_thread(_probe, model, layout)
     model._kvserve_checked = True
 
 

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from cache_manager import kv
 from server.engine import context
 from server.engine import exact as exact_mode
 
@@ -122,6 +123,9 @@ def read(path: str | Path, model, *, name: str, max_rank: int) -> Adapter:
         module = modules.get(module_name)
         if not isinstance(module, torch.nn.Linear):
             raise AdapterError("targets", f"adapter '{name}': the base model has no linear layer {module_name}")
+        if module_name.rpartition(".")[2] == "kv_b_proj" and kv.layout(model.config).latent:
+            raise AdapterError("targets", f"adapter '{name}': it targets {module_name}, which the MLA latent's attention "
+                               "absorbs (server/engine/mla.py); serve it with --mla-cache heads")
         if set(pair) != {"lora_A", "lora_B"}:
             raise AdapterError("corrupt", f"adapter '{name}': {module_name} lacks its {'lora_B' if 'lora_A' in pair else 'lora_A'}")
         a, b = pair["lora_A"], pair["lora_B"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import kv
-from server.engine import attention, compiled, context, cpu_linear, faults, lora, merged, paged_kernel, recurrent, rope, vision
+from server.engine import attention, compiled, context, cpu_linear, faults, lora, merged, mla, paged_kernel, recurrent, rope, vision
 from server.engine import exact as exact_mode
 from server.engine.context import Batch, Row, StepContext, StepRows
 from server.engine.scheduler import Plan, ScheduledRow
@@ -95,7 +95,8 @@ class ModelRunner:
         # by default on CUDA where Triton runs, over plain storage, outside exact mode (its own kernel)
         if decode_kernel is None:
             decode_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not pool.format.quantized and not exact
-        self.decode_kernel = self.paged and decode_kernel
+        # NOTE: not over an MLA latent (server/engine/mla.py) yet: the kernel reads keys as wide as the queries
+        self.decode_kernel = self.paged and decode_kernel and not pool.layout.latent
         # whether `prepare` compiles the decode steps' forward (server/engine/compiled.py): `compile`
         # "require" on any device, "auto" on CUDA, "off" never; the app refuses to start without it
         # under "require"
@@ -610,6 +611,12 @@ def _attention(runner: ModelRunner) -> dict[str, str]:
     return {"attention": "paged" if runner.paged else "rows", "decode_attention": decode}
 
 
+def _mla(runner: ModelRunner) -> dict[str, str]:
+    if not mla.enable(runner.model):
+        return {}
+    return {"mla": "latent" if runner.pool.layout.latent else "heads"}
+
+
 def _recurrent(runner: ModelRunner) -> dict[str, str]:
     if runner.pool.states is None:
         return {}
@@ -681,7 +688,7 @@ def _deepstack(runner: ModelRunner) -> dict[str, str]:
     return {"deepstack": "on"}
 
 
-PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _recurrent, _rope, _deepstack, _experts, _merge, _linear, _exact, _lora)
+PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _mla, _recurrent, _rope, _deepstack, _experts, _merge, _linear, _exact, _lora)
 
 
 def _biased(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,15 @@ from pathlib import Path
 import pytest
 
 from bench import architectures
+from cache_manager import kv
 from tests.device import DEVICE, DTYPE
 
 # Hybrids (recurrent state per sequence, cache_manager/state.py): served, but not with
 # speculation or in exact mode, which their engines refuse at start-up by name
-HYBRIDS = ("qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "granitemoehybrid", "jamba", "bamba",
+HYBRIDS = ("qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "granitemoehybrid", "jamba", "bamba",
            "nemotron_h", "falcon_h1", "lfm2")
+# Multi-head latent attention: served from the latent (server/engine/mla.py), whose bytes the pool counts
+MLA = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "axk1", "kimi_linear", "bailing_hybrid")
 HYBRID_MODES = {"exact": "refused [recurrent-exact]", "lookup": "refused [recurrent-speculative]"}
 
 # family -> the feature UnsupportedModel names when the engine refuses it
@@ -31,7 +34,10 @@ REFUSED = {
     "mamba": "recurrent-only",  # no attention layer at all
     # attention kvserve does not model
     "llama4_text": "layers-chunked_attention",
-    "deepseek_v32": "layers-indexed_attention",
+    "deepseek_v32": "layers-indexed_attention",  # MLA with a sparse top-k indexer, as the next three
+    "axk2": "layers-indexed_attention",
+    "hy_v4": "layers-indexed_attention",
+    "glm_moe_dsa": "layers-indexed_attention",
     "gemma4_text": "per-layer-config",  # a head size per layer (transformers' per_layer_config)
     "doge": "attention-mask",  # its attention adds a learned dynamic mask to the scores
     "jetmoe": "kv-width",  # mixture of attention heads: more KV heads than its config names
@@ -59,6 +65,11 @@ def test_family_is_refused_by_name_or_matches_generate(family, tokenizer):
     assert result.status == "served", result.message
     assert not result.failed(), result.failed()
     assert set(result.checks) == set(architectures.CHECKS)
+    if family in MLA:  # the latent and the rotary key per token and attention layer, nothing per head
+        config = architectures.FAMILIES[family].config()
+        text = config.get_text_config(decoder=True)
+        per_token = (text.kv_lora_rank + text.qk_rope_head_dim) * DTYPE.itemsize
+        assert result.kv_bytes_per_token == len(kv.layout(config).owners) * per_token, result.kv_bytes_per_token
     if family in HYBRIDS:
         assert {c: result.checks[c] for c in HYBRID_MODES} == HYBRID_MODES
         return
