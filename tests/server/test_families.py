@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from cache_manager import disk, kv
 from cache_manager.manager import CacheConfig, CacheManager
 from server.engine import attention, context, families
+from server.engine.mla import configure as configure_mla
 from server.engine.core import Engine, EngineConfig
 from server.engine.prompt_lookup import NgramProposer
 from server.engine.sampling import SamplingParams
@@ -165,7 +166,10 @@ def test_sinks_join_the_softmax_denominator_as_gpt_oss_does():
 
 
 def test_mla_keys_and_values_keep_their_own_widths_in_the_pool_the_budget_and_the_files(tmp_path):
+    """--mla-cache heads: transformers' decompressed keys and values (the latent's own tests:
+    tests/server/test_mla.py)."""
     model = mla()
+    configure_mla(model, "heads")
     layout = kv.layout(model.config)
     assert (layout.kv_heads, layout.key_dim, layout.value_dim) == (4, 24, 12)
     itemsize = torch.empty((), dtype=DTYPE).element_size()

@@ -117,7 +117,7 @@ async def test_fp8_server_reports_capacity_in_tokens_and_reuses_sessions(app_cli
     budget = 4096 * PER_TOKEN_FP8
     async with app_client(kv_budget_bytes=budget, kv_cache_dtype="fp8", max_model_len=4096) as client:
         card = (await client.get("/v1/models")).json()["data"][0]
-        assert card["kv_cache"] == {"dtype": "fp8", "capacity_tokens": 4096}
+        assert card["kv_cache"] == {"dtype": "fp8", "capacity_tokens": 4096, "bytes_per_token": PER_TOKEN_FP8}
         assert (await client.get(f"/v1/models/{MODEL}")).json()["kv_cache"]["capacity_tokens"] == 4096
         messages = [{"role": "user", "content": "Name three rivers."}]
         body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0, "prompt_cache_key": "r"}

@@ -13,13 +13,16 @@ router = APIRouter()
 def _card(model_id: str, ctx) -> dict:
     """OpenAI's model object, plus kvserve's extensions: the context length (vLLM's
     `max_model_len`), the KV cache (how it is stored and how many tokens the budget holds, every
-    sequence's together: /metrics' kvserve_kv_cache_capacity_tokens; a hybrid model's recurrent
+    sequence's together: /metrics' kvserve_kv_cache_capacity_tokens; what a token takes in every
+    layer, an MLA model's latent counted as such, server/engine/mla.py; a hybrid model's recurrent
     state: `CacheManager.recurrent_state`) and whether outputs are
     exact (--deterministic: bit-identical whatever the batch, chunking, reuse or speculation),
     and how the engine runs: each fast path's state, and `fallbacks` (path: why it runs slower
     than asked; /metrics' kvserve_engine_paths)."""
     manager = ctx.cache_manager
-    kv_cache = {"dtype": manager.config.kv_dtype, "capacity_tokens": manager.capacity_tokens()}
+    pool = manager.pool
+    kv_cache = {"dtype": manager.config.kv_dtype, "capacity_tokens": manager.capacity_tokens(),
+                "bytes_per_token": pool.block_bytes // pool.block_size}
     if (recurrent := manager.recurrent_state()) is not None:  # a hybrid model
         kv_cache["recurrent_state"] = recurrent
     return {
