@@ -20,13 +20,21 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from cache_manager import disk, kv
+from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.tiers import DiskTier
 from server.engine import families, lora, mla
+from server.engine.core import Engine, EngineConfig
+from server.engine.draft_model import DraftModelProposer
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import GenerationRequest
+from server.engine.speculative import SpeculativeConfig
 from server.engine.unsupported import UnsupportedModel
 from server.metrics import Metrics
 from server.model_loader import LoadedModel
 from tests.device import DEVICE, DTYPE
+from tests import engines
 from tests.engines import stopped_after
+from tests.equivalence import assert_equivalent
 from tests.inprocess import served
 from tests.server.test_sessions import Harness, conversation_start
 
@@ -190,6 +198,26 @@ def test_an_fp8_latent_keeps_its_own_scales_and_the_quantized_tokens(model, harn
     pool = h.cache.pool
     assert pool.keys[0].dtype == torch.uint8 and pool.values[0].shape[-1] == 24
     assert pool.key_scales[0].shape == pool.value_scales[0].shape == pool.keys[0].shape[:2]
+
+
+def test_a_draft_model_with_mla_drafts_from_its_own_latent(model, tokenizer):
+    """Speculation with an MLA draft model: the draft's pool keeps its latent too, and the
+    verified tokens are `generate`'s."""
+    draft = deepseek(seed=1)
+    families.check(draft)
+    proposer = DraftModelProposer(draft, 2048, budget_bytes=2**24)
+    assert proposer.pool.layout.latent
+    engine = Engine(model, tokenizer, EngineConfig(max_context=2048, speculative=SpeculativeConfig(max_draft=4, adaptive=False)),
+                    CacheManager(model.config, DEVICE, DTYPE, 2048, CacheConfig(budget_bytes=2**24)), proposer=proposer)
+    engine.start()
+    try:
+        prompt = list(range(100, 140))
+        got, _ = asyncio.run(engines.run(engine, GenerationRequest("d", prompt, SamplingParams(max_tokens=16, temperature=0.0))))
+    finally:
+        engine.stop()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, 40:].tolist()
+    assert_equivalent(model, prompt, got, want)
 
 
 # -- where the latent cannot serve ---------------------------------------------------------------
