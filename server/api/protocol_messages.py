@@ -254,6 +254,11 @@ class ConversationFields(OffersTools):
     output_config: OutputConfig | None = None
     cache_control: dict[str, Any] | None = None  # accepted, as on blocks
 
+    @property
+    def prefilled(self) -> bool:
+        """The last message is the assistant's: the answer continues it (Anthropic's prefill)."""
+        return self.messages[-1].role == "assistant"
+
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice_runs(cls, value):
@@ -394,11 +399,6 @@ class MessagesRequest(ConversationFields):
     @property
     def session_id(self) -> str | None:
         return self.metadata.session_id if self.metadata is not None else None
-
-    @property
-    def prefilled(self) -> bool:
-        """The last message is the assistant's: the answer continues it (Anthropic's prefill)."""
-        return self.messages[-1].role == "assistant"
 
     def chat(self) -> ChatCompletionRequest:
         return self.to_chat(

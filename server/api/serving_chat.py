@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
+from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
 
@@ -39,6 +40,16 @@ TOOLS_PROMPT = (
 # overflow Python's stack a few hundred levels down; the tool grammar's JSON parser stops at 128.
 MAX_TEMPLATE_DEPTH = 128
 
+
+def converted(convert, param: str):
+    """`convert()`: a chat request converted from another API's conversation (Responses' input,
+    a Messages turn); the refusals of chat's own validation as a 400 on `param`."""
+    try:
+        return convert()
+    except ValidationError as exc:
+        message = str(exc.errors()[0].get("msg", "invalid")).removeprefix("Value error, ")
+        raise APIError(400, f"the conversation cannot be rendered as a chat: {message}", code="invalid_value", param=param,
+                       rejection="bad_request") from None
 
 def nesting_depth(value) -> int:
     """How deeply `value` nests dicts and lists (0 for a scalar). Iterative: the depth is the

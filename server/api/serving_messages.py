@@ -29,7 +29,6 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from server.api import reasoning, serving, serving_chat
@@ -64,17 +63,6 @@ def check_signatures(request: Request, ctx: ServingContext, body: MessagesReques
                 "kvserve returned them (signatures are valid on servers with the same API keys and model)",
                 code="invalid_value", param=f"messages[{i}].content[{j}].signature", rejection="bad_request",
             )
-
-
-def chat_request(body: MessagesRequest | CountTokensRequest, convert):
-    """`convert()` (the body's chat request), chat's refusals of the conversation as a 400."""
-    try:
-        return convert()
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-        raise APIError(400, f"the conversation cannot be rendered as a chat: {message}", code="invalid_value", param="messages",
-                       rejection="bad_request") from None
 
 
 def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
@@ -134,7 +122,7 @@ async def submit(ctx: ServingContext, body: MessagesRequest, request: Request) -
     arrived = time.monotonic()
     ctx.check_model(body.model)
     check_signatures(request, ctx, body)
-    chat = chat_request(body, body.chat)
+    chat = serving_chat.converted(body.chat, "messages")
     turn_id = f"msg_{uuid.uuid4().hex}"
     submitted = await serving_chat.submit(ctx, chat, request, turn_id, requested_max_tokens=body.max_tokens, continue_final=body.prefilled)
     return Turn(turn_id, request, ctx, body, submitted, arrived)
@@ -161,10 +149,9 @@ async def count_tokens(ctx: ServingContext, body: CountTokensRequest, request: R
     """The conversation's input tokens, counted as /v1/messages would render it."""
     ctx.check_model(body.model)
     check_signatures(request, ctx, body)
-    chat = chat_request(body, body.to_chat)
+    chat = serving_chat.converted(body.to_chat, "messages")
     template_kwargs, _ = reasoning.controls(ctx, chat.reasoning_effort, None, None)
-    prefilled = body.messages[-1].role == "assistant"
-    ids, _ = await serving_chat.prompt(ctx, chat, template_kwargs, bounded=False, continue_final=prefilled)
+    ids, _ = await serving_chat.prompt(ctx, chat, template_kwargs, bounded=False, continue_final=body.prefilled)
     return {"input_tokens": len(ids)}
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import TypeAdapter, ValidationError
+from pydantic import TypeAdapter
 from sse_starlette import EventSourceResponse
 
 from cache_manager.sessions import EntryPinnedError
@@ -304,12 +304,7 @@ async def prepare(ctx: ServingContext, store: ResponseStore, body: ResponsesRequ
         session = serving.session_id(request, body.prompt_cache_key)
     if session is None and body.store and store.budget_bytes > 0:
         session = response_id
-    try:
-        chat = body.to_chat(_ITEMS.validate_python(conversation), body.max_output_tokens, session)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-        raise APIError(400, f"the conversation cannot be rendered as a chat: {message}", code="invalid_value", param="input", rejection="bad_request") from None
+    chat = serving_chat.converted(lambda: body.to_chat(_ITEMS.validate_python(conversation), body.max_output_tokens, session), "input")
     with _renamed(messages="input", max_tokens="max_output_tokens", response_format="text.format", reasoning_effort="reasoning.effort",
                   prompt_cache_key="previous_response_id" if previous else "prompt_cache_key"):
         submitted = await serving_chat.submit(ctx, chat, request, response_id, requested_max_tokens=body.max_output_tokens,
