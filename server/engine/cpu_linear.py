@@ -75,23 +75,17 @@ def _pack(layer: torch.nn.Linear) -> bool:
     return True
 
 
-EXACT_MIN_ROWS = 4  # in exact mode fewer rows are computed as this many (copies of the first)
-
-
 def _packed_linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` through its packed weight (`_pack`); in exact mode 1-3 rows are computed as
-    EXACT_MIN_ROWS."""
-    # NOTE: oneDNN rounds one row apart from 2+ and any 2+ alike (exact.linear's NOTE; a
-    # per-layer probe of random rows judged bf16 layers alike that then rounded a one-row
-    # decode step differently in the engine, so every layer pads). Four rather than two:
-    # SmolLM2's 211 layers take 25 ms over 1 row, 32 over 2 and 25 over 3-6 (oneDNN's 2-row
-    # path is slow; fp32, 2 threads; bf16 17 / 19 / 17). Inline rather than through
-    # exact.linear, whose reshapes and padding cost a one-row step ~3%.
-    if context.exact() and 0 < x.numel() < EXACT_MIN_ROWS * x.shape[-1]:
-        rows = x.reshape(-1, x.shape[-1])
-        n = rows.shape[0]
-        padded = torch.cat([rows, rows[:1].expand(EXACT_MIN_ROWS - n, -1)])
-        return _packed_product(layer, padded)[:n].view(*x.shape[:-1], -1)
+    """`layer(x)` through its packed weight (`_pack`); in exact mode one call per whole tile of
+    `exact.ROW_TILE` rows (zero-padded), as `exact.linear` computes the other layers.
+
+    NOTE: measured: on an AMD EPYC (AVX-512 + bf16) oneDNN rounded 1 row apart from 2+ and any
+    2+ alike; on an Intel Xeon with AMX (the dev box since 2026-11-29) a bf16 row of SmolLM2's
+    1536-wide projections rounds alike among 1-32 rows and otherwise among 64 or more (oneDNN
+    takes another kernel), which broke exact mode's bf16 chunks. One shape per call is one
+    kernel on any CPU."""
+    if context.exact():
+        return exact.by_tiles(lambda rows: _packed_product(layer, rows), x, exact.ROW_TILE, one_call=False)
     return _packed_product(layer, x)
 
 

@@ -7,15 +7,18 @@ named: a model that runs and gives other tokens than transformers is the failure
 
 `check(model)` refuses, with `UnsupportedModel` naming the feature:
 
-* by what the config and modules say (`_static`): modeling code that does not go through
-  transformers' attention interface (`_supports_attention_backend = False`: Falcon, Bloom, MPT,
-  GPT-J...), attention shapes that differ per layer, layer kinds without a KV layout (recurrent,
+* by what the config and modules say (`_static`): modeling code that never calls transformers'
+  attention interface (Falcon, Bloom, MPT, GPT-J...: `_uses_attention_interface`; transformers'
+  flag `_supports_attention_backend` is not the test, StableLM calls it without the flag),
+  attention shapes that differ per layer, layer kinds without a KV layout (recurrent,
   linear-attention, chunked layers: `kv.UnsupportedLayers`), recurrent modules in layers the
   config calls attention, rope whose frequencies follow the sequence length other than LongRoPE
   (dynamic NTK), Llama 4's query temperature, which reads positions from transformers' cache;
 * by running it (`_probe`): one sequence prefilled, then continued beside another sequence in
   one packed forward, through kvserve's attention, against transformers' own forward of the
-  whole sequence. Every layer must attend exactly once per pass with the layout's key and value
+  whole sequence. A model none of whose layers calls kvserve's attention computes it in its own
+  modeling code ("attention-backend", as `_static` names it where that code never calls the
+  interface). Every layer must attend exactly once per pass with the layout's key and value
   widths, every keyword the attention function receives must be one kvserve models and its
   mask the runner's own (else the attention refuses it: `attention._refuse_unknown`), and the
   logits must agree. A feature a
@@ -30,6 +33,7 @@ LongRoPE per sequence (server/engine/rope.py).
 from __future__ import annotations
 
 import re
+import sys
 import threading
 
 import torch
@@ -109,9 +113,7 @@ def _static(model, config) -> kv.Layout:
         raise UnsupportedModel(f"layers-{named[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
                                "(chunked or indexed attention layers are not served)") from None
     _check_recurrent(model, layout)
-    # NOTE: transformers leaves the flag unset on hybrids whose attention does go through its
-    # interface (Qwen3-Next); the probe checks that every attending layer calls kvserve's
-    if getattr(model, "_supports_attention_backend", True) is False and state.spec(model.config, model.dtype) is None:
+    if getattr(model, "_supports_attention_backend", True) is False and not _uses_attention_interface(model):
         raise UnsupportedModel("attention-backend", f"{type(model).__name__} computes attention in its own modeling code, "
                                "not through transformers' attention interface, where kvserve's attention and KV pool plug in")
     for module in model.modules():
@@ -129,6 +131,15 @@ def _static(model, config) -> kv.Layout:
         raise UnsupportedModel("attn-temperature-tuning", "its no-rope layers scale queries by a position read from "
                                "transformers' cache, which kvserve's packed steps do not have")
     return layout
+
+
+def _uses_attention_interface(model) -> bool:
+    """Whether some module of `model` comes from modeling code that calls transformers'
+    attention interface (`ALL_ATTENTION_FUNCTIONS`). transformers' flag
+    `_supports_attention_backend` is not the test: StableLM's attention calls the interface
+    without it; the probe then checks that every layer does."""
+    names = {type(m).__module__ for m in model.modules()}
+    return any(getattr(sys.modules.get(name), "ALL_ATTENTION_FUNCTIONS", None) is not None for name in names)
 
 
 def _check_recurrent(model, layout: kv.Layout) -> None:
@@ -188,6 +199,9 @@ def _probe(model, layout: kv.Layout) -> None:
         seen: list[int] = []
         runner.observe = lambda layer, key, value: seen.append(_observed(layer, key, value, layout))
         runner.forward([Row(first, _PROBE_PREFIX)], whole[:_PROBE_PREFIX], [0])
+        if not seen:
+            raise UnsupportedModel("attention-backend", f"{type(model).__name__} computes attention in its own modeling code, "
+                                   "not through transformers' attention interface, where kvserve's attention and KV pool plug in")
         _check_layers(seen, layout)
         seen.clear()
         got = runner.forward([Row(second, len(other)), Row(first, _PROBE_CONTINUATION)], other + whole[_PROBE_PREFIX:],

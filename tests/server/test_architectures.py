@@ -51,7 +51,6 @@ REFUSED = {
     "gptj": "attention-backend",
     "codegen": "attention-backend",
     "xglm": "attention-backend",
-    "stablelm": "attention-backend",
 }
 
 
