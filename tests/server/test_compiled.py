@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from bench import architectures
 from cache_manager import kv
-from server.engine import compiled
+from server.engine import compiled, mla
 from server.engine.context import Row
 from server.engine.model_runner import ModelRunner
 from tests.device import DEVICE, DTYPE
@@ -53,13 +53,16 @@ def runner_for(model, *, compile: str, paged: bool | None = None, kv_dtype: str 
     return runner
 
 
-@pytest.mark.parametrize("family, packed, kv_dtype", [("qwen2", True, "fp8"), ("gemma2", None, "auto")], ids=["qwen2-packed-fp8", "gemma2-dense"])
+@pytest.mark.parametrize("family, packed, kv_dtype", [("qwen2", True, "fp8"), ("gemma2", None, "auto"), ("deepseek_v3", None, "auto")],
+                         ids=["qwen2-packed-fp8", "gemma2-dense", "deepseek_v3-mla-latent"])
 def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family, packed, kv_dtype):
     """qwen2: biased q/k/v merged, a sliding-window layer, the CPU's packed linear layers, fp8
-    KV (the store writes scales too); gemma2: soft-capping, alternating windows, dense weights.
-    Against the same paged decode path run eagerly, and against the row path the CPU serves by
-    default."""
+    KV (the store writes scales too); gemma2: soft-capping, alternating windows, dense weights;
+    deepseek_v3: MLA from its latent (server/engine/mla.py: the absorbing products inside the
+    graph). Against the same paged decode path run eagerly, and against the row path the CPU
+    serves by default."""
     model = build(family)
+    mla.configure(model)  # the latent where the model has MLA, as the server does
     torch._dynamo.reset()
     before, breaks = compiled.compilations(), compiled.graph_breaks()
     fast = runner_for(model, compile="require", packed=packed, kv_dtype=kv_dtype)
