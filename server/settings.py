@@ -170,7 +170,7 @@ class Settings(BaseSettings):
         "auto",
         description="How a multi-head latent attention model (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, "
         "MiniCPM3, LongCat...) keeps its KV: latent = the compressed KV and the shared rotary key "
-        "per token and layer, attended with the up-projections absorbed (1/71 of the per-head "
+        "per token and layer, attended from it (1/71 of the per-head "
         "keys and values for DeepSeek-V3's shape); heads = transformers' decompressed keys and "
         "values per head; auto = latent unless LoRA adapters are served (one may target "
         "kv_b_proj) or the latent's logits differ from transformers' at load (the log says why). "

@@ -51,6 +51,7 @@ def converted(convert, param: str):
         raise APIError(400, f"the conversation cannot be rendered as a chat: {message}", code="invalid_value", param=param,
                        rejection="bad_request") from None
 
+
 def nesting_depth(value) -> int:
     """How deeply `value` nests dicts and lists (0 for a scalar). Iterative: the depth is the
     client's to choose."""

@@ -87,27 +87,53 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         if s_aux is not None:
             kwargs["s_aux"] = s_aux
         return _fallback(module)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs)
+    layer = module.layer_idx
     if step.observe is not None:
-        step.observe(module.layer_idx, key, value)
+        step.observe(layer, key, value)
     if kwargs or (attention_mask is not None and attention_mask.numel() != 1):
-        _refuse_unknown(step, module.layer_idx, kwargs, attention_mask)
+        _refuse_unknown(step, layer, kwargs, attention_mask)
     if not step.pool.layout.latent:
-        return _attend_step(step, module.layer_idx, query, key, value, scaling, softcap, s_aux), None
-    # MLA from its latent (server/engine/mla.py): the absorbed queries meet one latent KV head
-    out = _attend_step(step, module.layer_idx, mla.absorb(module, query, step.exact), key, value, scaling, softcap, s_aux)
-    return mla.expand(module, out, step.exact), None
+        return _attend_step(step, layer, query, key, value, scaling, softcap, s_aux, step.rows), None
+    # MLA from its latent (server/engine/mla.py): decode rows, short chunks and the paged path's
+    # batches attend absorbed, one latent KV head; outside exact mode (whose rule is one
+    # computation wherever a query is computed) a long prefill chunk on the row path attends the
+    # keys decompressed, which costs less (`mla.decompresses`)
+    rows, chunks = step.rows, []
+    if not step.exact:
+        chunks = [row for row in rows if mla.decompresses(module, row.n)]
+        rows = [row for row in rows if not mla.decompresses(module, row.n)] if chunks else rows
+    out = None
+    if rows or step.batches:
+        absorbed = _attend_step(step, layer, mla.absorb(module, query, step.exact), key, value, scaling, softcap, s_aux, rows)
+        out = mla.expand(module, absorbed, step.exact)
+    if chunks:
+        out = query.new_empty(1, query.shape[2], query.shape[1], module.v_head_dim) if out is None else out
+        for row in chunks:
+            _attend_decompressed(module, row, layer, query, key, value, scaling, out)
+    return out, None
 
 
-def _attend_step(step: StepContext, layer: int, query, key, value, scaling, softcap, s_aux) -> torch.Tensor:
-    """`_attention`'s body: the step's queries [1, H, N, Dk] over its rows' keys and values,
-    the new ones [1, Hkv, N, Dk / Dv] stored first -> [1, N, H, Dv]."""
+def _attend_decompressed(module, row: Row, layer: int, query, key, value, scale, out) -> None:
+    """An MLA row's queries [1, H, N, nope + rope] (as the module made them) over its keys and
+    values decompressed from the latent pool's (`mla.decompress`) -> its part of `out` [1, N, H, v]."""
+    lo, hi = row.offset, row.offset + row.n
+    k_rot, latent, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi])
+    keys, values = mla.decompress(module, latent, k_rot)
+    mask = _mask(row, layer, first, keys.shape[2], 1, query.dtype)
+    out[:, lo:hi] = _attend(query[:, :, lo:hi], keys, values, mask, scale, None).transpose(1, 2)
+
+
+def _attend_step(step: StepContext, layer: int, query, key, value, scaling, softcap, s_aux, rows: list[Row]) -> torch.Tensor:
+    """`_attention`'s body: the step's queries [1, H, N, Dk] over the keys and values of its
+    batches and of `rows` (the step's, or some of them), the new ones [1, Hkv, N, Dk / Dv]
+    stored first -> [1, N, H, Dv] (the tokens of the step's other rows left unset)."""
     heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     sinks = None if s_aux is None else s_aux.float().view(kv_heads, groups, 1)  # [Hkv, groups, 1]
     attend = exact.attend if step.exact else _attend
     batches = step.batches
-    if not step.rows and len(batches) == 1 and batches[0].tokens is None and batches[0].size == query.shape[2]:
+    if not rows and len(batches) == 1 and batches[0].tokens is None and batches[0].size == query.shape[2]:
         # decode rows alone (what a CUDA graph replays): their output is the layer's, no copy
         return _attend_batch(batches[0], layer, query[0], key[0], value[0], groups, scale, softcap, sinks, attend)[None]
     out = query.new_empty(1, query.shape[2], heads, value_dim)
@@ -117,10 +143,10 @@ def _attend_step(step: StepContext, layer: int, query, key, value, scaling, soft
             out[0, : batch.size] = o
         else:
             out[0].index_copy_(0, batch.targets, o if batch.real is None else o[batch.real])
-    if step.exact and step.rows:
+    if step.exact and rows:
         _attend_exact(step, layer, query, key, value, out, groups, scale, softcap, sinks)
         return out
-    for row in step.rows:
+    for row in rows:
         lo, hi = row.offset, row.offset + row.n
         k_row, v_row, first = _write_and_read(row, layer, key[:, :, lo:hi], value[:, :, lo:hi])
         mask = _mask(row, layer, first, k_row.shape[2], groups, query.dtype)

@@ -15,10 +15,9 @@ named: a model that runs and gives other tokens than transformers is the failure
   config calls attention, rope whose frequencies follow the sequence length other than LongRoPE
   (dynamic NTK), Llama 4's query temperature, which reads positions from transformers' cache;
 * by running it (`_probe`): one sequence prefilled, then continued beside another sequence in
-  one packed forward, through kvserve's attention, against transformers' own forward of the
-  whole sequence. A model none of whose layers calls kvserve's attention computes it in its own
-  modeling code ("attention-backend", as `_static` names it where that code never calls the
-  interface). Every layer must attend exactly once per pass with the layout's key and value
+  one packed forward and its last token decoded in a third, through kvserve's attention,
+  against transformers' own forward of the whole sequence. Every layer must attend exactly
+  once per pass with the layout's key and value
   widths, every keyword the attention function receives must be one kvserve models and its
   mask the runner's own (else the attention refuses it: `attention._refuse_unknown`), and the
   logits must agree. A feature a
@@ -199,13 +198,15 @@ def _probe(model, layout: kv.Layout) -> None:
         seen: list[int] = []
         runner.observe = lambda layer, key, value: seen.append(_observed(layer, key, value, layout))
         runner.forward([Row(first, _PROBE_PREFIX)], whole[:_PROBE_PREFIX], [0])
-        if not seen:
-            raise UnsupportedModel("attention-backend", f"{type(model).__name__} computes attention in its own modeling code, "
-                                   "not through transformers' attention interface, where kvserve's attention and KV pool plug in")
         _check_layers(seen, layout)
         seen.clear()
-        got = runner.forward([Row(second, len(other)), Row(first, _PROBE_CONTINUATION)], other + whole[_PROBE_PREFIX:],
-                             [1], [_PROBE_CONTINUATION])
+        # the continuation but its last token beside the other sequence's prefill; then that token
+        # decoded beside two more of the other's: chunks and a decode row, and both in one step
+        head = whole[_PROBE_PREFIX:-1]
+        got = runner.forward([Row(second, len(other) - 2), Row(first, len(head))], other[:-2] + head, [1], [len(head)])
+        _check_layers(seen, layout)
+        seen.clear()
+        got = torch.cat([got, runner.forward([Row(first, 1), Row(second, 2)], whole[-1:] + other[-2:], [0])])
         _check_layers(seen, layout)
     difference = float((got - reference).abs().max())
     scale = float(reference.abs().max()) or 1.0

@@ -15,7 +15,10 @@ query [W_UK_h^T q_nope_h | q_rot_h] meets the key [c | k_rot] (`meet`) with the 
 scale (YaRN's mscale included); the output sum_j p_j W_UV_h c_j = W_UV_h (sum_j p_j c_j) leaves
 through the value up-projection. That is multi-query attention with one KV head of
 `kv_lora_rank + qk_rope_head_dim` and values the keys' first `kv_lora_rank` columns, which every
-attention path of server/engine/attention.py runs as it runs grouped-query attention.
+attention path of server/engine/attention.py runs as it runs grouped-query attention. A long
+prefill chunk (`decompresses`) instead attends the keys and values decompressed from the pool
+(`decompress`), as transformers does, which costs less from some length on; exact mode absorbs
+everywhere.
 
 The seam: every MLA module of transformers 5.x normalizes the latent, rotates k_rot and then
 calls `self.expand_kv(latent, k_rot)`; inside a kvserve step over a latent pool the module's
@@ -35,6 +38,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from cache_manager import kv
 from server.engine import context, exact
@@ -170,6 +174,32 @@ def _exact_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
         w_uk, w_uv = _weights(module)
         weights = module._kvserve_mla_exact = (w_uk.transpose(1, 2).contiguous(), w_uv.contiguous())
     return weights
+
+
+def decompresses(module, tokens: int) -> bool:
+    """Whether a row of `tokens` new tokens attends the keys decompressed rather than absorbed:
+    per key position, absorbing costs H * tokens * (2 rank + rope) multiply-adds, decompressing
+    H * rank * (nope + v) once plus H * tokens * (nope + rope + v), so it pays from
+    rank (nope + v) / (2 rank - nope - v) tokens on (398 for GLM-4.7-Flash's shape, 171 for
+    DeepSeek-V3's; measured: docs/benchmarks.md, "MLA from its latent")."""
+    rank, nope, v = module.kv_b_proj.in_features, module.qk_nope_head_dim, module.v_head_dim
+    saved = 2 * rank - nope - v
+    return tokens > 1 and (saved <= 0 or tokens * saved > rank * (nope + v))
+
+
+def decompress(module, latent: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A latent pool's positions as transformers' `expand_kv` decompresses them: latent [1, 1,
+    L, rank] and k_rot [1, 1, L, rope] -> keys [1, H, L, nope + rope] and values [1, H, L, v],
+    through `kv_b_proj`'s weight itself (no LoRA wrapper or packed copy sees these rows, which
+    are not the step's tokens)."""
+    nope, v, rope = module.qk_nope_head_dim, module.v_head_dim, k_rot.shape[-1]
+    length = latent.shape[2]
+    per_head = F.linear(latent[0, 0], module.kv_b_proj.weight).view(length, -1, nope + v).transpose(0, 1)  # [H, L, nope + v]
+    heads = per_head.shape[0]
+    keys = per_head.new_empty(heads, length, nope + rope)
+    keys[..., :nope] = per_head[..., :nope]
+    keys[..., nope:] = k_rot[0]
+    return keys[None], per_head[None, :, :, nope:]
 
 
 def meet(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Multi-head latent attention served from its latent (server/engine/mla.py): the pool holds the
 compressed KV and the rotary key per token and layer, the budget, the capacity and the files
-count exactly that, and the absorbed attention gives transformers' tokens alone, in sessions
+count exactly that, and the attention (decode rows absorbed, prefill chunks decompressed) gives
+transformers' tokens alone, in sessions
 (reused, cropped, evicted, restored after a restart), in fp8 and in exact mode. A latent that
 cannot be served goes back to decompressed heads, or is refused by name, never served
 different. Every MLA family of the architecture matrix runs there from its latent as well
@@ -135,6 +136,17 @@ def test_exact_mode_s_up_projections_give_a_row_the_same_bits_whatever_else_is_i
     assert torch.equal(mla.expand(module, out, True)[:, 4:7], mla.expand(module, out[:, 4:7], True))
     # and they compute what the plain products do
     assert torch.allclose(whole, mla.absorb(module, query, False), atol=1e-5)
+
+
+def test_a_prefill_chunk_decompresses_the_latent_as_transformers_does(model):
+    """Outside exact mode a prefill chunk on the row path attends decompressed keys and values
+    (cheaper than absorbing there: docs/benchmarks.md): `mla.decompress` is `expand_kv`."""
+    module = mla.modules(model)[0]
+    torch.manual_seed(2)
+    latent, k_rot = torch.randn(1, 1, 21, 24, device=DEVICE, dtype=DTYPE), torch.randn(1, 1, 21, 8, device=DEVICE, dtype=DTYPE)
+    got = mla.decompress(module, latent, k_rot)
+    want = type(module).expand_kv(module, latent, k_rot)
+    assert all(torch.allclose(a, b, atol=1e-6) and a.shape == b.shape for a, b in zip(got, want))
 
 
 def test_sessions_reuse_crop_evict_restore_and_survive_a_restart(model, harness, tmp_path):
