@@ -20,7 +20,7 @@ import typing
 
 from pydantic import ValidationError
 
-from server import exits
+from server import __version__, exits
 from server.settings import Settings
 
 
@@ -57,6 +57,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="OpenAI-compatible server for one transformers model.")
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="serve the model over HTTP")
     serve_parser.add_argument(

@@ -5,6 +5,8 @@ Each app gets its own registry, so several apps in one process (the tests) never
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 import time
 from typing import get_args
 
@@ -21,6 +23,7 @@ from prometheus_client import (
 )
 
 from cache_manager.disk import FAILURE_REASONS as RESTORE_FAILURE_REASONS
+from server import __version__
 from cache_manager.manager import NO_SESSION, TIER_MISS_REASONS
 from cache_manager.prefix import MISS_REASONS as PREFIX_MISS_REASONS
 from grammars.compile import GrammarKind
@@ -55,6 +58,9 @@ class Metrics:
         # NOTE: the default registry has these; an app's own does not (process_resident_memory_bytes).
         ProcessCollector(registry=r)
         self.info = Info("kvserve", "Model, dtype, device and kvserve version.", registry=r)
+        # on every server from its start, whatever it serves (a Grafana panel and `kvserve --version` agree)
+        build = Info("kvserve_build", "kvserve's version and the Python, torch and transformers it runs on.", registry=r)
+        build.info({"version": __version__, "python": platform.python_version(), **{p: _version(p) for p in ("torch", "transformers")}})
         self.engine_paths = Info(
             "kvserve_engine_paths",
             "How each fast path runs (attention, decode_attention, merged, compile, cuda_graphs, overlap, cpu_linear, exact, "
@@ -437,3 +443,10 @@ class _VllmGauges:
             )
             family.add_metric(labels, when)
             yield family
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

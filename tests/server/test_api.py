@@ -6,6 +6,8 @@ import anyio
 
 import pytest
 
+import server
+
 from tests.device import DEVICE, DTYPE_NAME
 
 pytestmark = pytest.mark.anyio
@@ -195,6 +197,10 @@ async def test_metrics_count_requests_and_tokens(app_client):
         assert 'kvserve_time_to_first_token_seconds_count{cache="miss"} 1.0' in text
         assert "kvserve_requests_running 0.0" in text and "kvserve_requests_waiting 0.0" in text
         assert f'kvserve_info{{device="{DEVICE.type}",dtype="{DTYPE_NAME}",model="SmolLM2-135M-Instruct"' in text
+        # the version, as `kvserve --version` and /v1/models' engine block say it
+        build = next(line for line in text.splitlines() if line.startswith("kvserve_build_info{"))
+        assert f'version="{server.__version__}"' in build and 'torch="' in build and 'transformers="' in build
+        assert (await client.get("/v1/models")).json()["data"][0]["engine"]["version"] == server.__version__
 
 
 async def test_a_failed_load_is_503_without_paths(tmp_path):

@@ -49,7 +49,10 @@ def test_help_and_bad_flags_import_neither_torch_nor_the_server():
         "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('torch', 'transformers', 'uvicorn', 'fastapi') if m in sys.modules))\n"
     )
-    for argv, status in ((["serve", "--help"], 0), (["serve", "--max-running", "0"], 0)):
+    for argv, status in ((["serve", "--help"], 0), (["serve", "--max-running", "0"], 0), (["--version"], 0)):
         done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
         assert done.returncode == status, done.stderr
         assert done.stdout.strip().splitlines()[-1] == "[]", (argv, done.stdout[-300:])
+        if argv == ["--version"]:
+            import server
+            assert done.stdout.splitlines()[0] == f"kvserve {server.__version__}"

@@ -4,6 +4,7 @@ listed with its task and no KV cache."""
 
 from fastapi import APIRouter, Request
 
+from server import __version__ as VERSION
 from server.api.errors import APIError
 from server.api.serving_pooling import PoolingContext
 
@@ -17,8 +18,8 @@ def _card(model_id: str, ctx) -> dict:
     layer, an MLA model's latent counted as such, server/engine/mla.py; a hybrid model's recurrent
     state: `CacheManager.recurrent_state`) and whether outputs are
     exact (--deterministic: bit-identical whatever the batch, chunking, reuse or speculation),
-    and how the engine runs: each fast path's state, and `fallbacks` (path: why it runs slower
-    than asked; /metrics' kvserve_engine_paths)."""
+    and how the engine runs: kvserve's version, each fast path's state, and `fallbacks` (path:
+    why it runs slower than asked; /metrics' kvserve_engine_paths)."""
     manager = ctx.cache_manager
     pool = manager.pool
     kv_cache = {"dtype": manager.config.kv_dtype, "capacity_tokens": manager.capacity_tokens(),
@@ -29,7 +30,7 @@ def _card(model_id: str, ctx) -> dict:
         "id": model_id, "object": "model", "created": 0, "owned_by": "kvserve", "max_model_len": ctx.max_context,
         "kv_cache": kv_cache,
         "deterministic": ctx.engine.config.exact,
-        "engine": ctx.engine_paths,
+        "engine": {"version": VERSION, **ctx.engine_paths},
     }
 
 
