@@ -269,6 +269,10 @@ class Metrics:
 
         self._preset()
         r.register(_VllmGauges(self))
+        # the LoRA series exist on every server, at 0 without adapters (the dashboard's LoRA row
+        # then reads 0, not "no data"); `watch_adapters` hands it the adapters
+        self._adapters = _AdapterCollector(None)
+        r.register(self._adapters)
 
     def _preset(self) -> None:
         for route in ROUTES:
@@ -307,7 +311,7 @@ class Metrics:
     def watch_adapters(self, adapters) -> None:
         """Export the LoRA adapters loaded, resident in device slots, the slots, swaps and bytes,
         read at scrape time."""
-        self.registry.register(_AdapterCollector(adapters))
+        self._adapters.adapters = adapters
 
     def lora_requests_info(self, max_lora: int, running: list[str], waiting: list[str]) -> None:
         """Report the adapters of the running and waiting requests as `vllm:lora_requests_info`
@@ -397,19 +401,20 @@ class _TierCollector:
 
 class _AdapterCollector:
     def __init__(self, adapters) -> None:
-        self.adapters = adapters  # server.engine.lora.Adapters
+        self.adapters = adapters  # server.engine.lora.Adapters, or None (all 0)
 
     def collect(self):
         a = self.adapters
-        slots = a.slots
-        yield GaugeMetricFamily("kvserve_lora_adapters_loaded", "LoRA adapters loaded (host memory; --max-cpu-loras).", value=len(a.names))
+        slots = a.slots if a is not None else []
+        loaded, swaps, device, host = (len(a.names), a.swaps, a.nbytes, a.host_bytes) if a is not None else (0, 0, 0, 0)
+        yield GaugeMetricFamily("kvserve_lora_adapters_loaded", "LoRA adapters loaded (host memory; --max-cpu-loras).", value=loaded)
         yield GaugeMetricFamily(
             "kvserve_lora_adapters_resident", "LoRA adapters resident in a device slot.", value=sum(s is not None for s in slots)
         )
         yield GaugeMetricFamily("kvserve_lora_slots", "Device slots allocated for LoRA adapters (at most --max-loras).", value=len(slots))
-        yield CounterMetricFamily("kvserve_lora_swaps", "LoRA adapters copied into a device slot after the start.", value=a.swaps)
-        yield GaugeMetricFamily("kvserve_lora_device_bytes", "Device bytes of the LoRA slots' matrices.", value=a.nbytes)
-        yield GaugeMetricFamily("kvserve_lora_host_bytes", "Host bytes of every loaded LoRA adapter's matrices.", value=a.host_bytes)
+        yield CounterMetricFamily("kvserve_lora_swaps", "LoRA adapters copied into a device slot after the start.", value=swaps)
+        yield GaugeMetricFamily("kvserve_lora_device_bytes", "Device bytes of the LoRA slots' matrices.", value=device)
+        yield GaugeMetricFamily("kvserve_lora_host_bytes", "Host bytes of every loaded LoRA adapter's matrices.", value=host)
 
 
 def _value(gauge: Gauge) -> float:

@@ -1,6 +1,8 @@
 """The HTTP API in-process (httpx ASGITransport + lifespan) on the real model."""
 
 import json
+import re
+from pathlib import Path
 
 import anyio
 
@@ -224,3 +226,34 @@ async def test_a_failed_load_is_503_without_paths(tmp_path):
             health = await client.get("/health")  # the process cannot serve: `serve` exits with status 4
             assert health.status_code == 503 and str(tmp_path) not in health.text
             assert app.state.kv.exit_status == 4
+
+
+async def test_every_series_the_dashboard_queries_exists_on_a_default_server(app_client):
+    """A server without LoRA adapters, tiers or a draft model still exports every metric family
+    the Grafana dashboard queries (gauges at 0, counters and histograms with their HELP and
+    TYPE), so no panel reads "no data" for a feature that is off."""
+    dashboard = (Path(__file__).parents[2] / "docker" / "grafana" / "dashboards" / "kvserve.json").read_text(encoding="utf-8")
+    exprs = [target["expr"] for panel in _panels(json.loads(dashboard)) for target in panel.get("targets", []) if "expr" in target]
+    queried = {name for expr in exprs for name in re.findall(r"\b(kvserve_[a-z0-9_]+)", expr)}
+    async with app_client() as client:
+        text = (await client.get("/metrics")).text
+    exported = set(re.findall(r"^# HELP (\S+) ", text, re.M))
+
+    def family(name: str) -> str:
+        for suffix in ("_bucket", "_sum", "_count"):
+            if name.endswith(suffix) and name.removesuffix(suffix) in exported:
+                return name.removesuffix(suffix)
+        return name
+
+    assert len(queried) > 40
+    assert {family(n) for n in queried} <= exported, sorted({family(n) for n in queried} - exported)
+    assert "kvserve_lora_adapters_loaded 0.0" in text and "kvserve_lora_swaps_total 0.0" in text
+
+
+def _panels(node) -> list[dict]:
+    """Every panel of a dashboard, rows' panels included."""
+    panels = []
+    for panel in node.get("panels", []):
+        panels.append(panel)
+        panels += _panels(panel)
+    return panels

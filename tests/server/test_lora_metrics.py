@@ -38,9 +38,14 @@ class FakeAdapters:
     host_bytes: int = 0
 
 
-def test_a_server_without_adapters_shows_no_lora_series():
+def test_a_server_without_adapters_shows_its_lora_gauges_at_zero_and_no_adapter():
+    """The dashboard's LoRA row reads 0 on a server without adapters (issue 53), and no
+    per-adapter series or vLLM's lora_requests_info appears."""
     series = scrape(Metrics())
-    assert not [name for name in series if "lora" in name]
+    lora = {name: values for name, values in series.items() if "lora" in name}
+    assert set(lora) == {"kvserve_lora_adapters_loaded", "kvserve_lora_adapters_resident", "kvserve_lora_slots",
+                         "kvserve_lora_swaps_total", "kvserve_lora_device_bytes", "kvserve_lora_host_bytes"}
+    assert all(values == [({}, 0.0)] for values in lora.values()), lora
 
 
 def test_lora_requests_info_keeps_one_series_with_the_latest_labels(monkeypatch):
