@@ -7,8 +7,9 @@ id and index) and its arguments as they are generated (events carrying the new a
 an XML format's parameters arrive as a JSON object text, `{"city": "Par` then `is"}`), skipping
 the pieces between calls. harmony's output is messages: the final channel is content, a
 `commentary to=functions.N` message a call. A call is `complete` once its closing piece is
-seen; one cut short (max_tokens) keeps the arguments generated so far; a call whose name is
-incomplete, and any part of the format's wrappers, never reach the client. A call that repeats
+seen; one cut short (max_tokens) keeps the arguments generated so far, none when the cut came
+after its name and before its arguments; a call whose name is incomplete, and any part of the
+format's wrappers, never reach the client. A call that repeats
 an earlier one (small models loop on one call) ends the turn's calls (`ended`), unsent.
 
 Special tokens (a model's markers) are not in the engine's text (it skips special tokens), so
@@ -153,6 +154,7 @@ class ToolCallParser:
                          end if isinstance(end, str) else _sentinel(end))
         self._strings = _string_parameters(tools)
         self._head = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"' + re.escape(fmt.arguments_key) + r'"\s*:\s*')
+        self._named = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')  # a head cut after its name
         self._decoder = _MarkerText(tokenizer, fmt.marker_ids) if fmt.marker_ids else None
         harmony = bool(fmt.text_open)
         self._state = "channels" if harmony else "content"
@@ -202,6 +204,11 @@ class ToolCallParser:
             self._buf = ""
         if self._state == "tail" and finish_reason == "stop":
             self._close(events)
+        if self._state == "name" and self._name_close is None:  # cut after a whole name, before its arguments
+            i = self._buf.find("{")
+            named = self._named.match(self._buf, i) if i >= 0 else None
+            if named is not None:
+                self._begin(events, json.loads(named.group(1)))
         if self._call is not None:  # cut off inside a call: it keeps its arguments so far
             if self._state == "value" and self._raw is None:
                 self._extend(events, json.dumps(self._value, ensure_ascii=False)[:-1])

@@ -62,6 +62,17 @@ def test_parser_cut_off_calls_and_plain_text():
     assert cut.calls[0].arguments == '{"city":"Pa\\"}{ris"}}'[: len(cut.calls[0].arguments)]
     wrapper, _, reason = parse(KVSERVE_FORMAT, [RequestOutput(text='<tool_call>{"na')], "length")
     assert reason == "length" and wrapper.content == "" and not wrapper.calls  # never the wrapper as text
+    # cut at each character of a call's head: a call once its name is whole, its arguments as far as they got
+    head = '<tool_call>{"name": "get_weather", "arguments": {"ci'
+    for n in range(len(head) + 1):
+        cut, events, reason = parse(KVSERVE_FORMAT, [RequestOutput(text=head[:n])], "length")
+        assert reason == "length" and cut.content == "", n
+        if n < head.index('get_weather"') + len('get_weather"'):
+            assert not cut.calls, n
+            continue
+        [call] = cut.calls
+        assert call.name == "get_weather" and not call.complete and '{"ci'.startswith(call.arguments), (n, call.arguments)
+        assert [c.name for e in events for c in e.started] == ["get_weather"]
     text, _, reason = parse(KVSERVE_FORMAT, [RequestOutput(text="Hi <tool_call>"), RequestOutput(text="!")], "stop")
     assert reason == "stop" and text.content == "Hi <tool_call>!" and not text.calls
 
