@@ -147,7 +147,8 @@ class Turn:
 def usage(final: RequestOutput) -> dict:
     return {
         "input_tokens": final.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": final.cached_tokens},
+        # nothing is billed for writing the cache: 0, as the SDK's typed model requires the field
+        "input_tokens_details": {"cached_tokens": final.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": final.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": final.reasoning_tokens},
         "total_tokens": final.prompt_tokens + final.completion_tokens,

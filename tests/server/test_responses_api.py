@@ -124,3 +124,19 @@ async def test_a_response_larger_than_the_store_is_not_stored_and_says_so(app_cl
         assert_error_shape(await client.get(f"/v1/responses/{response['id']}"), 404, "response_not_found")
         # nothing continues in a session named after it either
         assert (await client.get("/v1/sessions", headers={"X-Session-ID": response["id"]})).json()["data"] == []
+
+
+async def test_a_response_and_its_streamed_events_parse_as_the_sdk_s_typed_models(app_client):
+    """The openai SDK's own pydantic models, validated (not `construct`ed as its client does):
+    a missing required field fails here (issue 53: `cache_write_tokens`)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    async with app_client() as client:
+        whole = (await client.post("/v1/responses", json=turn("Say hello.", store=False))).json()
+        streamed = await client.post("/v1/responses", json=turn("Say hello.", store=False, stream=True))
+    Response.model_validate(whole)
+    events = [TypeAdapter(ResponseStreamEvent).validate_python(e) for e in sse_payloads(streamed.text) if e != "[DONE]"]
+    assert events[-1].type == "response.incomplete"  # max_output_tokens 3
+    assert events[-1].response.usage.input_tokens_details.cache_write_tokens == 0
+
