@@ -183,13 +183,34 @@ class Output:
         self.reasoning_id: str | None = None
         self.message_id: str | None = None
         self.call_ids: dict[int, str] = {}  # call index -> item id
+        # what the open items hold so far (an item is closed, as OpenAI streams them, before the
+        # next one opens: its text is final then): reasoning and message text, the calls
+        self.text: dict[str, str] = {}
+        self.calls: dict[str, object] = {}
+        self.closed: dict[str, dict] = {}  # item id -> the item as its `done` events sent it
 
     def _add(self, prefix: str, item: dict) -> tuple[str, list[dict]]:
-        """Open an item (its `done` events come with the response, once its final text and
-        status are known: `finish`)."""
+        """Open an item, closing the one open before it (the last item's `done` events come
+        with the response, once its final text and status are known: `finish`)."""
+        events = self._close_last()
         new_id = item["id"] = item_id(prefix)
         self.order.append(new_id)
-        return new_id, [self.ev("response.output_item.added", output_index=len(self.order) - 1, item=item)]
+        self.text[new_id] = ""
+        return new_id, events + [self.ev("response.output_item.added", output_index=len(self.order) - 1, item=item)]
+
+    def _close_last(self) -> list[dict]:
+        """The `done` events of the item open now, complete since another follows it."""
+        if not self.order or self.order[-1] in self.closed:
+            return []
+        last = self.order[-1]
+        if last == self.reasoning_id:
+            item = reasoning_item(last, self.text[last], "completed", summary=self.summary)
+        elif last == self.message_id:
+            item = message_item(last, self.text[last], "completed")
+        else:
+            item = call_item(last, self.calls[last])
+        self.closed[last] = item
+        return closed_item(self.ev, len(self.order) - 1, item)
 
     def _index(self, some_id: str) -> int:
         return self.order.index(some_id)
@@ -204,6 +225,7 @@ class Output:
                 part = {"type": "reasoning_text", "text": ""}
                 events.append(self.ev("response.content_part.added", item_id=self.reasoning_id, output_index=self._index(self.reasoning_id), content_index=0, part=part))
             events.append(self.ev("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=self._index(self.reasoning_id), content_index=0, delta=parts.reasoning))
+            self.text[self.reasoning_id] += parts.reasoning
         if parts.content:
             if self.message_id is None:
                 self.message_id, opened = self._add("msg", message_item("", None, "in_progress"))
@@ -211,9 +233,10 @@ class Output:
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
                 events.append(self.ev("response.content_part.added", item_id=self.message_id, output_index=self._index(self.message_id), content_index=0, part=part))
             events.append(self.ev("response.output_text.delta", item_id=self.message_id, output_index=self._index(self.message_id), content_index=0, delta=parts.content, logprobs=[]))
+            self.text[self.message_id] += parts.content
         for call in parts.started:
             new_id, opened = self._add("fc", {**call_item("", call, "in_progress"), "arguments": ""})
-            self.call_ids[call.index] = new_id
+            self.call_ids[call.index], self.calls[new_id] = new_id, call
             events += opened
         for index, text in parts.arguments.items():
             call_id = self.call_ids[index]
@@ -240,13 +263,15 @@ class Output:
                 self.order.append(self.call_ids[index])
             by_id[self.call_ids[index]] = call_item(self.call_ids[index], call)
         self.order = [i for i in self.order if i in by_id]  # a call the parser dropped (a repeat)
-        return [by_id[i] for i in self.order]
+        return [self.closed.get(i, by_id[i]) for i in self.order]  # closed mid-stream: as its `done` events said
 
     def finish(self, items: list[dict], sent: set[str]) -> list[dict]:
-        """The `done` events of every item, in output order (an item never opened is sent
-        whole: `added`, its text or arguments, `done`)."""
+        """The `done` events of every item not closed yet, in output order (an item never
+        opened is sent whole: `added`, its text or arguments, `done`)."""
         events = []
         for index, item in enumerate(items):
+            if item["id"] in self.closed:
+                continue
             if item["id"] not in sent:
                 events += self._whole(index, item)
             events += closed_item(self.ev, index, item)

@@ -277,7 +277,10 @@ async def test_responses_reasoning_items_events_and_a_continued_thinking_turn(se
         kinds = [e.type for e in events]
         deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
         assert deltas == reasoning.content[0].text
-        assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.done")
+        # each item closed before the next opens, as OpenAI streams them (issue 53)
+        opened = [(e.type, e.output_index) for e in events if e.type in ("response.output_item.added", "response.output_item.done")]
+        assert opened == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                          ("response.output_item.added", 1), ("response.output_item.done", 1)], opened
         done = events[-1].response
         assert [i.type for i in done.output] == ["reasoning", "message"]
         assert done.output[0].content[0].text == reasoning.content[0].text and done.output[1].content[0].text == message.content[0].text
