@@ -111,7 +111,7 @@ class Turn:
     def response(self, status: str, output: list[dict], final: RequestOutput | None = None, error: dict | None = None) -> dict:
         """The response object (OpenAI's field order)."""
         body = self.body
-        incomplete = {"reason": "max_output_tokens"} if final is not None and final.finish_reason == "length" else None
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" and final is not None and final.finish_reason == "length" else None
         return {
             "id": self.id,
             "object": "response",
@@ -155,8 +155,11 @@ def usage(final: RequestOutput) -> dict:
     }
 
 
-def status_of(final: RequestOutput) -> str:
-    return "completed" if final.finish_reason == "stop" else "incomplete"
+def status_of(final: RequestOutput, assembly) -> str:
+    """`completed` when the engine stopped or the turn's calls are complete (the tool-call
+    parser's "tool_calls": a repeated call ended them, whatever the token limit did after),
+    else `incomplete`: the status chat's finish_reason gives the same turn."""
+    return "completed" if final.finish_reason == "stop" or assembly.finish_reason == "tool_calls" else "incomplete"
 
 
 def message_item(message_id: str, text: str | None, status: str) -> dict:
@@ -246,7 +249,7 @@ class Output:
     def items(self, assembly, final: RequestOutput) -> list[dict]:
         """The finished items: the reasoning, the message (an empty one when the turn made
         neither text nor calls), the calls."""
-        status = status_of(final)
+        status = status_of(final, assembly)
         calls = {call.index: call for call in assembly.calls}
         if self.message_id is None and not calls:
             self.message_id = item_id("msg")
@@ -380,7 +383,7 @@ async def create(ctx: ServingContext, store: ResponseStore, body: ResponsesReque
     try:
         choice = (await serving.collect(ctx, request, handles, ROUTE, turn.submitted.assembly))[0]
         final = choice.final
-        response = turn.response(status_of(final), output_items(choice.assembly, final, summary=turn.summary), final)
+        response = turn.response(status_of(final, choice.assembly), output_items(choice.assembly, final, summary=turn.summary), final)
         remember(ctx, store, turn, response)
     finally:
         store.abandon(turn.id)  # a failed turn's record; a stored one stays
@@ -476,7 +479,7 @@ class ResponseEvents:
         sent = set(self.out.order)  # items whose `added` event went out
         items = self.out.items(self.assembly, final)
         events += self.out.finish(items, sent)
-        response = self.turn.response(status_of(final), items, final)
+        response = self.turn.response(status_of(final, self.assembly), items, final)
         remember(self.ctx, self.store, self.turn, response)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return events + [self.ev(kind, response=response)]

@@ -77,6 +77,19 @@ def test_parser_cut_off_calls_and_plain_text():
     assert reason == "stop" and text.content == "Hi <tool_call>!" and not text.calls
 
 
+def test_a_turn_a_repeated_call_ended_is_completed_on_the_responses_api_whatever_the_limit():
+    """The parser says "tool_calls" for a turn a repeated call ended, also when the token limit
+    then cut the output (below); the Responses status follows it, as chat's finish_reason does."""
+    from types import SimpleNamespace
+
+    from server.api.serving_responses import status_of
+
+    cut = RequestOutput(finish_reason="length")
+    assert status_of(cut, SimpleNamespace(finish_reason="tool_calls")) == "completed"
+    assert status_of(cut, SimpleNamespace(finish_reason="length")) == "incomplete"
+    assert status_of(RequestOutput(finish_reason="stop"), SimpleNamespace(finish_reason="stop")) == "completed"
+
+
 def test_parser_marks_complete_calls_and_ends_at_a_repeated_one():
     paris = '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
     oslo = '<tool_call>{"name":"get_weather","arguments":{"city":"Oslo"}}</tool_call>'
