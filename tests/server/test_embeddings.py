@@ -9,6 +9,7 @@ embedding server the generation routes, each with a 400 saying how to start it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import json
 import threading
@@ -218,17 +219,28 @@ class _Gated:
         return self.head(model, batch)
 
 
-@pytest.mark.anyio
-async def test_the_pooler_runs_queued_requests_in_one_padded_forward(checkpoints):
-    """Three requests queued while a forward runs go together into the next one, padded to the
-    longest; each gets its own rows back, equal to its rows computed alone."""
+@contextlib.contextmanager
+def gated_pooler(checkpoints):
+    """The BERT mean-pooling model, and its pooler started with a head that holds each forward
+    until released (`_Gated`): (loaded, head, pooler); released and stopped on leaving."""
     loaded = load_model(str(checkpoints["bert-mean"]), cache_dir=cache_dir(), device=str(DEVICE), dtype=DTYPE_NAME, task="embed")
     head = _Gated(EmbedHead(PoolingSpec(("mean",), True, "test")))
     pooler = Pooler(loaded.model, head, pad_id=0, max_batch_tokens=4096, max_queue=8)
     pooler.start()
-    loop = asyncio.get_running_loop()
-    ids = [loaded.tokenizer(t)["input_ids"] for t in TEXTS[:7]]
     try:
+        yield loaded, head, pooler
+    finally:
+        head.release.set()
+        pooler.stop()
+
+
+@pytest.mark.anyio
+async def test_the_pooler_runs_queued_requests_in_one_padded_forward(checkpoints):
+    """Three requests queued while a forward runs go together into the next one, padded to the
+    longest; each gets its own rows back, equal to its rows computed alone."""
+    loop = asyncio.get_running_loop()
+    with gated_pooler(checkpoints) as (loaded, head, pooler):
+        ids = [loaded.tokenizer(t)["input_ids"] for t in TEXTS[:7]]
         first = pooler.submit([PoolingInput(ids[0])], loop)
         await asyncio.to_thread(head.entered.wait, 10)
         queued = [pooler.submit([PoolingInput(i) for i in ids[k:k + 2]], loop) for k in (1, 3, 5)]
@@ -240,9 +252,6 @@ async def test_the_pooler_runs_queued_requests_in_one_padded_forward(checkpoints
             await asyncio.sleep(0.01)
         assert head.rows == [1, 6] and pooler.idle
         alone = [(await pooler.submit([PoolingInput(i)], loop))[0] for i in ids]
-    finally:
-        head.release.set()
-        pooler.stop()
     assert head.rows[2:] == [1] * 7
     assert max((a - b).abs().max().item() for a, b in zip(together, alone)) < TOLERANCE
 
@@ -252,13 +261,9 @@ async def test_a_request_past_its_deadline_is_a_504_and_its_rows_are_dropped(che
     """A request whose waiter gives up (its deadline, or the client gone: the future is
     cancelled) has its rows not yet run dropped from the next round; over HTTP the deadline is a
     504 `timeout`, and the pooler is left idle."""
-    loaded = load_model(str(checkpoints["bert-mean"]), cache_dir=cache_dir(), device=str(DEVICE), dtype=DTYPE_NAME, task="embed")
-    head = _Gated(EmbedHead(PoolingSpec(("mean",), True, "test")))
-    pooler = Pooler(loaded.model, head, pad_id=0, max_batch_tokens=4096, max_queue=8)
-    pooler.start()
     loop = asyncio.get_running_loop()
-    ids = [loaded.tokenizer(t)["input_ids"] for t in TEXTS[:4]]
-    try:
+    with gated_pooler(checkpoints) as (loaded, head, pooler):
+        ids = [loaded.tokenizer(t)["input_ids"] for t in TEXTS[:4]]
         first = pooler.submit([PoolingInput(ids[0])], loop)
         await asyncio.to_thread(head.entered.wait, 10)
         dropped = pooler.submit([PoolingInput(i) for i in ids[1:3]], loop)
@@ -268,9 +273,6 @@ async def test_a_request_past_its_deadline_is_a_504_and_its_rows_are_dropped(che
         head.release.set()
         await first
         assert len(await kept) == 1 and head.rows == [1, 1]  # the cancelled request's two rows never ran
-    finally:
-        head.release.set()
-        pooler.stop()
     async with served(loaded, request_timeout_s=1e-6) as s:
         late = await s.http.post("/v1/embeddings", json={"input": TEXTS[:8]})
         assert_error_shape(late, 504, "timeout")
