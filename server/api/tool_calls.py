@@ -153,8 +153,9 @@ class ToolCallParser:
             self._xml = (_piece_text(fmt.params.key_open), _piece_text(fmt.params.key_close),
                          end if isinstance(end, str) else _sentinel(end))
         self._strings = _string_parameters(tools)
-        self._head = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"' + re.escape(fmt.arguments_key) + r'"\s*:\s*')
-        self._named = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')  # a head cut after its name
+        named = r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")'
+        self._named = re.compile(named)  # a head cut after its name
+        self._head = re.compile(named + r'\s*,\s*"' + re.escape(fmt.arguments_key) + r'"\s*:\s*')
         self._decoder = _MarkerText(tokenizer, fmt.marker_ids) if fmt.marker_ids else None
         harmony = bool(fmt.text_open)
         self._state = "channels" if harmony else "content"

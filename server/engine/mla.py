@@ -55,11 +55,8 @@ def modules(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if callable(getattr(type(m), "expand_kv", None)) and hasattr(m, "kv_b_proj")]
 
 
-def refusal(model) -> str | None:
-    """Why `model` cannot be served from its latent (None: it can)."""
-    found = modules(model)
-    if not found:
-        return "it has no multi-head latent attention"
+def refusal(found: list[torch.nn.Module]) -> str | None:
+    """Why a model with these MLA modules (`modules`) cannot be served from its latent (None: it can)."""
     for module in found:
         proj = module.kv_b_proj
         if type(proj) is not torch.nn.Linear or type(proj.weight) not in (torch.Tensor, torch.nn.Parameter) or proj.bias is not None:
@@ -77,11 +74,12 @@ def configure(model, mode: str = "auto", *, lora: bool = False) -> str:
     if mode not in MODES:
         raise ValueError(f"unknown MLA cache mode {mode!r}: choose one of {', '.join(MODES)}")
     config = model.config.get_text_config(decoder=True)
-    if not modules(model):
+    found = modules(model)
+    if not found:
         if mode == "latent":
             raise UnsupportedModel("mla-latent", "--mla-cache latent: it has no multi-head latent attention")
         return "n/a"
-    reason = refusal(model)
+    reason = refusal(found)
     if reason is None and lora and mode == "auto":
         reason = "LoRA adapters are served, and one may target kv_b_proj, which the latent's attention absorbs"
     if mode == "latent" and reason is not None:
@@ -179,9 +177,9 @@ def _exact_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
 def decompresses(module, tokens: int) -> bool:
     """Whether a row of `tokens` new tokens attends the keys decompressed rather than absorbed:
     per key position, absorbing costs H * tokens * (2 rank + rope) multiply-adds, decompressing
-    H * rank * (nope + v) once plus H * tokens * (nope + rope + v), so it pays from
-    rank (nope + v) / (2 rank - nope - v) tokens on (398 for GLM-4.7-Flash's shape, 171 for
-    DeepSeek-V3's; measured: docs/benchmarks.md, "MLA from its latent")."""
+    H * rank * (nope + v) once plus H * tokens * (nope + rope + v), so it pays for rows longer
+    than rank (nope + v) / (2 rank - nope - v) tokens (from 399 for GLM-4.7-Flash's shape, 171
+    for DeepSeek-V3's; measured: docs/benchmarks.md, "MLA from its latent")."""
     rank, nope, v = module.kv_b_proj.in_features, module.qk_nope_head_dim, module.v_head_dim
     saved = 2 * rank - nope - v
     return tokens > 1 and (saved <= 0 or tokens * saved > rank * (nope + v))

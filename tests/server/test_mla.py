@@ -117,9 +117,10 @@ def test_deepseek_v3_s_real_shape_keeps_a_seventy_first_of_its_heads():
 @pytest.mark.parametrize("config", [dict(rope_interleave=True), dict(rope_interleave=False), dict(rope_parameters=None)],
                          ids=["interleaved", "halves", "plain-rope"])
 def test_the_absorbed_attention_matches_transformers_forward(config):
-    """families.check's probe (a packed step of two sequences, one continued from its cache,
-    against transformers' forward of the whole) passes from the latent; `latent` refuses
-    rather than fall back."""
+    """families.check's probe (a prefill, a packed step continuing it beside another sequence,
+    then a decode row beside a chunk, against transformers' forward of the whole: the absorbed
+    and the decompressed paths both) passes from the latent; `latent` refuses rather than fall
+    back."""
     model = deepseek(**config)
     assert mla.configure(model, "latent") == "latent"
     families.check(model)
