@@ -263,9 +263,11 @@ def session_id(request: Request, prompt_cache_key: str | None) -> str | None:
 def generation_requests(
     request: Request, body, request_id: str, prompts: list[list[int]], params: list, timeout_s: float,
     grammar: CompiledGrammar | None = None, reasoning: ReasoningSpec | None = None, images: tuple[ImageSpan, ...] = (),
+    watch=None,
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice). Only the first uses the session: the others
     get private caches, so n > 1 neither serializes on the session nor races for its cache.
+    `watch`: `GenerationRequest.watch`.
 
     A request for a LoRA adapter (`body.model`) runs with it, under the adapter's own principal
     (`lora.session_principal`): its sessions and anonymous prefixes, in every tier and across
@@ -281,7 +283,7 @@ def generation_requests(
                 f"{request_id}-{index}", prompt_ids, sampling, timeout_s=timeout_s,
                 principal=principal, session_id=session, use_session=index == 0, grammar=grammar,
                 speculative=body.speculative, reasoning=reasoning, fault=faults.request_fault(request.headers),
-                adapter=adapter, images=images,
+                adapter=adapter, images=images, watch=watch,
             ))
     return out
 
@@ -414,8 +416,7 @@ async def _watch_disconnect(request: Request, handles: list[RequestHandle]) -> N
 
 async def collect(ctx: ServingContext, request: Request, handles: list[RequestHandle], route: str, assembly=None) -> list[Choice]:
     """Run all choices to the end; raise the engine's error as an APIError. With `assembly`
-    (makes an `Assembly`), each choice is assembled as it comes, and stopped once its calls
-    have ended (a repeated call)."""
+    (makes an `Assembly`), each choice is assembled as it comes."""
     arrived = time.monotonic()
     choices = [Choice(i, assembly=assembly() if assembly is not None else None) for i in range(len(handles))]
     watcher = asyncio.create_task(_watch_disconnect(request, handles))
@@ -428,8 +429,6 @@ async def collect(ctx: ServingContext, request: Request, handles: list[RequestHa
                 choice.assembly.feed(output)
                 if output.finished:
                     choice.assembly.finish(output.finish_reason)
-                elif choice.assembly.ended:
-                    handles[index].stop()
             if output.finished:
                 choice.final = output
                 ctx.metrics.finished.labels(route, output.finish_reason).inc()
@@ -451,9 +450,6 @@ class Rendering(Protocol):
     def output(self, index: int, output: RequestOutput) -> list:
         """The events of choice `index`'s next output (its final one included)."""
 
-    def ended(self, index: int) -> bool:
-        """Choice `index` needs no more output (a repeated tool call ended its calls)."""
-
     def failed(self, output: RequestOutput, error: APIError) -> list:
         """The closing events when a choice failed or was aborted (`output` its final one)."""
 
@@ -464,8 +460,7 @@ class Rendering(Protocol):
 async def stream(ctx: ServingContext, handles: list[RequestHandle], route: str, rendering: Rendering,
                  arrived: float | None = None) -> AsyncIterator:
     """The one streaming loop of every API: the engine's outputs of every choice as they come,
-    rendered by `rendering`. A choice whose rendering says it `ended` is stopped: its final
-    output follows. A choice that fails or is aborted ends the stream (`rendering.failed`).
+    rendered by `rendering`. A choice that fails or is aborted ends the stream (`rendering.failed`).
     Choices cut off by the client leaving count as aborted in the finished and end-to-end
     metrics. `arrived`: when the request arrived (default: now), for the latency metrics.
     """
@@ -486,8 +481,6 @@ async def stream(ctx: ServingContext, handles: list[RequestHandle], route: str, 
                 finals.append(output)
             for event in rendering.output(index, output):
                 yield event
-            if not output.finished and rendering.ended(index):
-                handles[index].stop()
         for event in rendering.closing(finals):
             yield event
     finally:
@@ -500,21 +493,16 @@ async def stream(ctx: ServingContext, handles: list[RequestHandle], route: str, 
 class Chunks:
     """The rendering of chat and completions: `chunk` objects from `on_output`, closing ones
     from `on_end`, then `[DONE]`; a failed choice sends the error object (OpenAI has no
-    "abort" finish reason). `assembly_of(index)`: the choice's `Assembly`, if any."""
+    "abort" finish reason)."""
 
     on_output: Callable[[int, RequestOutput], list[dict]]
     on_end: Callable[[list[RequestOutput]], list[dict]]
-    assembly_of: Callable[[int], object | None] = lambda index: None
 
     def opening(self) -> list:
         return []
 
     def output(self, index: int, output: RequestOutput) -> list:
         return [json.dumps(chunk, ensure_ascii=False) for chunk in self.on_output(index, output)]
-
-    def ended(self, index: int) -> bool:
-        assembled = self.assembly_of(index)
-        return assembled is not None and assembled.ended
 
     def failed(self, output: RequestOutput, error: APIError) -> list:
         return [json.dumps(error.body())]

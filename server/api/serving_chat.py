@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -13,12 +14,10 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
-from transformers import PreTrainedTokenizerBase
 
 from grammars import ToolFormat
 from server.api import limits, reasoning, serving, vision_prompt
 from server.api.assembly import Assembly
-from server.api.dialect import Dialect
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest
 from server.engine.sequence import RequestOutput, TokenInfo
@@ -156,19 +155,12 @@ def logprobs_entry(ctx: ServingContext, token: TokenInfo) -> dict:
 
 @dataclass(slots=True)
 class Submitted:
-    """A chat turn the engine took: its sequences' handles, and how its output is assembled."""
+    """A chat turn the engine took: its sequences' handles, and `assembly()`, a new `Assembly`
+    for one of its choices."""
 
     handles: list
     prompt_tokens: int
-    tool_mode: str | None
-    thinking: bool  # the model's reasoning parser runs for it
-    tools: list | None
-    tokenizer: PreTrainedTokenizerBase
-    dialect: Dialect
-
-    def assembly(self) -> Assembly:
-        """A new `Assembly` for one of its choices."""
-        return Assembly(self.dialect, self.tokenizer, self.tool_mode, thinking=self.thinking, tools=self.tools)
+    assembly: Callable[[], Assembly]
 
 
 async def prompt(ctx: ServingContext, body: ChatCompletionRequest, template_kwargs: dict, prompt_param: str = "messages", *,
@@ -208,10 +200,13 @@ async def submit(ctx: ServingContext, body: ChatCompletionRequest, request: Requ
     params = serving.choice_params(ctx, body, max_tokens)
     grammar, tool_mode = await serving.compile_grammar(ctx, body, body.tools, body.tool_choice)
     thinking = reasoning.spec(ctx, prompt_ids, budget, tool_mode)
+    assembly = functools.partial(Assembly, ctx.dialect, ctx.tokenizer, tool_mode, thinking=thinking is not None, tools=body.tools)
+    # NOTE: the engine runs its own assembly of each choice beside the one rendered here, so a
+    # repeated call stops the sequence at its last token, not at whatever step the client's
+    # events are made (`GenerationRequest.watch`)
     requests = serving.generation_requests(request, body, request_id, [prompt_ids], params, ctx.request_timeout_s, grammar, thinking,
-                                           images=spans)
-    handles = serving.submit_all(ctx, requests, len(params))
-    return Submitted(handles, len(prompt_ids), tool_mode, thinking is not None, body.tools, ctx.tokenizer, ctx.dialect)
+                                           images=spans, watch=assembly if tool_mode is not None else None)
+    return Submitted(serving.submit_all(ctx, requests, len(params)), len(prompt_ids), assembly)
 
 
 async def create(ctx: ServingContext, body: ChatCompletionRequest, request: Request):
@@ -311,4 +306,4 @@ def _chunkers(ctx: ServingContext, body: ChatCompletionRequest, head: dict, asse
             return []
         return [{**head, "object": "chat.completion.chunk", "choices": [], "usage": serving.usage(finals, body.n, thinking=ctx.reasoning is not None)}]
 
-    return on_output, on_end, lambda index: assemblies.get(index)
+    return on_output, on_end

@@ -238,9 +238,6 @@ class MessageEvents:
     def output(self, index: int, output: RequestOutput) -> list:
         return self.blocks.feed(self.assembly.feed(output))
 
-    def ended(self, index: int) -> bool:
-        return self.assembly.ended
-
     def failed(self, output: RequestOutput, error: APIError) -> list:
         return self.output(0, output) + [{"event": "error", "data": json.dumps(error.anthropic_body())}]
 

@@ -465,9 +465,6 @@ class ResponseEvents:
     def output(self, index: int, output: RequestOutput) -> list:
         return self.out.feed(self.assembly.feed(output))
 
-    def ended(self, index: int) -> bool:
-        return self.assembly.ended  # a repeated call: the turn's calls are complete
-
     def failed(self, output: RequestOutput, error: APIError) -> list:
         events = self.output(0, output)
         failure = {"code": error.code, "message": error.message}

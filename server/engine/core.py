@@ -129,13 +129,6 @@ class RequestHandle:
         self._seq.cancelled = True
         self._engine.wake()
 
-    def stop(self) -> None:
-        """End the sequence as if it had stopped (its output so far is the answer, its KV
-        committed to the session); the engine does it within one step. Safe from any thread:
-        the HTTP side stops a turn whose tool calls have ended (a repeated call)."""
-        self._seq.stop_requested = True
-        self._engine.wake()
-
     @property
     def admission(self) -> RequestOutput | None:
         return self._admission
@@ -492,8 +485,6 @@ class Engine:
         for seq, handle in list(self._running):
             if seq.cancelled:
                 self._finish(seq, handle, "abort")
-            elif seq.stop_requested:
-                self._finish(seq, handle, "stop")
             elif seq.expired(now):
                 self._finish(seq, handle, "error", error="timeout")
         if self._ahead is not None:
@@ -879,7 +870,7 @@ class Engine:
 
     def _emit(self, seq: Sequence, handle: RequestHandle, tokens: list[TokenInfo]) -> bool:
         """Append sampled or forced tokens, send what they add to the output; True when that
-        finished the request (a stop string, max_tokens, or a full cache)."""
+        finished the request (a stop string or the watcher, max_tokens, or a full cache)."""
         output = RequestOutput()
         for token in tokens:
             added = seq.append(token)

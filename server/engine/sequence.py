@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -43,6 +43,9 @@ class GenerationRequest:
     adapter: Adapter | None = None  # its LoRA adapter (server/engine/lora.py); None: the base model
     # its pictures (server/engine/vision.py), whose runs `prompt_ids` holds as key ids
     images: tuple[ImageSpan, ...] = ()
+    # makes each sequence's watcher of its answer (server/api/assembly.py's `Assembly`): fed
+    # every token's output, its `ended` stops the sequence at that token (a repeated tool call)
+    watch: Callable[[], Any] | None = None
 
     @property
     def session_key(self) -> tuple[str, str] | None:
@@ -65,7 +68,8 @@ class TokenInfo:
 
 @dataclass(slots=True)
 class Appended:
-    """What appending generated tokens added to the output; `stopped`: a stop string ended it."""
+    """What appending generated tokens added to the output; `stopped`: a stop string or the
+    request's watcher ended it."""
 
     output: "RequestOutput"
     stopped: bool = False
@@ -134,7 +138,7 @@ class Sequence:
         # sequence ends or diverges before that step lands
         self.ahead = 0
         self.cancelled = False
-        self.stop_requested = False  # RequestHandle.stop: finish as "stop" at the next step
+        self.watch = request.watch() if request.watch is not None else None  # GenerationRequest.watch
         self.submitted_at = time.monotonic()
         self.deadline = (
             self.submitted_at + request.timeout_s if request.timeout_s is not None else None
@@ -164,16 +168,21 @@ class Sequence:
 
     def append(self, token: TokenInfo) -> Appended:
         """A generated (sampled or forced) token: part of the output, pending until computed.
-        Returns what it adds to the output, and whether a stop string ended the answer there;
-        a thinking model's tokens whose side is not known yet (a marker's first tokens) come
-        with a later one."""
+        Returns what it adds to the output, and whether it ended the output (a stop string, or
+        the request's watcher: `GenerationRequest.watch`); a thinking model's tokens whose side
+        is not known yet (a marker's first tokens) come with a later one."""
         self.generated.append(token.token_id)
         self.all_ids.append(token.token_id)
         if self.reasoning is None:
             delta = self.text.push(token.token_id)
-            return Appended(RequestOutput(text=delta.text, tokens=[token]), delta.stopped)
-        self._held.append(token)
-        return self._route(self.reasoning.push(token.token_id))
+            added = Appended(RequestOutput(text=delta.text, tokens=[token]), delta.stopped)
+        else:
+            self._held.append(token)
+            added = self._route(self.reasoning.push(token.token_id))
+        if self.watch is not None and not added.stopped:
+            self.watch.feed(added.output)
+            added.stopped = self.watch.ended
+        return added
 
     def flush(self) -> RequestOutput:
         """At the end of generation: held-back text and tokens."""

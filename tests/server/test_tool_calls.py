@@ -293,3 +293,35 @@ async def test_a_repeated_call_ends_the_turn_there(sdk):
                 heads += [c.id for c in choice.delta.tool_calls or [] if c.id]
                 finish = choice.finish_reason or finish
         assert finish == "tool_calls" and len(heads) == len(calls) and usage.completion_tokens < 300
+
+
+async def test_a_repeated_call_stops_the_sequence_at_its_last_token_whatever_the_limit(hermes_model):
+    """The engine stops a turn at the last token of the call that repeats an earlier one, not
+    at the step where the client's events happen to be made: under any token limit above that
+    token, every API counts the same tokens and ends the turn with its calls (issue 53: the
+    Responses API said `incomplete` at a limit just above the call)."""
+    function = {"type": "function", **TIME["function"]}
+    anthropic_tool = {"name": "get_time", "input_schema": TIME["function"]["parameters"]}
+    asks = {
+        "chat": lambda limit: ("/v1/chat/completions", {"messages": ASK, "tools": [TIME], "tool_choice": "required", "max_tokens": limit}),
+        "responses": lambda limit: ("/v1/responses", {"input": ASK[0]["content"], "tools": [function], "tool_choice": "required",
+                                                      "max_output_tokens": limit}),
+        "messages": lambda limit: ("/v1/messages", {"messages": ASK, "tools": [anthropic_tool], "tool_choice": {"type": "any"},
+                                                    "max_tokens": limit}),
+    }
+    ends = {"chat": lambda out: (out["choices"][0]["finish_reason"], out["usage"]["completion_tokens"]),
+            "responses": lambda out: (out["status"], out["usage"]["output_tokens"]),
+            "messages": lambda out: (out["stop_reason"], out["usage"]["output_tokens"])}
+    ended = {"chat": "tool_calls", "responses": "completed", "messages": "tool_use"}
+    async with openai_client(hermes_model) as (_, http):
+        for api, ask in asks.items():
+            async def run(limit: int) -> tuple:
+                path, body = ask(limit)
+                out = await http.post(path, json={"model": "tiny-hermes", "temperature": 1, "seed": 1, **body})
+                assert out.status_code == 200, out.text
+                return ends[api](out.json())
+
+            reason, n = await run(300)
+            assert (reason, n) == (ended[api], 31), api  # seed 1 writes its one call twice (15 + 16 tokens): the repeat ended the turn
+            for limit in (n, n + 1, n + 7, n + 16):
+                assert await run(limit) == (ended[api], n), (api, limit)
