@@ -325,3 +325,37 @@ async def test_a_repeated_call_stops_the_sequence_at_its_last_token_whatever_the
             assert (reason, n) == (ended[api], 31), api  # seed 1 writes its one call twice (15 + 16 tokens): the repeat ended the turn
             for limit in (n, n + 1, n + 7, n + 16):
                 assert await run(limit) == (ended[api], n), (api, limit)
+
+
+async def test_a_call_cut_at_each_token_of_its_head_comes_back_once_its_name_is_whole(sdk):
+    """Cut by the token limit at each token of a call's head: nothing while its name is not
+    whole, then the call with its arguments so far (empty up to its first argument), on chat
+    and the Responses API alike, never the wrapper as content (issue 53: a cut between the name
+    and `"arguments"` lost the call). Logprobs show the text each cut ended with."""
+    import re
+
+    ask = dict(model="tiny-hermes", temperature=0)
+    tool = dict(tools=[WEATHER], tool_choice="required")
+    function = {"type": "function", **WEATHER["function"]}
+    named = re.compile(r'\{"name"\s*:\s*"get_weather"')
+    async with sdk() as client:
+        whole = await client.chat.completions.create(messages=ASK, max_tokens=300, **ask, **tool)
+        (call,) = whole.choices[0].message.tool_calls
+        cuts = {}
+        for limit in range(1, whole.usage.completion_tokens):
+            shown = (await client.chat.completions.create(messages=ASK, max_tokens=limit, logprobs=True, **ask, **tool)).choices[0]
+            text = "".join(t.token for t in shown.logprobs.content)
+            chat = (await client.chat.completions.create(messages=ASK, max_tokens=limit, **ask, **tool)).choices[0]
+            response = await client.responses.create(input=ASK[0]["content"], max_output_tokens=limit, tools=[function],
+                                                      tool_choice="required", **ask)
+            assert chat.finish_reason == shown.finish_reason == "length" and not chat.message.content, limit
+            assert response.status == "incomplete" and response.output_text == "", limit
+            calls = [(c.function.name, c.function.arguments) for c in chat.message.tool_calls or []]
+            assert [(c.function.name, c.function.arguments) for c in shown.message.tool_calls or []] == calls, limit
+            assert [(i.name, i.arguments) for i in response.output if i.type == "function_call"] == calls, limit
+            assert all(i.status == "incomplete" for i in response.output), limit
+            assert bool(calls) == bool(named.search(text)), (limit, text)
+            assert not calls or (calls[0][0] == "get_weather" and call.function.arguments.startswith(calls[0][1])), limit
+            cuts[text] = calls
+    name_only = [text for text, calls in cuts.items() if calls and '"arguments"' not in text]
+    assert name_only and all(cuts[text] == [("get_weather", "")] for text in name_only)  # cut between its name and "arguments"
