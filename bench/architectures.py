@@ -279,11 +279,18 @@ FAMILIES: dict[str, Family] = {
         layers_block_type=["linear_attention", "full_attention", "mlp"], mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
         n_groups=1, chunk_size=16), "Mamba2 layers"),
     "bamba": Family("bamba", dict(attn_layer_indices=[1], **MAMBA2), "Mamba2 layers"),
+    # the Mamba shapes of the two entries above and below, changed every way (three layers, the
+    # attention one last; expansion 3; other state, head, chunk and convolution sizes)
+    "bamba-shapes": Family("bamba", dict(num_hidden_layers=3, attn_layer_indices=[2], mamba_expand=3, mamba_n_heads=8, mamba_d_head=24,
+                                         mamba_d_state=8, mamba_chunk_size=8, mamba_d_conv=2), "Mamba2 layers, other shapes"),
     "recurrent_gemma": Family("recurrent_gemma", dict(
         block_types=["recurrent", "attention"], lru_width=64, attention_window_size=WINDOW, num_key_value_heads=1), "RG-LRU layers"),
     "mamba": Family("mamba", dict(state_size=16, expand=2), "state-space only"),
     "jamba": Family("jamba", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                                   num_experts=4, num_experts_per_tok=2, mamba_dt_rank=8), "Mamba layers"),
+    "jamba-shapes": Family("jamba", dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=2, expert_layer_period=3,
+                                         expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_expand=3, mamba_d_state=8,
+                                         mamba_d_conv=2, mamba_dt_rank=4), "Mamba layers, other shapes"),
 }
 
 

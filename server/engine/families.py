@@ -210,7 +210,9 @@ def _probe(model, layout: kv.Layout) -> None:
         _check_layers(seen, layout)
     difference = float((got - reference).abs().max())
     scale = float(reference.abs().max()) or 1.0
-    tolerance = 1e-3 if model.dtype == torch.float32 else 0.1
+    # NOTE: every family of the matrix differs by at most 7e-7 of the scale in fp32; 1e-3 let
+    # Jamba's continuation chunks through while they dropped the kept Mamba state (2.6e-4)
+    tolerance = 2e-5 if model.dtype == torch.float32 else 0.1
     if not difference <= tolerance * scale:
         raise UnsupportedModel("forward-mismatch", f"its logits under kvserve's attention differ from transformers' own forward "
                                f"(by {difference:.3g} of {scale:.3g}): a feature kvserve does not model")

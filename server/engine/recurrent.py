@@ -16,11 +16,20 @@ each time with `_RowStates` as the module's cache: transformers' cache interface
 transformers' `LinearAttentionLayer`; what the module wrote goes back to the slots afterwards.
 Outside a step (transformers' own `generate`, the families probe's reference) the module runs
 as it was. Padding rows of a decode bucket use the trash slot, zeroed after the step.
+
+Jamba's Mamba mixer runs a multi-token input through `mamba_selective_scan`, which starts from a
+zero state (as mamba_ssm's kernel does): `generate` never gives it a state (a prompt, then one
+token at a time), but kvserve does, for a prompt's later chunks and a session's next turn. So
+`enable` replaces that function in the model's module with `_scan`, which runs the same
+recurrence from the row's kept state while `_wrapped` passes it one (`_INITIAL`), and is the
+original otherwise.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -69,10 +78,61 @@ def enable(model) -> int:
     return len(modules)
 
 
+_SCAN = "mamba_selective_scan"  # a Mamba mixer's whole-input scan, from a zero state (the module docstring)
+_INITIAL: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("kvserve_initial_state", default=None)
+
+
+def _scans_from_zero(module) -> bool:
+    """Whether the module's multi-token form runs `_SCAN` (and so ignores a kept state); if so,
+    its modeling module's `_SCAN` is `_scan` from here on."""
+    owner = sys.modules[type(module).__module__]
+    original = getattr(owner, _SCAN, None)
+    if original is None or _SCAN + "(" not in inspect.getsource(inspect.unwrap(type(module).forward)):
+        return False
+    if not getattr(original, "_kvserve_scan", False):
+        setattr(owner, _SCAN, _scan(original))
+    return True
+
+
+def _scan(original):
+    """`original` (`_SCAN`), or, under `_INITIAL`, the same selective scan from that state:
+    hidden_states and dt [b, d, t], A [d, n], B and C [b, n, t]; the output [b, d, t] and, with
+    `return_last_state`, the state after the last token [b, d, n]."""
+
+    def scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False, **kwargs):
+        initial = _INITIAL.get()
+        if initial is None:
+            return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                            return_last_state=return_last_state, **kwargs)
+        dtype = hidden_states.dtype
+        if delta_bias is not None:
+            dt = dt + delta_bias.to(dt.dtype)[..., None]
+        if delta_softplus:
+            dt = F.softplus(dt)
+        decay = torch.exp(A[None, :, None, :] * dt[..., None])  # [b, d, t, n]
+        inputs = dt[..., None] * B.transpose(1, 2)[:, None].float() * hidden_states[..., None].float()
+        readout = C.transpose(1, 2)  # [b, t, n]
+        ssm = initial.to(dtype)
+        outputs = []
+        for t in range(hidden_states.shape[-1]):
+            ssm = decay[:, :, t] * ssm + inputs[:, :, t]
+            outputs.append(torch.matmul(ssm.to(dtype), readout[:, t, :, None])[..., 0])
+        out = torch.stack(outputs, dim=-1)
+        if D is not None:
+            out = out + hidden_states * D[None, :, None]
+        if z is not None:
+            out = out * F.silu(z)
+        return (out, ssm) if return_last_state else out
+
+    scan._kvserve_scan = True
+    return scan
+
+
 def _wrapped(module, original, keyword: str):
     named = [p.name for p in inspect.signature(original).parameters.values()
              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     first = named[0]
+    from_zero = _scans_from_zero(module)
 
     def forward(*args, **kwargs):
         step = context.current()
@@ -97,7 +157,11 @@ def _wrapped(module, original, keyword: str):
                 out[0].index_copy_(0, offsets, y[:, 0])
         for offset, n, slot, prev in rows.others:
             states = _RowStates(rows.slots, slot, prev)
-            y = original(hidden[:, offset : offset + n], **extra, **{keyword: states})
+            kept = _INITIAL.set(states.get_recurrent_state(module.layer_idx) if from_zero and prev else None)
+            try:
+                y = original(hidden[:, offset : offset + n], **extra, **{keyword: states})
+            finally:
+                _INITIAL.reset(kept)
             rows.written += states.written()
             if out is None:
                 out = hidden.new_empty((1, hidden.shape[1], y.shape[-1]))

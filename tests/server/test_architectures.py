@@ -20,7 +20,7 @@ from tests.device import DEVICE, DTYPE
 
 # Hybrids (recurrent state per sequence, cache_manager/state.py): served, but not with
 # speculation or in exact mode, which their engines refuse at start-up by name
-HYBRIDS = ("qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "granitemoehybrid", "jamba", "bamba",
+HYBRIDS = ("qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "granitemoehybrid", "jamba", "jamba-shapes", "bamba", "bamba-shapes",
            "nemotron_h", "falcon_h1", "lfm2")
 # Multi-head latent attention: served from the latent (server/engine/mla.py), whose bytes the pool counts
 MLA = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "axk1", "kimi_linear", "bailing_hybrid")
