@@ -261,6 +261,10 @@ def layout(config: PretrainedConfig) -> Layout:
         windows = [windows[source] for source in sources]
     windows = tuple(windows)
     heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    if text_config.model_type == "jetmoe":
+        # NOTE: JetMoE's attention hands its KV heads on `repeat`ed once per routed query expert
+        # (its own cache keeps them once): the pool stores what attention gets, top_k copies
+        heads *= text_config.num_experts_per_tok
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     key_dim = getattr(text_config, "qk_head_dim", None) or head_dim
     value_dim = getattr(text_config, "v_head_dim", None) or head_dim
