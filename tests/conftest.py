@@ -21,7 +21,7 @@ import torch
 
 from server.model_loader import LoadedModel, load_model
 from server.settings import default_cache_dir
-from tests.device import DEVICE, DTYPE_NAME, SETTINGS
+from tests.device import DEVICE, DTYPE_NAME
 
 torch.set_grad_enabled(False)
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
@@ -51,28 +51,15 @@ def anyio_backend():
 @pytest.fixture
 def app_client(smollm2):
     """`async with app_client(**settings) as client`: an in-process app on the shared model
-    (Settings on the test device, which a draft model loads onto)."""
+    (Settings on the test device, which a draft model loads onto), its responses checked for
+    conformance (tests/inprocess.py)."""
     import contextlib
 
-    import anyio
-    import httpx
-    from asgi_lifespan import LifespanManager
-
-    from server.startup import create_app
-    from server.settings import Settings
+    from tests.inprocess import served
 
     @contextlib.asynccontextmanager
     async def make(**overrides):
-        app = create_app(Settings(**{**SETTINGS, **overrides}), loaded=smollm2)
-        async with LifespanManager(app) as manager:
-            transport = httpx.ASGITransport(app=manager.app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://kvserve") as client:
-                for _ in range(600):
-                    if (await client.get("/ready")).status_code == 200:
-                        break
-                    await anyio.sleep(0.05)
-                else:
-                    raise RuntimeError("app never became ready")
-                yield client
+        async with served(smollm2, **overrides) as s:
+            yield s.http
 
     return make

@@ -1,5 +1,9 @@
 """The official openai client on an in-process app (no socket, no uvicorn): how the tests of
-tiny random-weight models talk to kvserve."""
+tiny random-weight models talk to kvserve.
+
+Every app served here sits behind a `conformance.Recorder`: each generation response a test
+gets is also checked against the official SDKs' typed models and the stream rules
+(tests/conformance.py), and the test fails at the app's end if one did not conform."""
 
 from __future__ import annotations
 
@@ -10,17 +14,19 @@ import anyio
 import httpx
 from openai import AsyncOpenAI
 
+from tests.conformance import Recorder
 from tests.device import SETTINGS
 
 
 @dataclass(frozen=True)
 class Served:
     """An app being served in-process: the FastAPI app (its state), the ASGI app its lifespan
-    wraps (what a transport calls), and a raw httpx client on it."""
+    wraps (what a transport calls), a raw httpx client on it, and the `Recorder` in front."""
 
     app: object
     asgi: object
     http: httpx.AsyncClient
+    recorder: Recorder
 
 
 @contextlib.asynccontextmanager
@@ -33,12 +39,18 @@ async def served(loaded, **settings):
     from server.settings import Settings
 
     app = create_app(Settings(**{**SETTINGS, **settings}), loaded=loaded)
-    async with LifespanManager(app) as manager:
+    recorder = Recorder(app)
+    async with LifespanManager(recorder) as manager:
         transport = httpx.ASGITransport(app=manager.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://kvserve", timeout=120) as http:
-            while (await http.get("/ready")).status_code != 200:
+            for _ in range(1200):
+                if (await http.get("/ready")).status_code == 200:
+                    break
                 await anyio.sleep(0.05)
-            yield Served(app, manager.app, http)
+            else:
+                raise RuntimeError("app never became ready")
+            yield Served(app, manager.app, http, recorder)
+    recorder.check()
 
 
 @contextlib.asynccontextmanager

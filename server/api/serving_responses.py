@@ -467,7 +467,10 @@ class ResponseEvents:
 
     def failed(self, output: RequestOutput, error: APIError) -> list:
         events = self.output(0, output)
-        failure = {"code": error.code, "message": error.message}
+        # NOTE: `response.error.code` is one of OpenAI's codes (the SDK refuses others): kvserve's
+        # own (timeout, kv_budget_exceeded, ...) goes in the message
+        code = error.code if error.code in ("server_error", "rate_limit_exceeded") else "server_error"
+        failure = {"code": code, "message": f"{error.message} ({error.code})" if code != error.code else error.message}
         return events + [self.ev("response.failed", response=self.turn.response("failed", [], output, failure))]
 
     def closing(self, finals: list[RequestOutput]) -> list:

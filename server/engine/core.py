@@ -846,11 +846,12 @@ class Engine:
         reasoning to the model) or end marker (its thinking budget spent), then the tokens its
         grammar forces; or finish a complete grammar.
 
-        NOTE: a grammar's forced tokens are sampled (under a one-token mask) when logprobs are
-        asked for: a forced token has no logits of its own, and the model's logprob is reported.
+        NOTE: forced tokens, a grammar's and the markers, are sampled (under a one-token mask)
+        when logprobs are asked for (`sampler.forced_marker`): a forced token has no logits of
+        its own, and the model's logprob is reported.
         """
         reasoning = seq.reasoning
-        while reasoning is not None and (forced := reasoning.opening() or reasoning.forced()):
+        while reasoning is not None and not seq.params.logprobs and (forced := reasoning.opening() or reasoning.forced()):
             room = seq.params.max_tokens - len(seq.generated)  # > 0: `_emit` finishes at max_tokens
             if self._emit(seq, handle, [TokenInfo(t) for t in forced[:room]]):
                 return

@@ -79,8 +79,13 @@ def _bans(seq: Sequence) -> bool:
 
 def constraint(seq: Sequence, vocab: int) -> torch.Tensor | None:
     """The additive mask [vocab] float32 on the CPU of what the sequence may write next (0
-    allowed, -inf not), None when anything goes: its grammar's once it answers; while a
-    thinking model thinks, the tokens its spec bans (a tool format's call markers)."""
+    allowed, -inf not), None when anything goes: the one token a thinking model's marker forces
+    (`forced_marker`); its grammar's once it answers; while a thinking model thinks, the tokens
+    its spec bans (a tool format's call markers)."""
+    if (token_id := forced_marker(seq)) is not None:
+        mask = torch.full((vocab,), -math.inf, dtype=torch.float32)
+        mask[token_id] = 0.0
+        return mask
     grammar = seq.grammar
     if grammar is not None:
         return grammar.next_mask()
@@ -90,6 +95,18 @@ def constraint(seq: Sequence, vocab: int) -> torch.Tensor | None:
             seq.banned_mask[[t for t in seq.reasoning.spec.banned_ids if t < vocab]] = -math.inf
         return seq.banned_mask
     return None
+
+
+def forced_marker(seq: Sequence) -> int | None:
+    """The next token of a thinking model's forced marker (its start, or its end once the budget
+    is spent) when the request asks for logprobs: sampled under a one-token mask, so the model's
+    logprob is reported, as a grammar's forced tokens are; without logprobs the engine appends
+    markers unsampled (`Engine._continue`)."""
+    reasoning = seq.reasoning
+    if reasoning is None or not seq.params.logprobs:
+        return None
+    forced = reasoning.opening() or reasoning.forced()
+    return forced[0] if forced else None
 
 
 def apply_constraints(seqs: list[Sequence], logits: torch.Tensor) -> None:
