@@ -268,6 +268,8 @@ def layout(config: PretrainedConfig) -> Layout:
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     key_dim = getattr(text_config, "qk_head_dim", None) or head_dim
     value_dim = getattr(text_config, "v_head_dim", None) or head_dim
+    if text_config.model_type == "diffllama":  # both halves of its value heads side by side (server/engine/differential.py)
+        value_dim *= 2
     if getattr(text_config, LATENT, None) == "latent":
         return Layout(windows, 1, text_config.qk_rope_head_dim, text_config.kv_lora_rank, rope_switch(text_config), sources, no_kv, latent=True)
     return Layout(windows, heads, key_dim, value_dim, rope_switch(text_config), sources, no_kv)

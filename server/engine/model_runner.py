@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import kv
-from server.engine import attention, compiled, context, cpu_linear, faults, lora, merged, mla, paged_kernel, recurrent, rope, vision
+from server.engine import attention, compiled, context, cpu_linear, differential, faults, lora, merged, mla, paged_kernel, recurrent, rope, vision
 from server.engine import exact as exact_mode
 from server.engine.context import Batch, Row, StepContext, StepRows
 from server.engine.scheduler import Plan, ScheduledRow
@@ -611,6 +611,12 @@ def _attention(runner: ModelRunner) -> dict[str, str]:
     return {"attention": "paged" if runner.paged else "rows", "decode_attention": decode}
 
 
+def _differential(runner: ModelRunner) -> dict[str, str]:
+    if not differential.enable(runner.model):
+        return {}
+    return {"differential": "one call"}
+
+
 def _mla(runner: ModelRunner) -> dict[str, str]:
     if not mla.enable(runner.model):
         return {}
@@ -688,7 +694,7 @@ def _deepstack(runner: ModelRunner) -> dict[str, str]:
     return {"deepstack": "on"}
 
 
-PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _mla, _recurrent, _rope, _deepstack, _experts, _merge, _linear, _exact, _lora)
+PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _differential, _mla, _recurrent, _rope, _deepstack, _experts, _merge, _linear, _exact, _lora)
 
 
 def _biased(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

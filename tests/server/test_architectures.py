@@ -41,7 +41,6 @@ REFUSED = {
     "gemma4_text": "per-layer-config",  # a head size per layer (transformers' per_layer_config)
     "doge": "attention-mask",  # its attention adds a learned dynamic mask to the scores
     "mimo_v2_flash": "kv-width",  # its sliding layers have twice the KV heads of its full ones
-    "diffllama": "kv-layers",  # differential attention: two attention calls per layer
     # modeling code that never calls kvserve's attention
     "falcon": "attention-backend",
     "bloom": "attention-backend",
