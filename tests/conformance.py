@@ -277,19 +277,17 @@ class _ChatChoice:
         return message
 
 
-def chat_stream(payloads: list, request: dict | None = None) -> list[str]:
-    """A chat stream: each chunk a strict ChatCompletionChunk with the same id, created, model
-    and fingerprint; per choice the role first, reasoning before content, each tool call opened
-    once (index, id, name) then only its arguments, one finish_reason and nothing after; usage
-    as stream_options says; `[DONE]` last. The deltas joined are a valid chat.completion."""
-    p = Problems("POST /v1/chat/completions (stream)")
-    request = request or {}
+def _walk_chunks(payloads: list, request: dict, chunk_type, feed, p: Problems) -> tuple[dict | None, dict | None]:
+    """The chunks of a chat or completions stream, each strictly `chunk_type` with the first
+    chunk's head, usage as `stream_options` says; `feed(choice, at)` takes each choice. Returns
+    the head (None when the stream did not end with `[DONE]` or held no valid chunk) and the
+    usage chunk's usage."""
     include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
     chunks, done = _chunks(payloads, p)
-    head, choices, usage = None, {}, None
+    head, usage = None, None
     for k, chunk in enumerate(chunks):
         at = f"chunk {k}"
-        if p.typed(ChatCompletionChunk, chunk, at) is None:
+        if p.typed(chunk_type, chunk, at) is None:
             continue
         ident = {f: chunk.get(f) for f in HEAD}
         head = head or ident
@@ -298,14 +296,30 @@ def chat_stream(payloads: list, request: dict | None = None) -> list[str]:
         if _stream_usage(chunks, k, include_usage, p):
             usage = chunk.get("usage")
         for choice in chunk["choices"]:
-            choices.setdefault(choice["index"], _ChatChoice()).feed(choice, at, p)
-    if not done or head is None:
+            feed(choice, at)
+    if done and head is not None and include_usage and usage is None:
+        p.add("no usage chunk with stream_options.include_usage")
+    return (head if done else None), usage
+
+
+def chat_stream(payloads: list, request: dict | None = None) -> list[str]:
+    """A chat stream: each chunk a strict ChatCompletionChunk with the same id, created, model
+    and fingerprint; per choice the role first, reasoning before content, each tool call opened
+    once (index, id, name) then only its arguments, one finish_reason and nothing after; usage
+    as stream_options says; `[DONE]` last. The deltas joined are a valid chat.completion."""
+    p = Problems("POST /v1/chat/completions (stream)")
+    request = request or {}
+    choices: dict[int, _ChatChoice] = {}
+
+    def feed(choice: dict, at: str) -> None:
+        choices.setdefault(choice["index"], _ChatChoice()).feed(choice, at, p)
+
+    head, usage = _walk_chunks(payloads, request, ChatCompletionChunk, feed, p)
+    if head is None:
         return p
     for index, choice in choices.items():
         if choice.finish_reason is None:
             p.add(f"choice {index} never got a finish_reason")
-    if include_usage and usage is None:
-        p.add("no usage chunk with stream_options.include_usage")
     assembled = {
         **head, "object": "chat.completion",
         "choices": [{"index": i, "message": c.message(), "logprobs": {"content": c.logprobs, "refusal": None} if request.get("logprobs") else None,
@@ -343,34 +357,23 @@ def completion_stream(payloads: list, request: dict | None = None) -> list[str]:
     text_completion."""
     p = Problems("POST /v1/completions (stream)")
     request = request or {}
-    include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
-    chunks, done = _chunks(payloads, p)
-    head, choices, usage = None, {}, None
-    for k, chunk in enumerate(chunks):
-        at = f"chunk {k}"
-        if p.typed(CompletionChunk, chunk, at) is None:
-            continue
-        ident = {f: chunk.get(f) for f in HEAD}
-        head = head or ident
-        if ident != head:
-            p.add(f"{at}: id, created, model or system_fingerprint differ from the first chunk's {head}", chunk)
-        if _stream_usage(chunks, k, include_usage, p):
-            usage = chunk.get("usage")
-        for choice in chunk["choices"]:
-            joined = choices.setdefault(choice["index"], {"index": choice["index"], "text": "", "logprobs": None, "finish_reason": None})
-            if joined["finish_reason"] is not None:
-                p.add(f"{at}: text for choice {choice['index']} after its finish_reason", choice)
-            joined["text"] += choice["text"]
-            if choice.get("logprobs") is not None:
-                joined["logprobs"] = {key: (joined["logprobs"] or {}).get(key, []) + value for key, value in choice["logprobs"].items()}
-            joined["finish_reason"] = choice.get("finish_reason") or joined["finish_reason"]
-    if not done or head is None:
+    choices: dict[int, dict] = {}
+
+    def feed(choice: dict, at: str) -> None:
+        joined = choices.setdefault(choice["index"], {"index": choice["index"], "text": "", "logprobs": None, "finish_reason": None})
+        if joined["finish_reason"] is not None:
+            p.add(f"{at}: text for choice {choice['index']} after its finish_reason", choice)
+        joined["text"] += choice["text"]
+        if choice.get("logprobs") is not None:
+            joined["logprobs"] = {key: (joined["logprobs"] or {}).get(key, []) + value for key, value in choice["logprobs"].items()}
+        joined["finish_reason"] = choice.get("finish_reason") or joined["finish_reason"]
+
+    head, usage = _walk_chunks(payloads, request, CompletionChunk, feed, p)
+    if head is None:
         return p
     for index, choice in choices.items():
         if choice["finish_reason"] is None:
             p.add(f"choice {index} never got a finish_reason")
-    if include_usage and usage is None:
-        p.add("no usage chunk with stream_options.include_usage")
     assembled = {**head, "object": "text_completion", "choices": [c for _, c in sorted(choices.items())], **({"usage": usage} if usage else {})}
     return p + completion(assembled, request, "POST /v1/completions (stream, its chunks joined)")
 
