@@ -313,18 +313,19 @@ async def test_a_repeated_call_stops_the_sequence_at_its_last_token_whatever_the
             "responses": lambda out: (out["status"], out["usage"]["output_tokens"]),
             "messages": lambda out: (out["stop_reason"], out["usage"]["output_tokens"])}
     ended = {"chat": "tool_calls", "responses": "completed", "messages": "tool_use"}
-    async with openai_client(hermes_model) as (_, http):
-        for api, ask in asks.items():
-            async def run(limit: int) -> tuple:
-                path, body = ask(limit)
-                out = await http.post(path, json={"model": "tiny-hermes", "temperature": 1, "seed": 1, **body})
-                assert out.status_code == 200, out.text
-                return ends[api](out.json())
+    for settings in ({}, {"speculative": "ngram"}):  # drafts of the repeat run past its end: the stop is still there
+        async with openai_client(hermes_model, **settings) as (_, http):
+            for api, ask in asks.items():
+                async def run(limit: int) -> tuple:
+                    path, body = ask(limit)
+                    out = await http.post(path, json={"model": "tiny-hermes", "temperature": 1, "seed": 1, **body})
+                    assert out.status_code == 200, out.text
+                    return ends[api](out.json())
 
-            reason, n = await run(300)
-            assert (reason, n) == (ended[api], 31), api  # seed 1 writes its one call twice (15 + 16 tokens): the repeat ended the turn
-            for limit in (n, n + 1, n + 7, n + 16):
-                assert await run(limit) == (ended[api], n), (api, limit)
+                reason, n = await run(300)
+                assert (reason, n) == (ended[api], 31), api  # seed 1 writes its one call twice (15 + 16 tokens): the repeat ended the turn
+                for limit in (n, n + 1, n + 7, n + 16):
+                    assert await run(limit) == (ended[api], n), (api, limit)
 
 
 async def test_a_call_cut_at_each_token_of_its_head_comes_back_once_its_name_is_whole(sdk):
