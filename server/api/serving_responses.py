@@ -467,10 +467,10 @@ class ResponseEvents:
 
     def failed(self, output: RequestOutput, error: APIError) -> list:
         events = self.output(0, output)
-        # NOTE: `response.error.code` is one of OpenAI's codes (the SDK refuses others): kvserve's
-        # own (timeout, kv_budget_exceeded, ...) goes in the message
-        code = error.code if error.code in ("server_error", "rate_limit_exceeded") else "server_error"
-        failure = {"code": code, "message": f"{error.message} ({error.code})" if code != error.code else error.message}
+        # NOTE: `response.error.code` is one of OpenAI's codes (the SDK refuses others), and what
+        # fails a stream that has begun is the server's (deadline, memory, engine): server_error,
+        # kvserve's own code at the end of the message
+        failure = {"code": "server_error", "message": f"{error.message} ({error.code})"}
         return events + [self.ev("response.failed", response=self.turn.response("failed", [], output, failure))]
 
     def closing(self, finals: list[RequestOutput]) -> list:

@@ -846,9 +846,9 @@ class Engine:
         reasoning to the model) or end marker (its thinking budget spent), then the tokens its
         grammar forces; or finish a complete grammar.
 
-        NOTE: forced tokens, a grammar's and the markers, are sampled (under a one-token mask)
-        when logprobs are asked for (`sampler.forced_marker`): a forced token has no logits of
-        its own, and the model's logprob is reported.
+        NOTE: when logprobs are asked for, forced tokens wait for a forward pass of their own so
+        the model's logprob is reported: a grammar's are sampled under a one-token mask, the
+        markers are taken at their position (`sampler.forced_marker`).
         """
         reasoning = seq.reasoning
         while reasoning is not None and not seq.params.logprobs and (forced := reasoning.opening() or reasoning.forced()):

@@ -69,9 +69,9 @@ class Reasoning:
         return self.phase == THINKING
 
     def opening(self) -> tuple[int, ...]:
-        """The start marker the engine writes before sampling (a grammar request whose prompt
-        left the choice to the model); empty otherwise."""
-        return self.spec.start_ids if self.forced_open and self.phase == OPENING and not self._held else ()
+        """The start marker's remaining tokens, which the engine writes before sampling (a
+        grammar request whose prompt left the choice to the model); empty otherwise."""
+        return self.spec.start_ids[len(self._held):] if self.forced_open and self.phase == OPENING else ()
 
     def budget_left(self) -> int | None:
         """Tokens the thinking may still take (None: unbounded, or not thinking)."""

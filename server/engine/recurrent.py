@@ -89,6 +89,8 @@ def _scans_from_zero(module) -> bool:
     original = getattr(owner, _SCAN, None)
     if original is None or _SCAN + "(" not in inspect.getsource(inspect.unwrap(type(module).forward)):
         return False
+    if getattr(module, "n_mamba_heads", 1) != 1:  # Zamba scans each head's slice of the state: not this shape
+        return False
     if not getattr(original, "_kvserve_scan", False):
         setattr(owner, _SCAN, _scan(original))
     return True
@@ -112,7 +114,7 @@ def _scan(original):
         decay = torch.exp(A[None, :, None, :] * dt[..., None])  # [b, d, t, n]
         inputs = dt[..., None] * B.transpose(1, 2)[:, None].float() * hidden_states[..., None].float()
         readout = C.transpose(1, 2)  # [b, t, n]
-        ssm = initial.to(dtype)
+        ssm = initial.float()  # as the scan's own state and the decode update keep it, whatever the activations' dtype
         outputs = []
         for t in range(hidden_states.shape[-1]):
             ssm = decay[:, :, t] * ssm + inputs[:, :, t]

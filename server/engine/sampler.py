@@ -4,8 +4,9 @@ Every token the engine samples goes through here, one position of one sequence a
 the same order: the model's logprobs (before anything below) when asked; the position's
 constraint (`constraint`: the grammar's mask once the sequence answers, or the tokens a
 thinking model may not write while it thinks); the request's logit bias; its penalties; then
-greedy argmax or a seeded draw (server/engine/sampling.py holds those pure functions); then
-`taken` counts the token for the penalties. `choose` does that for a step's rows at once;
+greedy argmax or a seeded draw (server/engine/sampling.py holds those pure functions), or a
+thinking model's forced marker taken as it is (`forced_marker`); then `taken` counts the token
+for the penalties. `choose` does that for a step's rows at once;
 `verify` does it position by position along a speculative draft (server/engine/speculative.py),
 accepting drafted tokens by the rules below, so a draft never changes which token a position
 gets (greedy) or its distribution (sampling).
@@ -54,9 +55,16 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | No
         row = logits[i]
         if (done := penalized(seq, row)) is not row:
             logits[i] = done
-    # a seeded request draws from its own generator; the others draw together, in one call
-    generators = [s.generator if s.params.seed is not None else None for s in seqs]
-    token_ids = sample_rows(logits, [s.params for s in seqs], generators)
+    # a seeded request draws from its own generator; the others draw together, in one call. A
+    # forced marker's token is taken as it is, with no draw: the generator moves as it would
+    # without logprobs, so the tokens after it are the same
+    token_ids = [forced_marker(s) for s in seqs]
+    free = [i for i, token_id in enumerate(token_ids) if token_id is None]
+    if free:
+        rows = logits if len(free) == len(seqs) else logits[free]
+        drawn = sample_rows(rows, [seqs[i].params for i in free], [seqs[i].generator if seqs[i].params.seed is not None else None for i in free])
+        for i, token_id in zip(free, drawn):
+            token_ids[i] = token_id
     infos = {}
     if asked:
         infos = dict(zip(asked, logprob_infos(logprobs, [token_ids[i] for i in asked], [seqs[i].params.top_logprobs for i in asked])))
@@ -79,13 +87,8 @@ def _bans(seq: Sequence) -> bool:
 
 def constraint(seq: Sequence, vocab: int) -> torch.Tensor | None:
     """The additive mask [vocab] float32 on the CPU of what the sequence may write next (0
-    allowed, -inf not), None when anything goes: the one token a thinking model's marker forces
-    (`forced_marker`); its grammar's once it answers; while a thinking model thinks, the tokens
-    its spec bans (a tool format's call markers)."""
-    if (token_id := forced_marker(seq)) is not None:
-        mask = torch.full((vocab,), -math.inf, dtype=torch.float32)
-        mask[token_id] = 0.0
-        return mask
+    allowed, -inf not), None when anything goes: its grammar's once it answers; while a
+    thinking model thinks, the tokens its spec bans (a tool format's call markers)."""
     grammar = seq.grammar
     if grammar is not None:
         return grammar.next_mask()
@@ -99,9 +102,10 @@ def constraint(seq: Sequence, vocab: int) -> torch.Tensor | None:
 
 def forced_marker(seq: Sequence) -> int | None:
     """The next token of a thinking model's forced marker (its start, or its end once the budget
-    is spent) when the request asks for logprobs: sampled under a one-token mask, so the model's
-    logprob is reported, as a grammar's forced tokens are; without logprobs the engine appends
-    markers unsampled (`Engine._continue`)."""
+    is spent) when the request asks for logprobs: `choose` takes it at its position, with the
+    model's logprob, and draws nothing; without logprobs the engine appends markers with no
+    forward pass of their own (`Engine._continue`). Speculation never drafts at a forced
+    marker (speculative.py), so `verify` does not meet one."""
     reasoning = seq.reasoning
     if reasoning is None or not seq.params.logprobs:
         return None

@@ -344,3 +344,37 @@ async def test_the_http_api_reports_the_state_and_reuse_of_a_hybrid(tok):
                                                                         temperature=0, extra_headers=session)
         assert edited.headers["x-cache-miss-reason"] == "recurrent_checkpoint"
         assert 0 < edited.parse().usage.prompt_tokens_details.cached_tokens < second.parse().usage.prompt_tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mamba_scan_continued_from_its_kept_state_is_the_scan_of_the_whole(dtype):
+    """Jamba's selective scan starts from zero (as mamba_ssm's kernel); `recurrent._scan` runs
+    the same recurrence from a kept state: two halves, the second from the first's state, give
+    the whole's output and state, in bf16 too (the state stays float32, as the scan keeps it)."""
+    from transformers.models.jamba import modeling_jamba
+
+    from server.engine import recurrent
+
+    torch.manual_seed(0)
+    b, d, n, t = 2, 8, 4, 12
+    x, dt, z = (torch.randn(b, d, t, dtype=dtype) for _ in range(3))
+    B, C = (torch.randn(b, n, t, dtype=dtype) for _ in range(2))
+    A, D, bias = -torch.rand(d, n) - 0.5, torch.randn(d), torch.randn(d)
+    original = getattr(modeling_jamba.mamba_selective_scan, "__wrapped__", modeling_jamba.mamba_selective_scan)
+    scan = recurrent._scan(original)
+
+    def run(lo: int, hi: int):
+        return scan(x[..., lo:hi], dt[..., lo:hi], A, B[..., lo:hi], C[..., lo:hi], D=D, z=z[..., lo:hi], delta_bias=bias,
+                    delta_softplus=True, return_last_state=True)
+
+    whole, last = run(0, t)
+    first, kept = run(0, t // 2)
+    token = recurrent._INITIAL.set(kept)
+    try:
+        second, state_after = run(t // 2, t)
+    finally:
+        recurrent._INITIAL.reset(token)
+    assert kept.dtype == torch.float32
+    # NOTE: equal but for an ulp of fp32 (a slice's vectorised exp rounds its tail apart)
+    torch.testing.assert_close(torch.cat([first, second], dim=-1), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state_after, last, rtol=1e-5, atol=1e-5)

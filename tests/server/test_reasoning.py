@@ -260,6 +260,26 @@ async def test_harmony_analysis_is_reasoning_and_the_answer_is_the_final_channel
         assert (s_rc, s_content) == (rc, content)
 
 
+async def test_logprobs_change_no_token_of_a_thinking_turn(serve, gpt_oss):
+    """With logprobs, the markers the engine forces (the end once the budget is spent, gpt-oss's
+    three-token start under a grammar) are taken at their own positions with the model's
+    logprob, a number, and no draw: a seeded turn's every token is the one it is without
+    logprobs (issue 53's conformance check found `logprob: null` there). Under a grammar,
+    greedy: its own forced tokens are drawn with logprobs and fast-forwarded without."""
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
+    for family, sampling in (("gpt_oss", {"temperature": 0, **schema}), ("deepseek_r1", {"temperature": 1, "seed": 0}),
+                             ("deepseek_r1", {"temperature": 1, "seed": 1})):
+        async with serve(family) as (client, _):
+            ask = dict(model=f"tiny-{family}", messages=ASK, max_tokens=24, extra_body={"max_reasoning_tokens": 4}, **sampling)
+            plain = await client.chat.completions.create(**ask)
+            shown = await client.chat.completions.create(logprobs=True, top_logprobs=2, **ask)
+            assert fields(shown.choices[0].message) == fields(plain.choices[0].message), (family, sampling)
+            assert shown.usage.completion_tokens == plain.usage.completion_tokens, (family, sampling)
+            tokens = shown.choices[0].logprobs.content
+            assert len(tokens) == shown.usage.completion_tokens and all(isinstance(t.logprob, float) for t in tokens)
+            assert fields(shown.choices[0].message)[0], (family, sampling)  # it thought: the markers were forced
+
+
 async def test_responses_reasoning_items_events_and_a_continued_thinking_turn(serve):
     """The Responses API renders the same assembly: a reasoning item (its text as
     reasoning_text) before the message, reasoning_tokens in usage, the reasoning stream events;
@@ -274,7 +294,6 @@ async def test_responses_reasoning_items_events_and_a_continued_thinking_turn(se
         assert message.type == "message" and "</think>" not in message.content[0].text
         assert first.usage.output_tokens_details.reasoning_tokens == 6 and first.reasoning.effort == "high"
         events = [e async for e in await client.responses.create(stream=True, **ask)]
-        kinds = [e.type for e in events]
         deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
         assert deltas == reasoning.content[0].text
         # each item closed before the next opens, as OpenAI streams them (issue 53)
