@@ -206,14 +206,17 @@ class Output:
         if not self.order or self.order[-1] in self.closed:
             return []
         last = self.order[-1]
-        if last == self.reasoning_id:
-            item = reasoning_item(last, self.text[last], "completed", summary=self.summary)
-        elif last == self.message_id:
-            item = message_item(last, self.text[last], "completed")
-        else:
-            item = call_item(last, self.calls[last])
-        self.closed[last] = item
+        self.closed[last] = item = self._item(last, "completed")
         return closed_item(self.ev, len(self.order) - 1, item)
+
+    def _item(self, some_id: str, status: str) -> dict:
+        """Item `some_id` as it holds now (the reasoning's or message's text fed so far, a
+        call's arguments so far), with `status` (a call's own: complete or cut)."""
+        if some_id == self.reasoning_id:
+            return reasoning_item(some_id, self.text[some_id], status, summary=self.summary)
+        if some_id == self.message_id:
+            return message_item(some_id, self.text.get(some_id, ""), status)
+        return call_item(some_id, self.calls[some_id])
 
     def _index(self, some_id: str) -> int:
         return self.order.index(some_id)
@@ -256,10 +259,9 @@ class Output:
             self.order.append(self.message_id)
         by_id = {}
         if self.reasoning_id is not None:
-            by_id[self.reasoning_id] = reasoning_item(self.reasoning_id, assembly.reasoning, "completed" if calls or assembly.content or status == "completed" else status,
-                                                      summary=self.summary)
+            by_id[self.reasoning_id] = self._item(self.reasoning_id, "completed" if calls or assembly.content or status == "completed" else status)
         if self.message_id is not None:
-            by_id[self.message_id] = message_item(self.message_id, assembly.content, status)
+            by_id[self.message_id] = self._item(self.message_id, status)
         for index, call in calls.items():
             if index not in self.call_ids:  # released whole at the end (a held-back call)
                 self.call_ids[index] = item_id("fc")
