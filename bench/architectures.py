@@ -286,6 +286,11 @@ FAMILIES: dict[str, Family] = {
     "recurrent_gemma": Family("recurrent_gemma", dict(
         block_types=["recurrent", "attention"], lru_width=64, attention_window_size=WINDOW, num_key_value_heads=1), "RG-LRU layers"),
     "mamba": Family("mamba", dict(state_size=16, expand=2), "state-space only"),
+    "mamba-shapes": Family("mamba", dict(num_hidden_layers=3, state_size=8, expand=3, conv_kernel=2, time_step_rank=4),
+                           "state-space only, other shapes"),
+    "falcon_mamba": Family("falcon_mamba", dict(state_size=16, expand=2), "state-space only, normed B/C/dt"),
+    "mamba2": Family("mamba2", dict(num_heads=8, head_dim=16, state_size=16, n_groups=1, chunk_size=16, expand=2),
+                     "Mamba2 only"),
     "jamba": Family("jamba", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                                   num_experts=4, num_experts_per_tok=2, mamba_dt_rank=8), "Mamba layers"),
     "jamba-shapes": Family("jamba", dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=2, expert_layer_period=3,

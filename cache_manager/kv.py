@@ -26,7 +26,10 @@ Layout (docs/architecture.md, "KV pool"):
 * A hybrid model (recurrent layers beside attention: cache_manager/state.py) keeps no KV for its
   recurrent layers (`Layout.no_kv`); the pool holds their per-sequence states in slots taken out
   of the same budget (`Pool.states`, `SequenceKV.state`), and such a cache can only be kept
-  whole, emptied, or resumed from a kept state (`checkpoint`, `resume`).
+  whole, emptied, or resumed from a kept state (`checkpoint`, `resume`). A model none of whose
+  layers attends (Mamba) keeps states only: they take the whole budget, and its blocks hold no
+  bytes (`Pool.block_bytes` 0), bookkeeping of positions only, enough of them for every state
+  slot's sequence at `reserve_tokens` (`STATELESS_TOKENS` at least).
 * Storage format (`--kv-cache-dtype`, `KV_DTYPES`): `auto` stores keys and values in the model's
   dtype; `fp8` (e4m3) and `int8` store one byte per value plus one bf16 scale per token and KV
   head (its absolute maximum over head_dim maps to the format's largest value), about half the
@@ -58,6 +61,10 @@ _STATE_AND_KV = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attentio
 # A recurrent state may take this share of the budget; the KV blocks the rest (`Pool`)
 STATE_SHARE = 0.5
 MAX_STATE_SLOTS = 1024
+# A pool whose blocks hold no bytes (a model that keeps states only) has room for a sequence of
+# at least this many tokens per state slot (more where `reserve_tokens` asks), in at most this many blocks
+STATELESS_TOKENS = 1 << 16
+MAX_STATELESS_BLOCKS = 1 << 24
 # Kept recurrent states per sequence besides its current one (`checkpoint`): the latest turn's
 # start and its prompt's end; each costs a whole state (74 MiB for Qwen3-Next in bf16)
 MAX_CHECKPOINTS = 2
@@ -308,11 +315,11 @@ def rope_switch(text_config: PretrainedConfig) -> int | None:
 
 
 
-def _state_slots(spec: "recurrent.Spec", budget_bytes: int, spare_bytes: int) -> int:
+def _state_slots(spec: "recurrent.Spec", budget_bytes: int, spare_bytes: int, share: float = STATE_SHARE) -> int:
     """How many sequences' recurrent states a budget of `budget_bytes` holds: up to
-    `STATE_SHARE` of it (at most `MAX_STATE_SLOTS`), within the `spare_bytes` one full-context
+    `share` of it (at most `MAX_STATE_SLOTS`), within the `spare_bytes` one full-context
     sequence's KV leaves, at least one."""
-    share = int(budget_bytes * STATE_SHARE) // max(spec.nbytes, 1)
+    share = int(budget_bytes * share) // max(spec.nbytes, 1)
     return max(1, min(share, max(spare_bytes, 0) // max(spec.nbytes, 1), MAX_STATE_SLOTS))
 
 
@@ -353,11 +360,16 @@ class Pool:
         self.states: recurrent.Slots | None = None
         if spec is not None:
             slots = state_slots if state_slots is not None else \
-                _state_slots(spec, budget_bytes, budget_bytes - reserve_tokens * self.block_bytes // block_size)
-            budget_bytes -= slots * spec.nbytes
+                _state_slots(spec, budget_bytes, budget_bytes - reserve_tokens * self.block_bytes // block_size,
+                             share=STATE_SHARE if self.block_bytes else 1.0)
+            budget_bytes = max(budget_bytes - slots * spec.nbytes, 0)
             self.states = recurrent.Slots(spec, slots, self.device)
         self.budget_bytes = budget_bytes  # the KV blocks' (the budget less the states')
-        num_blocks = budget_bytes // self.block_bytes
+        if self.block_bytes:
+            num_blocks = budget_bytes // self.block_bytes
+        else:  # states only: blocks of no bytes for every slot's sequence (the module docstring)
+            slots = self.states.num_slots if self.states is not None else 1
+            num_blocks = min(slots * blocks_for(max(reserve_tokens, STATELESS_TOKENS), block_size), MAX_STATELESS_BLOCKS)
         self.allocator = BlockAllocator(num_blocks)
         self.trash_block = num_blocks
         slots = (num_blocks + 1) * block_size

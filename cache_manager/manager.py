@@ -319,7 +319,10 @@ class CacheManager:
         return usage
 
     def capacity_tokens(self) -> int:
-        """Tokens the device budget holds (whole blocks, every sequence's together)."""
+        """Tokens the device budget holds (whole blocks, every sequence's together; a model
+        that keeps states only: every state slot's sequence at the full context)."""
+        if not self.pool.block_bytes:
+            return self.pool.capacity_tokens
         return self.store.budget_bytes // self.pool.block_bytes * self.pool.block_size
 
     def recurrent_state(self) -> dict | None:
@@ -334,6 +337,8 @@ class CacheManager:
 
     def used_tokens(self) -> int:
         """Token slots of the blocks sessions and private caches hold now."""
+        if not self.pool.block_bytes:  # blocks of no bytes: count them
+            return (self.pool.num_blocks - self.pool.allocator.num_free) * self.pool.block_size
         return (self.store.used_bytes + self._private_bytes) // self.pool.block_bytes * self.pool.block_size
 
     # -- admin -------------------------------------------------------------------------------

@@ -108,7 +108,9 @@ def activation_peak(model, device: torch.device, tokens: int, logits_rows: int) 
 def attention_workspace(layout: kv.Layout, heads: int, dtype: torch.dtype, kv_dtype: str, *, rows: int, chunk: int, context: int) -> int:
     """Bytes kvserve's attention holds at once for one layer (the module docstring): the larger
     of a decode batch of `rows` rows and a prefill chunk of `chunk` tokens, each row reading
-    `context` positions."""
+    `context` positions; none for a model none of whose layers attends."""
+    if not layout.attending:
+        return 0
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_position = layout.kv_heads * (layout.key_dim + layout.value_dim) * itemsize  # keys and values, dequantized
     if layout.latent:  # and both side by side, as the absorbed queries meet them (server/engine/mla.py)
@@ -126,7 +128,7 @@ def check(budget: Budget, pool_bytes: int, model_config, dtype: torch.dtype, kv_
     sequence of `max_context` tokens; returns the tokens it holds."""
     per_token = kv.layout(model_config).bytes_per_token(dtype, kv_dtype)
     block_bytes = kv.BLOCK_SIZE * per_token
-    tokens = max(pool_bytes, 0) // block_bytes * kv.BLOCK_SIZE
+    tokens = max(pool_bytes, 0) // block_bytes * kv.BLOCK_SIZE if block_bytes else max_context  # states only: any
     need = kv.bytes_for(model_config, max_context, dtype, kv_dtype, sequences=1)  # a hybrid's state too
     if pool_bytes < need:
         raise KVBudgetError(

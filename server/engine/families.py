@@ -112,7 +112,7 @@ def _static(model, config) -> kv.Layout:
         raise UnsupportedModel(f"layers-{named[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
                                "(chunked or indexed attention layers are not served)") from None
     _check_recurrent(model, layout)
-    if getattr(model, "_supports_attention_backend", True) is False and not _uses_attention_interface(model):
+    if layout.attending and getattr(model, "_supports_attention_backend", True) is False and not _uses_attention_interface(model):
         raise UnsupportedModel("attention-backend", f"{type(model).__name__} computes attention in its own modeling code, "
                                "not through transformers' attention interface, where kvserve's attention and KV pool plug in")
     for module in model.modules():
@@ -159,9 +159,6 @@ def _check_recurrent(model, layout: kv.Layout) -> None:
     if wrapped != set(spec.layers):
         raise UnsupportedModel("recurrent-layers", f"its layers {sorted(set(spec.layers) ^ wrapped)} keep a recurrent state "
                                "kvserve cannot find the module of")
-    if not layout.attending:
-        raise UnsupportedModel("recurrent-only", "none of its layers attends (a pure state-space model): kvserve's "
-                               "pool and steps are built around attention layers")
 
 
 def check_hybrid_modes(*, speculative: bool, exact: bool, draft: bool = False) -> None:

@@ -18,10 +18,10 @@ from bench import architectures
 from cache_manager import kv
 from tests.device import DEVICE, DTYPE
 
-# Hybrids (recurrent state per sequence, cache_manager/state.py): served, but not with
+# Hybrids and pure state-space models (recurrent state per sequence, cache_manager/state.py): served, but not with
 # speculation or in exact mode, which their engines refuse at start-up by name
 HYBRIDS = ("qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "granitemoehybrid", "jamba", "jamba-shapes", "bamba", "bamba-shapes",
-           "nemotron_h", "falcon_h1", "lfm2")
+           "nemotron_h", "falcon_h1", "lfm2", "mamba", "mamba-shapes", "falcon_mamba", "mamba2")
 # Multi-head latent attention: served from the latent (server/engine/mla.py), whose bytes the pool counts
 MLA = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "axk1", "kimi_linear", "bailing_hybrid")
 HYBRID_MODES = {"exact": "refused [recurrent-exact]", "lookup": "refused [recurrent-speculative]"}
@@ -31,7 +31,6 @@ REFUSED = {
     # recurrent state kvserve's state slots cannot hold
     "minimax": "recurrent-cache",  # a cache of its own, outside transformers' cache interface
     "recurrent_gemma": "recurrent-cache",
-    "mamba": "recurrent-only",  # no attention layer at all
     # attention kvserve does not model
     "llama4_text": "layers-chunked_attention",
     "deepseek_v32": "layers-indexed_attention",  # MLA with a sparse top-k indexer, as the next three

@@ -134,7 +134,6 @@ def test_logits_that_differ_from_transformers_are_refused():
 
 @pytest.mark.parametrize("model_type,config,feature", [
     ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)), "dynamic-rope"),
-    ("mamba", dict(num_hidden_layers=2), "recurrent-only"),
 ])
 def test_features_without_a_path_are_refused_by_name(model_type, config, feature):
     with pytest.raises(families.UnsupportedModel) as refused:

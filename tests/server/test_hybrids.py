@@ -4,7 +4,7 @@ per sequence beside the attention layers' KV (cache_manager/state.py, server/eng
 The state's bookkeeping (slots, checkpoints, the budget's split) is tested without running a
 model; three families, one per kind of recurrent layer (Qwen3-Next's gated delta-net, LFM2's short
 convolutions, Falcon-H1's Mamba-2 beside attention in every layer, Granite 4.0-H's Mamba-2
-layers, Jamba's Mamba layers) give transformers' `generate` tokens alone, batched, on the paged
+layers, Jamba's Mamba layers, and plain Mamba, which keeps states only) give transformers' `generate` tokens alone, batched, on the paged
 path, on a reused session (named or anonymous), on a regenerated and an edited history, and
 after a restart from the disk tier. The per-family matrix is
 tests/server/test_architectures.py."""
@@ -34,8 +34,8 @@ from tests.device import DEVICE, DTYPE
 from tests.equivalence import assert_equivalent
 
 # gated delta-net, short convolutions, Mamba-2 beside attention in every layer, Mamba-2 layers
-# (Granite 4.0-H), Mamba layers (Jamba)
-FAMILIES = ("qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "jamba")
+# (Granite 4.0-H), Mamba layers (Jamba), Mamba alone (no layer attends)
+FAMILIES = ("qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "jamba", "mamba")
 FP = "hybrid-test"
 
 
@@ -124,6 +124,33 @@ def test_the_budget_gives_the_states_slots_and_the_kv_the_rest():
     assert big.budget_bytes == 2**24 - big.states.num_slots * per_state
     with pytest.raises(kv_budget.KVBudgetError):  # the KV of a full context fits, its state does not
         kv_budget.check(kv_budget.Budget(one, "--kv-budget-bytes"), one, config, torch.float32, "auto", 256)
+
+
+def test_a_model_that_keeps_states_only_gives_them_the_whole_budget():
+    """Mamba: no layer attends, so a token costs no bytes; the states take the budget, and the
+    blocks (positions' bookkeeping only) leave every slot's sequence room for the full context."""
+    config = architectures.FAMILIES["mamba"].config()
+    per_state = state.spec(config, torch.float32).nbytes
+    layout = kv.layout(config)
+    assert layout.attending == layout.owners == () and layout.bytes_per_token(torch.float32, "fp8") == 0
+    assert kv.bytes_for(config, 4096, torch.float32, sequences=1) == per_state
+    pool = kv.Pool(config, 5 * per_state + 7, torch.device("cpu"), torch.float32, reserve_tokens=256)
+    assert (pool.states.num_slots, pool.block_bytes, pool.budget_bytes) == (5, 0, 7)
+    assert pool.capacity_tokens == 5 * kv.STATELESS_TOKENS and pool.keys == [None] * len(layout.windows)
+    assert kv_budget.check(kv_budget.Budget(per_state, "--kv-budget-bytes"), per_state, config, torch.float32, "fp8", 256) == 256
+    with pytest.raises(kv_budget.KVBudgetError):  # not one state
+        kv_budget.check(kv_budget.Budget(per_state - 1, "--kv-budget-bytes"), per_state - 1, config, torch.float32, "auto", 256)
+    assert kv_budget.attention_workspace(layout, 4, torch.bfloat16, "fp8", rows=64, chunk=2048, context=4096) == 0
+    manager = CacheManager(config, torch.device("cpu"), torch.float32, 256, CacheConfig(budget_bytes=2 * per_state))
+    assert manager.recurrent_state()["slots"] == 2 and manager.capacity_tokens() == 2 * kv.STATELESS_TOKENS
+    a = manager.acquire("p", "a", [1, 2, 3], 40)
+    assert manager.used_tokens() == 3 * kv.BLOCK_SIZE  # a's blocks for 40 tokens
+    manager.commit(a, [1, 2, 3])
+    b = manager.acquire("p", "b", [4, 5, 6], 16)
+    manager.commit(b, [4, 5, 6])
+    c = manager.acquire("p", "c", [7, 8, 9], 16)  # the slots decide: a, the least recently used, goes
+    assert [s.session_id for s in manager.list_sessions("p")] == ["c", "b"]
+    manager.release(c)
 
 
 def fill(pool: kv.Pool, cache: kv.SequenceKV, value: float, length: int) -> None:
@@ -318,18 +345,24 @@ def test_speculation_and_exact_mode_are_refused_at_start_up_by_name(mode, featur
 
 
 @pytest.mark.anyio
-async def test_the_http_api_reports_the_state_and_reuse_of_a_hybrid(tok):
+@pytest.mark.parametrize("name", ["qwen3_next", "mamba"])
+async def test_the_http_api_reports_the_state_and_reuse_of_a_hybrid(name, tok):
     """Over HTTP (the official client): /v1/models shows the recurrent state, a later turn
     reuses its session (usage.prompt_tokens_details.cached_tokens), an edited turn resumes from
-    a checkpoint and says so (X-Cache-Miss-Reason)."""
+    a checkpoint and says so (X-Cache-Miss-Reason); Mamba's tokens take no KV bytes."""
     from server.model_loader import LoadedModel
     from tests.inprocess import openai_client
 
-    loaded = LoadedModel(model=build("qwen3_next"), tokenizer=tok, model_id="tiny-qwen3-next", device=DEVICE, dtype=DTYPE, max_context=2048)
+    model = build(name)
+    loaded = LoadedModel(model=model, tokenizer=tok, model_id="tiny-qwen3-next", device=DEVICE, dtype=DTYPE, max_context=2048)
     async with openai_client(loaded, kv_budget_bytes=2**26) as (client, http):
         [card] = (await client.models.list()).data
-        state_info = card.model_extra["kv_cache"]["recurrent_state"]
-        assert state_info["layers"] == 1 and state_info["slots"] >= 1 and state_info["bytes_per_sequence"] > 0
+        kv_info = card.model_extra["kv_cache"]
+        state_info = kv_info["recurrent_state"]
+        assert state_info["layers"] == len(state.spec(model.config, DTYPE).layers) and state_info["bytes_per_sequence"] > 0
+        assert state_info["slots"] == (min(2**26 // state_info["bytes_per_sequence"], kv.MAX_STATE_SLOTS) if name == "mamba" else
+                                       state_info["slots"]) >= 1
+        assert (kv_info["bytes_per_token"] == 0) == (name == "mamba") and kv_info["capacity_tokens"] >= 2048
         session = {"X-Session-ID": "h"}
         messages = [{"role": "user", "content": "Count to three."}]
         first = await client.chat.completions.create(model="tiny-qwen3-next", messages=messages, max_tokens=6, temperature=0,
