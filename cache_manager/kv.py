@@ -16,8 +16,8 @@ Layout (docs/architecture.md, "KV pool"):
 * A sequence's `SequenceKV` is its block table into the pool and its `length`: position p lives
   in slot `blocks[p // block_size] * block_size + p % block_size` of every layer. Growing appends
   blocks (no copy), cropping sets the length, `trim` gives the blocks past it back.
-* Sliding-window layers keep every position too (the window is applied when attending): any
-  cache can be cropped to any length, and one block table serves every layer.
+* Sliding-window and chunked layers keep every position too (the window is applied when
+  attending): any cache can be cropped to any length, and one block table serves every layer.
 * Blocks are allocated consecutively where possible (cache_manager/blocks.py): a sequence whose
   blocks are consecutive is read as one view of the pool, the others are gathered.
 * Bytes are counted in whole blocks: `bytes_for` is what the cache manager's budget counts, and
@@ -54,7 +54,7 @@ BLOCK_SIZE = 16
 # The text-config attribute by which server/engine/mla.py (`configure`) says how an MLA model's
 # pool keeps its KV: "latent" (`Layout.latent`) or "heads" (transformers' decompressed keys and values)
 LATENT = "kvserve_mla_cache"
-_SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
+_SUPPORTED_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 # Layers that keep a recurrent state (cache_manager/state.py) and no KV ("hybrid": both)
 _STATE_ONLY = ("linear_attention", "conv")
 _STATE_AND_KV = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
@@ -185,8 +185,13 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """What a model's KV looks like: per layer its window (None: full attention), the KV heads,
-    and the widths of a head's key and of its value (equal but for MLA models)."""
+    """What a model's KV looks like: per layer its window, the KV heads, and the widths of a
+    head's key and of its value (equal but for MLA models).
+
+    A window says which earlier keys a query sees (`context.visible`, the one rule): None, all
+    (full attention); w > 0, the last w positions up to its own (sliding); w < 0, those of its
+    own chunk of -w positions up to its own (Llama 4's chunked attention: positions
+    c * -w .. (c + 1) * -w - 1 form chunk c). Every layer keeps every position either way."""
 
     windows: tuple[int | None, ...]
     kv_heads: int
@@ -263,7 +268,10 @@ def layout(config: PretrainedConfig) -> Layout:
     unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYERS))
     if unsupported:
         raise UnsupportedLayers(unsupported)
-    windows = [kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(layer_types, layer_kwargs)]
+    # transformers hands a chunked layer its chunk size as `sliding_window` (its cache keeps a
+    # chunk's worth; only the mask differs): the layout marks it chunked by the sign (`Layout`)
+    windows = [kw.get("sliding_window") if t == "sliding_attention" else -kw["sliding_window"] if t == "chunked_attention" else None
+               for t, kw in zip(layer_types, layer_kwargs)]
     if sources is not None:  # a sharing layer attends in its source's window
         windows = [windows[source] for source in sources]
     windows = tuple(windows)

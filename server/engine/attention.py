@@ -245,11 +245,9 @@ def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tens
 
 
 def _first_key(position: int, window: int | None, span: int = 1) -> int:
-    """The first key a query at `position` reads: 0, or with a window the first inside it,
-    rounded down to a whole `span`."""
-    if window is None:
-        return 0
-    first = max(0, position - window + 1)
+    """The first key a query at `position` reads: 0, or with a window the first inside it
+    (`context.first_visible`), rounded down to a whole `span`."""
+    first = max(0, context.first_visible(position, window))
     return first - first % span
 
 

@@ -2,8 +2,8 @@
 
 kvserve runs transformers' own modeling code with some of its modules' forwards replaced
 (`model_runner.PATCHES` installs them, in order): the attention function, LongRoPE's rotary
-modules, the recurrent layers of a hybrid, the LoRA deltas and exact mode's linear and norm
-layers. What each needs of the step (whose tokens these are, which adapter or state slot each
+modules, the recurrent layers of a hybrid, Llama 4's query temperature, the LoRA deltas and
+exact mode's linear and norm layers. What each needs of the step (whose tokens these are, which adapter or state slot each
 token has, whether exact numerics are on) is in one `StepContext`, built once per step by the
 model runner and entered in one place: `ModelRunner._forward`, the body that eager steps and
 CUDA graph capture both run. A patch reads `current()`; outside a step (transformers' own
@@ -136,6 +136,8 @@ class StepContext:
     value)`: called before each layer attends (families.check's probe). `deepstack`: the step's
     picture positions [1, N] bool and, per deepstack layer, their feature rows [M, hidden] in
     position order (Qwen3-VL: added to the first layers' output, server/engine/vision.py).
+    `positions` [1, N]: the tokens' rope positions (set where the step's forward runs; None
+    for M-RoPE's 3-D ones), which Llama 4's query temperature reads (server/engine/temperature.py).
     `memo`: what a patch
     computes once per step and reuses in every layer (masks, a shared product), keyed by its
     owner; it starts empty each time the context is entered.
@@ -149,6 +151,7 @@ class StepContext:
     recurrent: StepRows | None = None
     observe: Callable[[int, torch.Tensor, torch.Tensor], object] | None = None
     deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+    positions: torch.Tensor | None = None
     memo: dict = field(default_factory=dict)
 
     @property
@@ -192,12 +195,23 @@ def entered(context: StepContext) -> Iterator[StepContext]:
 def visible(keys: torch.Tensor, queries: torch.Tensor, window: int | None, reach: torch.Tensor | None = None) -> torch.Tensor:
     """Which keys each query sees, by position (broadcast): those at or before its own (or its
     `reach`: a picture that attends to itself whole, server/engine/vision.py) and, with a
-    sliding window, after its own - window (transformers' rule). The one causal rule of every
-    torch attention path; the Triton kernels write it in their own terms."""
+    sliding window (> 0), after its own - window (transformers' rule), or with a chunked one
+    (< 0, `kv.Layout`), from its chunk's first on. The one causal rule of every torch attention
+    path; the Triton kernels write it in their own terms (`first_visible` there)."""
     allowed = keys <= (queries if reach is None else reach)
     if window is not None:
-        allowed &= keys > queries - window
+        allowed &= keys >= first_visible(queries, window)
     return allowed
+
+
+def first_visible(position, window: int | None):
+    """The first key position a query at `position` (an int or a tensor) sees under `window`
+    (`kv.Layout`), unclamped: a sliding window's may be negative."""
+    if window is None:
+        return position * 0
+    if window > 0:
+        return position - window + 1
+    return position - position % -window
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -132,8 +132,8 @@ def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, pos_ptr, sink_ptr,
     chunks in order, merging each, and writes the output. ALIGNED: the strides come in units
     of 16 elements (`attend`), so the compiler knows them multiples of 16 and vectorizes the
     loads (tl.multiple_of on a scalar argument does not reach its analysis). BOUNDED: query
-    row r of row b is at position pos[b, r % width] (0 <= window: the keys it sees are those
-    after position - window, none = 0), so a tile's queries see keys first..last-1 at most
+    row r of row b is at position pos[b, r % width] (window > 0: the keys it sees are those
+    after position - window; < 0: those of its chunk, `kv.Layout`; none = 0), so a tile's queries see keys first..last-1 at most
     and the blocks outside, which the mask hides from all of them, are not computed (exact
     no-ops either way, whose skipping keeps the loop free of branches for the compiler's
     software pipelining). SINKS: `sink_ptr` holds a float32 logit per (row x KV head, query
@@ -155,7 +155,9 @@ def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, pos_ptr, sink_ptr,
     if BOUNDED:
         pos = tl.load(pos_ptr + b * p_b + rows % width, mask=live, other=0).to(tl.int32)
         last = tl.minimum(tl.max(tl.where(live, pos, -1), 0) + 1, keys)
-        first = tl.where(window > 0, tl.maximum(tl.min(tl.where(live, pos, keys), 0) - window + 1, 0), 0)
+        low = tl.min(tl.where(live, pos, keys), 0)  # the tile's first query
+        chunk = tl.maximum(-window, 1)
+        first = tl.where(window > 0, tl.maximum(low - window + 1, 0), tl.where(window < 0, low - low % chunk, 0))
     first = first // BLOCK_N * BLOCK_N  # blocks start where they always do
     if PARALLEL:
         c = tl.program_id(2)
@@ -252,7 +254,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     second launch) or walk them in one (default: parallel when the launch has fewer than
     PARALLEL_BELOW programs otherwise and more than one chunk); the bits are the same.
     `positions` [B, T] (optional): query row r of row b is at positions[b, r % T], and the mask
-    is causal from there (and hides keys at or before position - `window`): the launch then
+    is causal from there (and hides keys before `window`'s first, `context.first_visible`): the launch then
     skips the blocks a tile's queries cannot see; the bits are the same. `sinks`: a logit per
     query row broadcastable to [B, Hkv, M, 1] (or [.., query_rows(M), 1]), `exact.attend`'s;
     the kernels read them as float32 [B * Hkv, M] (a small copy).

@@ -10,10 +10,9 @@ named: a model that runs and gives other tokens than transformers is the failure
 * by what the config and modules say (`_static`): modeling code that never calls transformers'
   attention interface (Falcon, Bloom, MPT, GPT-J...: `_uses_attention_interface`; transformers'
   flag `_supports_attention_backend` is not the test, StableLM calls it without the flag),
-  attention shapes that differ per layer, layer kinds without a KV layout (recurrent,
-  linear-attention, chunked layers: `kv.UnsupportedLayers`), recurrent modules in layers the
-  config calls attention, rope whose frequencies follow the sequence length other than LongRoPE
-  (dynamic NTK), Llama 4's query temperature, which reads positions from transformers' cache;
+  attention shapes that differ per layer, layer kinds without a KV layout (indexed attention:
+  `kv.UnsupportedLayers`), recurrent modules in layers the config calls attention, rope whose
+  frequencies follow the sequence length other than LongRoPE (dynamic NTK);
 * by running it (`_probe`): one sequence prefilled, then continued beside another sequence in
   one packed forward and its last token decoded in a third, through kvserve's attention,
   against transformers' own forward of the whole sequence. Every layer must attend exactly
@@ -23,7 +22,8 @@ named: a model that runs and gives other tokens than transformers is the failure
   logits must agree. A feature a
   new transformers release adds fails here rather than producing text.
 
-Modelled, so served: sliding windows, soft-capping, attention sinks (gpt-oss), unequal key and
+Modelled, so served: sliding windows, chunked attention and the NoPE layers' query temperature
+(Llama 4: `kv.Layout`, server/engine/temperature.py), soft-capping, attention sinks (gpt-oss), unequal key and
 value widths (MLA: DeepSeek-V3, Kimi K2), multi-head latent attention from its latent
 (server/engine/mla.py: a latent the probe finds different goes back to decompressed heads),
 LongRoPE per sequence (server/engine/rope.py).
@@ -110,7 +110,7 @@ def _static(model, config) -> kv.Layout:
                                    "and share none kvserve knows the source of") from None
         named = [k for k in exc.kinds if k != "dummy"]  # "dummy": transformers' layers without attention
         raise UnsupportedModel(f"layers-{named[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
-                               "(chunked or indexed attention layers are not served)") from None
+                               "(indexed attention layers are not served)") from None
     _check_recurrent(model, layout)
     if layout.attending and getattr(model, "_supports_attention_backend", True) is False and not _uses_attention_interface(model):
         raise UnsupportedModel("attention-backend", f"{type(model).__name__} computes attention in its own modeling code, "
@@ -126,9 +126,6 @@ def _static(model, config) -> kv.Layout:
     if layout.rope_switch is not None and not rope.longrope_modules(model):
         raise UnsupportedModel("longrope-module", "its config asks for LongRoPE but no rotary module of its own applies it "
                                "where kvserve could switch it per sequence")
-    if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
-        raise UnsupportedModel("attn-temperature-tuning", "its no-rope layers scale queries by a position read from "
-                               "transformers' cache, which kvserve's packed steps do not have")
     return layout
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import kv
-from server.engine import attention, compiled, context, cpu_linear, differential, faults, lora, merged, mla, paged_kernel, recurrent, rope, vision
+from server.engine import attention, compiled, context, cpu_linear, differential, faults, lora, merged, mla, paged_kernel, recurrent, rope, temperature, vision
 from server.engine import exact as exact_mode
 from server.engine.context import Batch, Row, StepContext, StepRows
 from server.engine.scheduler import Plan, ScheduledRow
@@ -489,6 +489,7 @@ class ModelRunner:
         steps, compiled decode steps and graph capture all run it."""
         if shift is not None:
             pos = pos + shift
+        step.positions = pos if pos.dim() == 2 else None
         for batch in step.batches:
             batch.prepare(self.pool.dtype, self.groups)
         tokens = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
@@ -617,6 +618,13 @@ def _differential(runner: ModelRunner) -> dict[str, str]:
     return {"differential": "one call"}
 
 
+def _temperature(runner: ModelRunner) -> dict[str, str]:
+    """Llama 4's NoPE layers: the query temperature from each token's position."""
+    if not temperature.enable(runner.model):
+        return {}
+    return {"temperature": "by position"}
+
+
 def _mla(runner: ModelRunner) -> dict[str, str]:
     if not mla.enable(runner.model):
         return {}
@@ -694,7 +702,7 @@ def _deepstack(runner: ModelRunner) -> dict[str, str]:
     return {"deepstack": "on"}
 
 
-PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _differential, _mla, _recurrent, _rope, _deepstack, _experts, _merge, _linear, _exact, _lora)
+PATCHES: tuple[Callable[[ModelRunner], dict[str, str]], ...] = (_attention, _differential, _temperature, _mla, _recurrent, _rope, _deepstack, _experts, _merge, _linear, _exact, _lora)
 
 
 def _biased(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ q [B, Hkv, G, Dk]; the pool's keys [Hkv, S, Dk] and values [Hkv, S, Dv] of one l
 storage; S = (num_blocks + 1) * block_size slots); tables [B, max_blocks]; positions [B] ->
 out [B, Hkv, G, Dv] in q's dtype. Position p of row b lives at slot tables[b, p // block_size]
 * block_size + p % block_size; a query at position `pos` sees keys 0..pos, or with `window`
-those after pos - window (transformers' sliding rule).
+those after pos - window (transformers' sliding rule), or with a negative one those of its own
+chunk of -window positions (Llama 4's chunked attention: `kv.Layout`).
 
 `torch.ops.kvserve.paged_decode` is an opaque custom op (a fake implementation gives
 torch.compile its shape), so a compiled model calls it as it is, never specialising on the
@@ -148,10 +149,12 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @_jit
 def _visible(pos, max_tokens, window):
-    """The first and last key position a query at `pos` sees (window 0: no window); the last
-    within the bucket, so a bad position never reads past its table."""
+    """The first and last key position a query at `pos` sees (window 0: none; > 0 sliding,
+    < 0 chunked: `context.first_visible`); the last within the bucket, so a bad position never
+    reads past its table."""
     last = tl.minimum(pos, max_tokens - 1)
-    first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    chunk = tl.maximum(-window, 1)
+    first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), tl.where(window < 0, pos - pos % chunk, 0))
     return first, last
 
 

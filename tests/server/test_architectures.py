@@ -32,7 +32,6 @@ REFUSED = {
     "minimax": "recurrent-cache",  # a cache of its own, outside transformers' cache interface
     "recurrent_gemma": "recurrent-cache",
     # attention kvserve does not model
-    "llama4_text": "layers-chunked_attention",
     "deepseek_v32": "layers-indexed_attention",  # MLA with a sparse top-k indexer, as the next three
     "axk2": "layers-indexed_attention",
     "hy_v4": "layers-indexed_attention",

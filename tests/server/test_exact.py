@@ -486,11 +486,15 @@ def reference_attention(q, keys, values, mask, scale, softcap, sinks=None):
 
 
 def window_mask(positions, length, window=None, dtype=torch.float32):
-    """Additive mask [B, 1, M, L]: a query at position p sees keys <= p (and > p - window)."""
+    """Additive mask [B, 1, M, L]: a query at position p sees keys <= p (and > p - window; a
+    negative window: chunked, keys of p's chunk of -window positions)."""
     keys = torch.arange(length, device=positions.device)[None, None, :]
-    allowed = keys <= positions[:, :, None]
-    if window is not None:
-        allowed &= keys > positions[:, :, None] - window
+    queries = positions[:, :, None]
+    allowed = keys <= queries
+    if window is not None and window > 0:
+        allowed &= keys > queries - window
+    elif window is not None:
+        allowed &= keys // -window == queries // -window
     return torch.zeros(allowed.shape, device=positions.device).masked_fill(~allowed, float("-inf"))[:, None].to(dtype)
 
 
@@ -506,7 +510,7 @@ def test_the_kernel_computes_attention(kernel, dtype, softcap):
     keys, values = (torch.randn(b, heads, length, dim, device=DEVICE).to(dt) for _ in range(2))
     last = torch.tensor([40, 149, 6], device=DEVICE)
     positions = (last[:, None] - torch.arange(width, device=DEVICE).flip(0)[None, :]).clamp(min=0).repeat(1, groups)
-    for window in (None, 30):
+    for window in (None, 30, -32):
         mask = window_mask(positions, length, window, dt)
         want = reference_attention(q, keys, values, mask, dim**-0.5, softcap)
         for bounds in ({}, dict(positions=positions[:, :width], window=window)):
@@ -555,7 +559,7 @@ def test_sinks_join_the_softmax_denominator(path, dtype, softcap, request):
     padded_sinks = F.pad(sinks, (0, 0, 0, padding), value=7.0)
     positions = (torch.tensor([40, length - 1, 530], device=DEVICE)[:, None] - torch.arange(width, device=DEVICE).flip(0)).clamp(min=0)
     tolerance = 1e-5 if dt == torch.float32 else 4e-3
-    for window in (None, 30):
+    for window in (None, 30, -48):
         mask = window_mask(positions.repeat(1, groups), length, window, dt)
         want = reference_attention(folded, keys, values, mask, dim**-0.5, softcap, sinks)
         if softcap is None:

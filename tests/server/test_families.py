@@ -141,6 +141,74 @@ def test_features_without_a_path_are_refused_by_name(model_type, config, feature
     assert refused.value.feature == feature
 
 
+# -- Llama 4: chunked attention, the NoPE layers' query temperature -------------------------------
+
+CHUNK = 24  # Llama 4's attention_chunk_size here: every prompt below crosses a chunk's end
+
+
+def llama4(**config):
+    return tiny("llama4_text", num_hidden_layers=4, intermediate_size_mlp=128, attention_chunk_size=CHUNK, floor_scale=8,
+                attn_scale=0.5, no_rope_layers=[1, 1, 1, 0], num_local_experts=4, num_experts_per_tok=1,
+                interleave_moe_layer_step=2, head_dim=16, pad_token_id=0, **config)
+
+
+@pytest.mark.parametrize("window", [None, 7, 16, -8, -16, -5])
+def test_each_window_sees_what_transformers_masks_see(window):
+    """`context.visible` (the one rule; the kernels and `_first_key` follow `first_visible`)
+    against transformers' own mask functions: full, sliding (> 0) and chunked (< 0)."""
+    from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function, sliding_window_causal_mask_function
+
+    if window is None:
+        rule = causal_mask_function
+    elif window > 0:
+        rule = sliding_window_causal_mask_function(window)
+    else:
+        rule = chunked_causal_mask_function(-window, torch.zeros(1, dtype=torch.long))
+    n = 50
+    keys, queries = torch.arange(n)[None, :], torch.arange(n)[:, None]
+    index = [torch.tensor(i) for i in range(n)]
+    want = torch.tensor([[bool(rule(0, 0, q, k)) for k in index] for q in index])
+    assert torch.equal(context.visible(keys, queries, window), want)
+    for q in range(n):  # the first key each query reads is its first visible one
+        assert attention._first_key(q, window) == int(want[q].nonzero()[0])
+
+
+def test_llama4_layers_are_chunked_and_their_nope_queries_take_their_own_positions_temperature(tokenizer):
+    """Llama 4's text model: chunked layers in the layout, and prompts crossing chunk ends
+    batched (row and paged path, prefill split over several steps), then continued on a
+    session: generate's tokens. Without the position temperature (the packed step's index
+    instead, as transformers would read it from its cache) the load probe refuses the model."""
+    from server.engine import temperature
+
+    model = llama4()
+    assert kv.layout(model.config).windows == (-CHUNK, -CHUNK, -CHUNK, None)
+    families.check(model)
+    prompts = [prompt_of(61, 11), prompt_of(30, 12), prompt_of(5, 13)]
+    for paged in (False, True):
+        served = Served(model, tokenizer, paged=paged, max_batch_tokens=40)
+        try:
+            async def play():
+                batch = await asyncio.gather(*(served.run(p, 12) for p in prompts))
+                first, _ = await served.run(prompts[1], 12, "s")
+                turn2 = prompts[1] + first + prompt_of(20, 14)
+                return batch, turn2, await served.run(turn2, 12, "s")
+
+            batch, turn2, (got2, final2) = asyncio.run(play())
+        finally:
+            served.stop()
+        assert served.engine.runner.paths["temperature"] == "by position"
+        for prompt, (got, _) in zip(prompts, batch):
+            assert_equivalent(model, prompt, got, generate(model, prompt, 12))
+        assert final2.cached_tokens == 30 + 12 - 1
+        assert_equivalent(model, turn2, got2, generate(model, turn2, 12))
+    plain = llama4()
+    for module in temperature.modules(plain):  # a forward of its own already: `enable` leaves it
+        module.forward = functools.partial(type(module).forward, module)
+    with pytest.raises(families.UnsupportedModel) as refused:
+        families.check(plain)
+    assert refused.value.feature == "forward-mismatch"
+
+
 # -- attention sinks -------------------------------------------------------------------------------
 
 

@@ -81,6 +81,8 @@ CASES = {
     "softcap": dict(groups=2, softcap=5.0),
     "sinks": dict(groups=4, sinks=True),
     "block4-all": dict(groups=2, block_size=4, max_blocks=8, window=9, softcap=3.0, sinks=True),
+    "chunked": dict(groups=2, window=-24),  # Llama 4's chunked attention (kv.Layout)
+    "block4-chunked": dict(groups=2, block_size=4, max_blocks=8, window=-6, sinks=True),
 }
 
 
@@ -92,7 +94,7 @@ def test_matches_reference_fp32(name):
     assert_close(case.kernel(), case.reference())
 
 
-@pytest.mark.parametrize("name", ["gqa4-head80", "gqa7-dk48-dv80", "block4-all"])
+@pytest.mark.parametrize("name", ["gqa4-head80", "gqa7-dk48-dv80", "block4-all", "chunked"])
 def test_matches_reference_bf16(name):
     config = CASES[name]
     lengths = LENGTHS if config.get("block_size", 16) == 16 else [1, 4, 5, 14, 32, None]
@@ -108,14 +110,17 @@ def test_padding_rows_are_finite_whatever_the_trash_block_holds():
     assert_close(out[2:], case.reference()[2:])
 
 
-def test_reads_only_what_the_row_sees():
-    """NaNs in every slot the rows cannot see (past their ends, before their windows, other
-    blocks of the pool) change nothing: those keys are never weighed, not weighed by zero."""
-    case = Case([40, 70, 3], groups=2, window=24, softcap=4.0)
+@pytest.mark.parametrize("window", [24, -24])
+def test_reads_only_what_the_row_sees(window):
+    """NaNs in every slot the rows cannot see (past their ends, before their windows or
+    chunks, other blocks of the pool) change nothing: those keys are never weighed, not
+    weighed by zero."""
+    case = Case([40, 70, 3], groups=2, window=window, softcap=4.0)
     want = case.reference()
     seen = torch.zeros(case.keys.shape[1], dtype=torch.bool)
     for b, pos in enumerate(case.positions.tolist()):
-        for p in range(max(0, pos - case.window + 1), pos + 1):
+        first = max(0, pos - window + 1) if window > 0 else pos - pos % -window
+        for p in range(first, pos + 1):
             seen[case.tables[b, p // case.block_size] * case.block_size + p % case.block_size] = True
     case.keys[:, ~seen] = float("nan")
     case.values[:, ~seen] = float("nan")

@@ -1,0 +1,61 @@
+"""Llama 4's query temperature inside kvserve's steps.
+
+Llama 4's NoPE layers (no rotary embedding, `no_rope_layers`) scale each query by a temperature
+that grows with the token's position: 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
+(`attn_temperature_tuning`). transformers takes p from its cache, as the cache's length plus the
+token's index in the forward pass, which in a packed kvserve step (many sequences' tokens in one
+flattened row, no transformers cache) would be the token's index in the step. Inside a step the
+NoPE layer runs this module's forward instead, the same computation with p the token's own
+position (`StepContext.positions`); outside one (transformers' own `generate`, the families
+probe's reference) it runs its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from server.engine import context
+
+
+def modules(model) -> list[torch.nn.Module]:
+    """The model's attention modules that scale queries by their position's temperature."""
+    return [m for m in model.modules()
+            if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True) and hasattr(m, "floor_scale")]
+
+
+def enable(model) -> int:
+    """Switch every such module to the step's positions inside a kvserve step (once); returns
+    how many there are."""
+    found = modules(model)
+    for module in found:
+        if "forward" not in vars(module):
+            module.forward = _forward(module, module.forward)
+    return len(found)
+
+
+def scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Each position's query temperature (float32), as Llama 4 computes it."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def _forward(module, original):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def forward(hidden_states, position_embeddings, attention_mask=None, past_key_values=None, **kwargs):
+        step = context.current()
+        if step is None:
+            return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        shape = hidden_states.shape[:-1]
+        query = module.q_proj(hidden_states).view(*shape, -1, module.head_dim)
+        key = module.k_proj(hidden_states).view(*shape, -1, module.head_dim)
+        value = module.v_proj(hidden_states).view(*shape, -1, module.head_dim).transpose(1, 2)
+        temperature = scales(step.positions.reshape(-1), module.floor_scale, module.attn_scale)
+        query = (query * temperature.view(1, -1, 1, 1)).to(query.dtype)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, module.layer_idx)
+        attend = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
+        out, weights = attend(module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs)
+        return module.o_proj(out.reshape(*shape, -1).contiguous()), weights
+
+    return forward
