@@ -77,15 +77,18 @@ def _spec(config, dtype: torch.dtype) -> Spec | None:
         return None
     # NOTE: the recurrent modules alone, on three tokens of zeros: the rest of the model (an
     # MoE's grouped products, say) need not run on the meta device
+    class Cache(OwnNames, DynamicCache):
+        pass
+
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        cache = DynamicCache(config=text)
+        cache = Cache(config=text)
         hidden = torch.zeros(1, 3, text.hidden_size, dtype=dtype, device="meta")
         with torch.inference_mode():
             for module, keyword in recurrent_modules(model):
-                module(hidden, **{keyword: cache})
-    except Exception:  # noqa: BLE001 - a cache of its own (MiniMax): no state kvserve can hold
+                module(hidden, **required_nones(module.forward, keyword), **{keyword: cache})
+    except Exception:  # noqa: BLE001 - a cache of its own (RecurrentGemma's): no state kvserve can hold
         return Spec(())
     shapes = []
     for i, layer in enumerate(cache.layers):
@@ -98,7 +101,31 @@ def _spec(config, dtype: torch.dtype) -> Spec | None:
     return Spec(tuple(shapes))
 
 
-_STATE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", "update_recurrent_state(")
+_STATE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", "update_recurrent_state(", "get_linear_cache(",
+                "set_linear_cache(")
+
+
+def required_nones(forward, keyword: str) -> dict[str, None]:
+    """None for each parameter a recurrent module's `forward` requires after its input, its
+    cache's `keyword` aside (MiniMax's asks for position embeddings and a mask it ignores)."""
+    import inspect
+
+    params = list(inspect.signature(forward).parameters.values())[1:]
+    return {p.name: None for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name != keyword}
+
+
+class OwnNames:
+    """A family's own names for transformers' cache interface, on a cache that has it: MiniMax's
+    lightning attention keeps its one recurrent state (K^T V, decayed) as its "linear cache",
+    in a cache class of its own; under these names it is recurrent state 0 of its layer, read
+    only once the layer has one (as MiniMax's cache gives None before)."""
+
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        return self.get_recurrent_state(layer_idx) if self.has_previous_state(layer_idx) else None
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        self.update_recurrent_state(linear_cache, layer_idx)
 
 
 def recurrent_modules(model) -> list[tuple[torch.nn.Module, str]]:

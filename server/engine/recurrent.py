@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from cache_manager import state
-from cache_manager.state import Slots
+from cache_manager.state import OwnNames, Slots
 from server.engine import context
 from server.engine.context import StepRows
 
@@ -135,6 +135,7 @@ def _wrapped(module, original, keyword: str):
              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     first = named[0]
     from_zero = _scans_from_zero(module)
+    nones = state.required_nones(original, keyword)
 
     def forward(*args, **kwargs):
         step = context.current()
@@ -144,13 +145,20 @@ def _wrapped(module, original, keyword: str):
         hidden = args[0] if args else kwargs.pop(first)
         # NOTE: only the module's own parameters: the step's other keywords (the mask) are not
         # its business, and no row is padded.
-        extra = {k: v for k, v in kwargs.items() if k in named and k not in (keyword, "attention_mask", first)}
-        out = None
+        extra = {**nones, **{k: v for k, v in kwargs.items() if k in named and k not in (keyword, "attention_mask", first)}}
+        out, paired = None, False
+
+        def run(x, states):  # the output; a module that returns (output, its state) as a pair (MiniMax's) gives the first
+            nonlocal paired
+            y = original(x, **extra, **{keyword: states})
+            paired = isinstance(y, tuple)
+            return y[0] if paired else y
+
         if rows.decode_slots is not None:
             offsets = rows.decode_offsets
             x = hidden[0, : len(rows.decode_slots)] if offsets is None else hidden[0].index_select(0, offsets)
             states = _RowStates(rows.slots, rows.decode_slots, True)
-            y = original(x[:, None], **extra, **{keyword: states})
+            y = run(x[:, None], states)
             rows.written += states.written()
             out = hidden.new_empty((1, hidden.shape[1], y.shape[-1]))
             if offsets is None:
@@ -161,19 +169,19 @@ def _wrapped(module, original, keyword: str):
             states = _RowStates(rows.slots, slot, prev)
             kept = _INITIAL.set(states.get_recurrent_state(module.layer_idx) if from_zero and prev else None)
             try:
-                y = original(hidden[:, offset : offset + n], **extra, **{keyword: states})
+                y = run(hidden[:, offset : offset + n], states)
             finally:
                 _INITIAL.reset(kept)
             rows.written += states.written()
             if out is None:
                 out = hidden.new_empty((1, hidden.shape[1], y.shape[-1]))
             out[:, offset : offset + n] = y
-        return out
+        return (out, None) if paired else out
 
     return forward
 
 
-class _RowStates:
+class _RowStates(OwnNames):
     """transformers' cache interface for a recurrent layer over some rows' state slots (the
     module docstring): reads gather the slots, writes stay here until `write_back`."""
 

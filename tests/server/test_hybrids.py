@@ -4,7 +4,7 @@ per sequence beside the attention layers' KV (cache_manager/state.py, server/eng
 The state's bookkeeping (slots, checkpoints, the budget's split) is tested without running a
 model; three families, one per kind of recurrent layer (Qwen3-Next's gated delta-net, LFM2's short
 convolutions, Falcon-H1's Mamba-2 beside attention in every layer, Granite 4.0-H's Mamba-2
-layers, Jamba's Mamba layers, and plain Mamba, which keeps states only) give transformers' `generate` tokens alone, batched, on the paged
+layers, Jamba's Mamba layers, plain Mamba, which keeps states only, and MiniMax's lightning attention) give transformers' `generate` tokens alone, batched, on the paged
 path, on a reused session (named or anonymous), on a regenerated and an edited history, and
 after a restart from the disk tier. The per-family matrix is
 tests/server/test_architectures.py."""
@@ -34,8 +34,9 @@ from tests.device import DEVICE, DTYPE
 from tests.equivalence import assert_equivalent
 
 # gated delta-net, short convolutions, Mamba-2 beside attention in every layer, Mamba-2 layers
-# (Granite 4.0-H), Mamba layers (Jamba), Mamba alone (no layer attends)
-FAMILIES = ("qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "jamba", "mamba")
+# (Granite 4.0-H), Mamba layers (Jamba), Mamba alone (no layer attends), lightning attention
+# (MiniMax: its state under names of its own, `state.OwnNames`)
+FAMILIES = ("qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "jamba", "mamba", "minimax")
 FP = "hybrid-test"
 
 
