@@ -1,6 +1,9 @@
 """Recurrent state beside the KV pool, for hybrid models (Qwen3-Next, Granite 4.0-H, Falcon-H1,
-LFM2, Jamba...): layers of linear attention, Mamba or short convolutions keep a fixed-size state
-per sequence instead of keys and values that grow with it.
+LFM2, Jamba, MiniMax, RecurrentGemma...) and pure state-space ones (Mamba): layers of linear
+attention, Mamba, RG-LRU or short convolutions keep a fixed-size state per sequence instead of
+keys and values that grow with it. Families that keep it outside transformers' cache interface
+are brought to it here: under names of their own (`OwnNames`), or on the module itself
+(`state_forward`).
 
 * `Spec`: what one sequence's state is, found by running the model's own code once on the meta
   device with transformers' cache (no memory, no weights): per layer and state index a conv
@@ -16,9 +19,11 @@ per sequence instead of keys and values that grow with it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from cache_manager.blocks import NoBlocks
 
@@ -87,7 +92,8 @@ def _spec(config, dtype: torch.dtype) -> Spec | None:
         hidden = torch.zeros(1, 3, text.hidden_size, dtype=dtype, device="meta")
         with torch.inference_mode():
             for module, keyword in recurrent_modules(model):
-                module(hidden, **required_nones(module.forward, keyword), **{keyword: cache})
+                forward = state_forward(module)
+                forward(hidden, **required_nones(forward, keyword), **{keyword: cache})
     except Exception:  # noqa: BLE001 - a cache of its own (RecurrentGemma's): no state kvserve can hold
         return Spec(())
     shapes = []
@@ -130,11 +136,16 @@ class OwnNames:
 
 def recurrent_modules(model) -> list[tuple[torch.nn.Module, str]]:
     """The modules that keep a recurrent state through transformers' cache interface (their
-    code calls it), with the keyword their cache comes in (`cache_params`, `past_key_values`)."""
+    code calls it, or `state_forward` is theirs), with the keyword their cache comes in
+    (`cache_params`, `past_key_values`)."""
     import inspect
 
     found = []
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if type(module).__name__ in _OWN_FORWARDS:
+            module.layer_idx = _layer_of(name)  # NOTE: the block is not told its index; its decoder layer's
+            found.append((module, "past_key_values"))
+            continue
         if not hasattr(module, "layer_idx"):
             continue
         forward = inspect.unwrap(type(module).forward)
@@ -149,6 +160,56 @@ def recurrent_modules(model) -> list[tuple[torch.nn.Module, str]]:
         if keyword is not None:
             found.append((module, keyword))
     return found
+
+
+def state_forward(module):
+    """The forward that keeps `module`'s state through transformers' cache interface: its own,
+    or kvserve's for a family that keeps the state on the module itself (`_OWN_FORWARDS`)."""
+    own = _OWN_FORWARDS.get(type(module).__name__)
+    return module.forward if own is None else functools.partial(own, module)
+
+
+def _layer_of(name: str) -> int:
+    """The decoder layer index in a module's dotted name ("model.layers.3.temporal_block": 3)."""
+    parts = name.split(".")
+    return int(next(b for a, b in zip(parts, parts[1:]) if a == "layers" and b.isdigit()))
+
+
+def _griffin(block, input_states: torch.Tensor, past_key_values) -> tuple[torch.Tensor, None]:
+    """RecurrentGemma's recurrent block (Griffin's: a short convolution, then the RG-LRU), its
+    state kept through the cache interface: transformers keeps it on the module itself
+    (`conv1d_state`, `rg_lru.recurrent_states`), for one batch at a time. The same computation
+    as the block's own forward: a first chunk convolves from zeros and resets the recurrence
+    at its first token; one more token takes transformers' decoding formula; a longer chunk
+    after a kept state (a prompt's later chunk, a session's next turn, which `generate` never
+    runs) convolves over the kept inputs and scans on from the kept state."""
+    cache, layer, width = past_key_values, block.layer_idx, block.conv1d_width
+    t = input_states.shape[1]
+    previous = cache.has_previous_state(layer)
+    y = block.act_fn(block.linear_y(input_states))
+    x = block.linear_x(input_states).transpose(1, 2)  # [B, lru_width, T]
+    full = cache.update_conv_state(x, layer, conv_kernel_size=width)
+    if not previous:
+        x = block.conv_1d(x)[..., :t]
+    elif t == 1:
+        x = (torch.sum(full[..., -width:] * block.conv_1d.weight[:, 0, :], dim=-1) + block.conv_1d.bias).unsqueeze(-1)
+    else:
+        x = F.conv1d(full[..., -(t + width - 1):], block.conv_1d.weight, block.conv_1d.bias, groups=block.conv_1d.groups)
+    lru = block.rg_lru
+    kept = lru.recurrent_states  # transformers' own, restored (engine thread only)
+    lru.recurrent_states = cache.get_recurrent_state(layer) if previous else None
+    # the recurrence resets where the position is 0: a sequence's first token
+    positions = torch.arange(t, device=x.device).expand(x.shape[0], t) + int(previous)
+    try:
+        x = lru(x.transpose(1, 2), positions)
+        cache.update_recurrent_state(lru.recurrent_states, layer)
+    finally:
+        lru.recurrent_states = kept
+    return block.linear_out(x * y), None
+
+
+# A family's recurrent block that keeps its state on itself -> kvserve's forward of it over the cache interface
+_OWN_FORWARDS = {"RecurrentGemmaRecurrentBlock": _griffin}
 
 
 # transformers' layer types that keep a recurrent state ("hybrid": attention and state in one layer)

@@ -14,8 +14,9 @@ each time with `_RowStates` as the module's cache: transformers' cache interface
 (`get_conv_state`, `update_conv_state`, `get_recurrent_state`, `update_recurrent_state`,
 `has_previous_state`, `is_recording_past`) over those rows' slots, with the same semantics as
 transformers' `LinearAttentionLayer`; what the module wrote goes back to the slots afterwards.
-Outside a step (transformers' own `generate`, the families probe's reference) the module runs
-as it was. Padding rows of a decode bucket use the trash slot, zeroed after the step.
+The forward a step runs is `state.state_forward(module)`: the module's own, or kvserve's for a
+block that keeps its state on itself (RecurrentGemma's). Outside a step (transformers' own
+`generate`, the families probe's reference) the module runs as it was. Padding rows of a decode bucket use the trash slot, zeroed after the step.
 
 Jamba's Mamba mixer runs a multi-token input through `mamba_selective_scan`, which starts from a
 zero state (as mamba_ssm's kernel does): `generate` never gives it a state (a prompt, then one
@@ -73,7 +74,7 @@ def enable(model) -> int:
     modules = state.recurrent_modules(model)
     for module, keyword in modules:
         if not getattr(module, "_kvserve_recurrent", False):
-            module.forward = _wrapped(module, module.forward, keyword)
+            module.forward = _wrapped(module, state.state_forward(module), keyword, module.forward)
             module._kvserve_recurrent = True
     return len(modules)
 
@@ -130,7 +131,9 @@ def _scan(original):
     return scan
 
 
-def _wrapped(module, original, keyword: str):
+def _wrapped(module, original, keyword: str, plain):
+    """`module`'s forward: `plain` (its own) outside a step; in one, `original`
+    (`state.state_forward`) per row as the module docstring says."""
     named = [p.name for p in inspect.signature(original).parameters.values()
              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     first = named[0]
@@ -141,7 +144,7 @@ def _wrapped(module, original, keyword: str):
         step = context.current()
         rows = step.recurrent if step is not None else None
         if rows is None:
-            return original(*args, **kwargs)
+            return plain(*args, **kwargs)
         hidden = args[0] if args else kwargs.pop(first)
         # NOTE: only the module's own parameters: the step's other keywords (the mask) are not
         # its business, and no row is padded.

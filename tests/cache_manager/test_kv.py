@@ -217,10 +217,12 @@ def test_bfloat16_batches_like_float32():
         assert (logits[row] - ref).abs().max() < 0.05 * ref.abs().max()
 
 
-def test_layer_kinds_it_cannot_batch_are_refused():
-    config = MistralConfig(num_hidden_layers=2, sliding_window=16, attention_chunk_size=8)
-    config.layer_types = ["full_attention", "chunked_attention"]
-    with pytest.raises(ValueError, match="chunked_attention"):
+def test_chunked_layers_have_a_negative_window_and_kinds_it_cannot_batch_are_refused():
+    config = MistralConfig(num_hidden_layers=3, sliding_window=16, attention_chunk_size=8)
+    config.layer_types = ["full_attention", "chunked_attention", "sliding_attention"]
+    assert kv.layout(config).windows == (None, -8, 16)  # Llama 4's chunks of 8 (`kv.Layout`)
+    config.layer_types = ["full_attention", "indexed_attention", "sliding_attention"]
+    with pytest.raises(ValueError, match="indexed_attention"):
         kv.layout(config)
 
 

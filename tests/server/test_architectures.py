@@ -21,15 +21,13 @@ from tests.device import DEVICE, DTYPE
 # Hybrids and pure state-space models (recurrent state per sequence, cache_manager/state.py): served, but not with
 # speculation or in exact mode, which their engines refuse at start-up by name
 HYBRIDS = ("qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "granitemoehybrid", "jamba", "jamba-shapes", "bamba", "bamba-shapes",
-           "nemotron_h", "falcon_h1", "lfm2", "mamba", "mamba-shapes", "falcon_mamba", "mamba2", "minimax")
+           "nemotron_h", "falcon_h1", "lfm2", "mamba", "mamba-shapes", "falcon_mamba", "mamba2", "minimax", "recurrent_gemma")
 # Multi-head latent attention: served from the latent (server/engine/mla.py), whose bytes the pool counts
 MLA = ("deepseek_v2", "deepseek_v3", "minicpm3", "glm4_moe_lite", "longcat_flash", "youtu", "axk1", "kimi_linear", "bailing_hybrid")
 HYBRID_MODES = {"exact": "refused [recurrent-exact]", "lookup": "refused [recurrent-speculative]"}
 
 # family -> the feature UnsupportedModel names when the engine refuses it
 REFUSED = {
-    # recurrent state kvserve's state slots cannot hold
-    "recurrent_gemma": "recurrent-cache",
     # attention kvserve does not model
     "deepseek_v32": "layers-indexed_attention",  # MLA with a sparse top-k indexer, as the next three
     "axk2": "layers-indexed_attention",

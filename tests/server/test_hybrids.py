@@ -4,7 +4,7 @@ per sequence beside the attention layers' KV (cache_manager/state.py, server/eng
 The state's bookkeeping (slots, checkpoints, the budget's split) is tested without running a
 model; three families, one per kind of recurrent layer (Qwen3-Next's gated delta-net, LFM2's short
 convolutions, Falcon-H1's Mamba-2 beside attention in every layer, Granite 4.0-H's Mamba-2
-layers, Jamba's Mamba layers, plain Mamba, which keeps states only, and MiniMax's lightning attention) give transformers' `generate` tokens alone, batched, on the paged
+layers, Jamba's Mamba layers, plain Mamba, which keeps states only, MiniMax's lightning attention and RecurrentGemma's RG-LRU) give transformers' `generate` tokens alone, batched, on the paged
 path, on a reused session (named or anonymous), on a regenerated and an edited history, and
 after a restart from the disk tier. The per-family matrix is
 tests/server/test_architectures.py."""
@@ -35,8 +35,9 @@ from tests.equivalence import assert_equivalent
 
 # gated delta-net, short convolutions, Mamba-2 beside attention in every layer, Mamba-2 layers
 # (Granite 4.0-H), Mamba layers (Jamba), Mamba alone (no layer attends), lightning attention
-# (MiniMax: its state under names of its own, `state.OwnNames`)
-FAMILIES = ("qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "jamba", "mamba", "minimax")
+# (MiniMax: its state under names of its own, `state.OwnNames`), RG-LRU (RecurrentGemma: its state
+# kept on the module by transformers, through the cache interface by kvserve's `state.state_forward`)
+FAMILIES = ("qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "jamba", "mamba", "minimax", "recurrent_gemma")
 FP = "hybrid-test"
 
 
@@ -412,3 +413,28 @@ def test_a_mamba_scan_continued_from_its_kept_state_is_the_scan_of_the_whole(dty
     # NOTE: equal but for an ulp of fp32 (a slice's vectorised exp rounds its tail apart)
     torch.testing.assert_close(torch.cat([first, second], dim=-1), whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state_after, last, rtol=1e-5, atol=1e-5)
+
+
+def test_recurrent_gemmas_block_over_the_cache_interface_is_its_own_forward_in_any_chunks():
+    """RecurrentGemma keeps its block's state on the module; kvserve's forward of the block
+    (`state.state_forward`) keeps it in transformers' cache instead. A sequence of 13 tokens in
+    chunks of 5, 1, 4 and 3 (a first chunk, a decode step, continued chunks) gives the block's
+    own forward over the whole, and a decode step takes its own decoding formula."""
+    from transformers import DynamicCache
+
+    model = build("recurrent_gemma")
+    [(block, keyword)] = state.recurrent_modules(model)
+    forward = state.state_forward(block)
+    torch.manual_seed(1)
+    x = torch.randn(2, 13, model.config.hidden_size, device=DEVICE, dtype=DTYPE)
+    positions = torch.arange(13, device=DEVICE)[None].expand(2, 13)
+    with torch.no_grad():
+        whole, _ = block(x, positions, None, use_cache=False)
+        cache = DynamicCache(config=model.config)
+        pieces, at = [], 0
+        for n in (5, 1, 4, 3):
+            pieces.append(forward(x[:, at : at + n], **{keyword: cache})[0])
+            at += n
+    tolerance = 1e-5 if DTYPE == torch.float32 else 2e-2
+    torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=tolerance, atol=tolerance)
+    assert cache.get_recurrent_state(block.layer_idx).dtype == torch.float32  # the recurrence in full precision, as transformers keeps it
