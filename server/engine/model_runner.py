@@ -95,8 +95,7 @@ class ModelRunner:
         # by default on CUDA where Triton runs, over plain storage, outside exact mode (its own kernel)
         if decode_kernel is None:
             decode_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not pool.format.quantized and not exact
-        # NOTE: not over an MLA latent (server/engine/mla.py) yet: the kernel reads keys as wide as the queries
-        self.decode_kernel = self.paged and decode_kernel and not pool.layout.latent
+        self.decode_kernel = self.paged and decode_kernel
         # whether `prepare` compiles the decode steps' forward (server/engine/compiled.py): `compile`
         # "require" on any device, "auto" on CUDA, "off" never; the app refuses to start without it
         # under "require"

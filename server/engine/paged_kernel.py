@@ -7,7 +7,10 @@ storage; S = (num_blocks + 1) * block_size slots); tables [B, max_blocks]; posit
 out [B, Hkv, G, Dv] in q's dtype. Position p of row b lives at slot tables[b, p // block_size]
 * block_size + p % block_size; a query at position `pos` sees keys 0..pos, or with `window`
 those after pos - window (transformers' sliding rule), or with a negative one those of its own
-chunk of -window positions (Llama 4's chunked attention: `kv.Layout`).
+chunk of -window positions (Llama 4's chunked attention: `kv.Layout`). Over an MLA latent pool
+(one KV head: the rotary key as the key, the latent as the value) the absorbed query is
+[Dv | Dk] wide and meets both (`mla.meet`): the kernel reads each position's latent once, as
+key and as value.
 
 `torch.ops.kvserve.paged_decode` is an opaque custom op (a fake implementation gives
 torch.compile its shape), so a compiled model calls it as it is, never specialising on the
@@ -58,10 +61,12 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
             q_b, q_h, q_g, k_h, k_s, v_h, v_s, t_b, p_b, o_b, o_h, o_g,
             DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, IEEE: tl.constexpr,
-            UPCAST: tl.constexpr):
+            UPCAST: tl.constexpr, LATENT: tl.constexpr):
     """Program (row x KV head, split): the visible key tiles of the split's range. SPLIT: its
     state goes to the partial buffers [B * Hkv, splits, BLOCK_M(, DV_P2)] for `_merge_splits`;
-    otherwise (one split) it adds the sinks and writes the output."""
+    otherwise (one split) it adds the sinks and writes the output. LATENT: an MLA latent pool
+    (`mla.meet`): the query is [DV | DK] wide and meets each position's value (the latent) and
+    key (the rotary key) side by side, so a tile's values are read once for both products."""
     row = tl.program_id(0).to(tl.int64)
     b, h = row // heads, row % heads
     split = tl.program_id(1).to(tl.int64)
@@ -73,7 +78,12 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
     live = g < groups
     dk = tl.arange(0, DK_P2)
     dv = tl.arange(0, DV_P2)
-    q = tl.load(q_ptr + b * q_b + h * q_h + g[:, None] * q_g + dk[None, :], mask=live[:, None] & (dk[None, :] < DK), other=0.0)
+    q_base = q_ptr + b * q_b + h * q_h + g[:, None] * q_g
+    if LATENT:
+        q_latent = tl.load(q_base + dv[None, :], mask=live[:, None] & (dv[None, :] < DV), other=0.0)
+        q = tl.load(q_base + DV + dk[None, :], mask=live[:, None] & (dk[None, :] < DK), other=0.0)
+    else:
+        q = tl.load(q_base + dk[None, :], mask=live[:, None] & (dk[None, :] < DK), other=0.0)
     k_base, v_base = k_ptr + h * k_h, v_ptr + h * v_h
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
@@ -84,7 +94,11 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
         block = tl.load(table_ptr + b * t_b + keys // block_size, mask=seen, other=0).to(tl.int64)
         slot = block * block_size + keys % block_size
         kt = tl.load(k_base + slot[None, :] * k_s + dk[:, None], mask=seen[None, :] & (dk[:, None] < DK), other=0.0).to(q.dtype)
-        scores = _dot(q, kt, IEEE, UPCAST) * scale
+        v = tl.load(v_base + slot[:, None] * v_s + dv[None, :], mask=seen[:, None] & (dv[None, :] < DV), other=0.0).to(q.dtype)
+        if LATENT:
+            scores = (_dot(q_latent, tl.trans(v), IEEE, UPCAST) + _dot(q, kt, IEEE, UPCAST)) * scale
+        else:
+            scores = _dot(q, kt, IEEE, UPCAST) * scale
         if SOFTCAP:  # softcap * tanh(scores / softcap), tanh through exp(-2|x|)
             e = tl.exp(-2.0 * tl.abs(scores / softcap))
             t = (1.0 - e) / (1.0 + e)
@@ -95,7 +109,6 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
         rescale = tl.exp(top - shift)
         weights = tl.exp(scores - shift[:, None])
         total = total * rescale + tl.sum(weights, 1)
-        v = tl.load(v_base + slot[:, None] * v_s + dv[None, :], mask=seen[:, None] & (dv[None, :] < DV), other=0.0).to(q.dtype)
         acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, IEEE, UPCAST)
         top = new_top
     if SPLIT:
@@ -203,8 +216,9 @@ def paged_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                         window: int | None = None, splits: int | None = None) -> torch.Tensor:
     """`paged_decode` by the Triton kernels (one launch, or two when split). `splits`: how
     many programs share a row's context (default `split_count`'s)."""
-    b, kv_heads, groups, dk = q.shape
-    dv = values.shape[-1]
+    b, kv_heads, groups, _ = q.shape
+    dk, dv = keys.shape[-1], values.shape[-1]
+    latent = _latent(q, keys, values)
     max_blocks = tables.shape[1]
     q, keys, values, tables = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, keys, values, tables))
     out = torch.empty(b, kv_heads, groups, dv, device=q.device, dtype=q.dtype)
@@ -234,7 +248,7 @@ def paged_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         kv_heads, groups, block_size, max_blocks * block_size, tiles_per_split, window, float(scale), float(softcap or 1.0),
         *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], tables.stride(0), positions.stride(0), *out.stride()[:3],
         DK=dk, DK_P2=dk_p2, SPLIT=split, SOFTCAP=softcap is not None, IEEE=ieee,
-        UPCAST=INTERPRETED and q.dtype == torch.bfloat16, num_stages=2, **common)
+        UPCAST=INTERPRETED and q.dtype == torch.bfloat16, LATENT=latent, num_stages=2, **common)
     if split:
         _merge_splits[(b * kv_heads,)](positions, out, top, total, acc, sink, kv_heads, groups, splits, max_blocks * block_size,
                                        tiles_per_split, window, positions.stride(0), *out.stride()[:3], **common)
@@ -250,6 +264,8 @@ def paged_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     offsets = torch.arange(block_size, device=tables.device)
     slots = (tables[:, :, None] * block_size + offsets).flatten(1)  # [B, L]
     k_rows, v_rows = (x[:, slots].transpose(0, 1).float() for x in (keys, values))  # [B, Hkv, L, D]
+    if _latent(q, keys, values):
+        k_rows = torch.cat([v_rows, k_rows], dim=-1)
     scores = torch.matmul(q.float(), k_rows.transpose(-2, -1)) * scale  # [B, Hkv, G, L]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -261,6 +277,17 @@ def paged_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     else:
         probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v_rows).to(q.dtype)
+
+
+def _latent(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the pool is an MLA latent one: queries as wide as a value and a key side by side
+    (`mla.meet`'s rule), where any other pool's are as wide as a key."""
+    if q.shape[-1] == keys.shape[-1]:
+        return False
+    if q.shape[-1] != values.shape[-1] + keys.shape[-1]:
+        raise ValueError(f"queries {q.shape[-1]} wide meet neither keys {keys.shape[-1]} wide nor a latent of "
+                         f"{values.shape[-1]} and a rotary key of {keys.shape[-1]}")
+    return True
 
 
 def runs_triton(device: torch.device) -> bool:

@@ -32,16 +32,18 @@ class Case:
     its end."""
 
     def __init__(self, lengths, groups=2, kv_heads=2, dk=32, dv=None, block_size=kv.BLOCK_SIZE, max_blocks=8, num_blocks=24,
-                 dtype=torch.float32, seed=0, softcap=None, sinks=False, window=None):
+                 dtype=torch.float32, seed=0, softcap=None, sinks=False, window=None, latent=False):
+        """`latent`: an MLA latent pool (`mla.meet`): keys are the rotary keys (dk), values the
+        latent (dv), and the absorbed queries are dv + dk wide."""
         gen = torch.Generator().manual_seed(seed)
         dv = dv or dk
         slots = (num_blocks + 1) * block_size
         self.trash = slice(num_blocks * block_size, slots)
         self.block_size, self.softcap, self.window = block_size, softcap, window
-        self.scale = dk**-0.5
+        self.scale = (dk + dv if latent else dk) ** -0.5
         self.keys = torch.randn(kv_heads, slots, dk, generator=gen).to(DEVICE, dtype)
         self.values = torch.randn(kv_heads, slots, dv, generator=gen).to(DEVICE, dtype)
-        self.q = torch.randn(len(lengths), kv_heads, groups, dk, generator=gen).to(DEVICE, dtype)
+        self.q = torch.randn(len(lengths), kv_heads, groups, dk + dv if latent else dk, generator=gen).to(DEVICE, dtype)
         self.sinks = torch.randn(kv_heads, groups, generator=gen).to(DEVICE) if sinks else None
         tables = torch.full((len(lengths), max_blocks), num_blocks, dtype=torch.int64)
         for b, n in enumerate(lengths):
@@ -82,6 +84,9 @@ CASES = {
     "sinks": dict(groups=4, sinks=True),
     "block4-all": dict(groups=2, block_size=4, max_blocks=8, window=9, softcap=3.0, sinks=True),
     "chunked": dict(groups=2, window=-24),  # Llama 4's chunked attention (kv.Layout)
+    # an MLA latent pool: one KV head, the rotary key (16) and the latent (48), 8 absorbed query heads
+    "latent": dict(groups=8, kv_heads=1, dk=16, dv=48, latent=True),
+    "latent-block4-split": dict(groups=5, kv_heads=1, dk=8, dv=40, latent=True, block_size=4, max_blocks=8, softcap=4.0),
     "block4-chunked": dict(groups=2, block_size=4, max_blocks=8, window=-6, sinks=True),
 }
 
@@ -94,7 +99,7 @@ def test_matches_reference_fp32(name):
     assert_close(case.kernel(), case.reference())
 
 
-@pytest.mark.parametrize("name", ["gqa4-head80", "gqa7-dk48-dv80", "block4-all", "chunked"])
+@pytest.mark.parametrize("name", ["gqa4-head80", "gqa7-dk48-dv80", "block4-all", "chunked", "latent"])
 def test_matches_reference_bf16(name):
     config = CASES[name]
     lengths = LENGTHS if config.get("block_size", 16) == 16 else [1, 4, 5, 14, 32, None]
@@ -172,6 +177,22 @@ def test_matches_the_gathered_bucket_path():
     assert_close(case.kernel(), _attend(case.q, k_rows, v_rows, mask, case.scale, 6.0, sinks))
 
 
+def test_a_latent_pool_is_read_as_the_gathered_path_meets_it():
+    """Over an MLA latent pool the kernel gives what `_attend` gives over the gathered latent
+    and rotary keys (`mla.meet` side by side), split over the context or not."""
+    case = Case([9, 33, 64, 128, None], groups=8, kv_heads=1, dk=16, dv=48, latent=True)
+    bs = case.block_size
+    slots = (case.tables[:, :, None] * bs + torch.arange(bs, device=DEVICE)).flatten(1)
+    k_rows, v_rows = (x[:, slots].transpose(0, 1) for x in (case.keys, case.values))
+    allowed = torch.arange(slots.shape[1], device=DEVICE)[None, :] <= case.positions[:, None]
+    want = _attend(case.q, k_rows, v_rows, additive(allowed, case.q.dtype)[:, None, None, :], case.scale, None)
+    assert want.shape[-1] == 48
+    for splits in (1, 3):
+        assert_close(case.kernel(splits=splits), want)
+    with pytest.raises(ValueError, match="latent"):  # queries of neither width
+        paged_kernel.paged_decode_triton(case.q[..., :40], *case.args()[1:])
+
+
 def test_op_dispatch(monkeypatch):
     """The op runs the kernel here, and the reference on CPU without the interpreter."""
     case = Case([20, 50], groups=2)
@@ -224,25 +245,29 @@ def test_compiles_as_one_opaque_op():
 # -- in the model runner: decode rows through the kernel give the gather path's tokens ------------
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2", "gpt_oss", "llama4_text", "deepseek_v3"])
 def test_the_runner_decodes_through_the_kernel_as_through_the_gather(family):
     """The paged path's decode rows (bucket-padded, from the persistent buffers: the body a CUDA
     graph replays) attend through the kernel (`decode_kernel=True`; under the interpreter on
     CPU) and give the gather path's greedy tokens, with logits within float32 rounding: GQA,
-    sliding windows past their length, Gemma 2's soft-capping, gpt-oss's sinks. Three rows of
-    different lengths, one crossing a block boundary while it decodes."""
+    sliding windows past their length, Gemma 2's soft-capping, gpt-oss's sinks, Llama 4's
+    chunks, DeepSeek-V3's MLA latent. Three rows of different lengths, one crossing a block
+    boundary while it decodes."""
     from bench import architectures
     from cache_manager import kv
+    from server.engine import mla
     from server.engine.attention import Row
     from server.engine.model_runner import ModelRunner
 
     model = architectures.build(family, DEVICE)
+    if family == "deepseek_v3":
+        assert mla.configure(model, "latent") == "latent" and kv.layout(model.config).latent
     prompts = [list(range(3 + r, 3 + r + n)) for r, n in enumerate((5, 14, 30))]
     runs = {}
     for kernel in (False, True):
         pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, model.dtype) * 4, model.device, model.dtype)
         runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=4, decode_kernel=kernel)
-        assert runner.paths == {} and runner.decode_kernel is kernel
+        assert runner.decode_kernel is kernel
         caches = [pool.allocate(64) for _ in prompts]
         logits = runner.forward([Row(c, len(p)) for c, p in zip(caches, prompts)], [t for p in prompts for t in p], [0, 1, 2])
         tokens, steps = [logits.argmax(-1).tolist()], []
