@@ -242,7 +242,7 @@ class Layout:
 
 
 class UnsupportedLayers(ValueError):
-    """Layer kinds the pool has no layout for (recurrent, linear attention, chunked...)."""
+    """Layer kinds the pool has no layout for (indexed attention, ...)."""
 
     def __init__(self, kinds: list[str]) -> None:
         super().__init__(f"kvserve has no KV layout for layers of type {kinds}")
@@ -270,11 +270,15 @@ def layout(config: PretrainedConfig) -> Layout:
         raise UnsupportedLayers(unsupported)
     # transformers hands a chunked layer its chunk size as `sliding_window` (its cache keeps a
     # chunk's worth; only the mask differs): the layout marks it chunked by the sign (`Layout`)
+    if any(t == "chunked_attention" and not kw.get("sliding_window") for t, kw in zip(layer_types, layer_kwargs)):
+        raise UnsupportedLayers(["chunked_attention"])  # chunks of no size
     windows = [kw.get("sliding_window") if t == "sliding_attention" else -kw["sliding_window"] if t == "chunked_attention" else None
                for t, kw in zip(layer_types, layer_kwargs)]
     if sources is not None:  # a sharing layer attends in its source's window
         windows = [windows[source] for source in sources]
     windows = tuple(windows)
+    if len(no_kv) == len(windows):  # no layer attends (Mamba: its config has no heads): no KV at all
+        return Layout(windows, 0, 0, 0, None, sources, no_kv)
     heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     if text_config.model_type == "jetmoe":
         # NOTE: JetMoE's attention hands its KV heads on `repeat`ed once per routed query expert
@@ -370,9 +374,11 @@ class Pool:
             slots = state_slots if state_slots is not None else \
                 _state_slots(spec, budget_bytes, budget_bytes - reserve_tokens * self.block_bytes // block_size,
                              share=STATE_SHARE if self.block_bytes else 1.0)
-            budget_bytes = max(budget_bytes - slots * spec.nbytes, 0)
+            # the KV blocks' share (the budget less the states'); states only: the states', which
+            # the store counts (`nbytes`)
+            budget_bytes = budget_bytes - slots * spec.nbytes if self.block_bytes else slots * spec.nbytes
             self.states = recurrent.Slots(spec, slots, self.device)
-        self.budget_bytes = budget_bytes  # the KV blocks' (the budget less the states')
+        self.budget_bytes = budget_bytes
         if self.block_bytes:
             num_blocks = budget_bytes // self.block_bytes
         else:  # states only: blocks of no bytes for every slot's sequence (the module docstring)
@@ -578,7 +584,13 @@ def capacity(cache: SequenceKV) -> int:
 
 
 def nbytes(cache: SequenceKV) -> int:
-    return len(cache.blocks) * cache.pool.block_bytes
+    """The device bytes the store counts for `cache`: its blocks' (whole blocks), or where
+    blocks hold no bytes (a model that keeps states only) its state's, so that the budget's use
+    says how many of its states are held."""
+    pool = cache.pool
+    if not pool.block_bytes:
+        return pool.states.spec.nbytes if pool.states is not None and cache.state is not None else 0
+    return len(cache.blocks) * pool.block_bytes
 
 
 def can_crop(cache: SequenceKV) -> bool:

@@ -322,7 +322,7 @@ class CacheManager:
         """Tokens the device budget holds (whole blocks, every sequence's together; a model
         that keeps states only: every state slot's sequence at the full context)."""
         if not self.pool.block_bytes:
-            return self.pool.capacity_tokens
+            return self.pool.states.num_slots * self.max_context
         return self.store.budget_bytes // self.pool.block_bytes * self.pool.block_size
 
     def recurrent_state(self) -> dict | None:

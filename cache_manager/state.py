@@ -19,6 +19,7 @@ are brought to it here: under names of their own (`OwnNames`), or on the module 
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 
@@ -94,7 +95,7 @@ def _spec(config, dtype: torch.dtype) -> Spec | None:
             for module, keyword in recurrent_modules(model):
                 forward = state_forward(module)
                 forward(hidden, **required_nones(forward, keyword), **{keyword: cache})
-    except Exception:  # noqa: BLE001 - a cache of its own (RecurrentGemma's): no state kvserve can hold
+    except Exception:  # noqa: BLE001 - a state kept some other way kvserve does not know: none it can hold
         return Spec(())
     shapes = []
     for i, layer in enumerate(cache.layers):
@@ -195,16 +196,14 @@ def _griffin(block, input_states: torch.Tensor, past_key_values) -> tuple[torch.
         x = (torch.sum(full[..., -width:] * block.conv_1d.weight[:, 0, :], dim=-1) + block.conv_1d.bias).unsqueeze(-1)
     else:
         x = F.conv1d(full[..., -(t + width - 1):], block.conv_1d.weight, block.conv_1d.bias, groups=block.conv_1d.groups)
-    lru = block.rg_lru
-    kept = lru.recurrent_states  # transformers' own, restored (engine thread only)
+    # NOTE: the RG-LRU reads and leaves its state on itself: a shallow copy per call (its
+    # parameters shared) keeps transformers' own state, and another thread's forward, apart
+    lru = copy.copy(block.rg_lru)
     lru.recurrent_states = cache.get_recurrent_state(layer) if previous else None
     # the recurrence resets where the position is 0: a sequence's first token
     positions = torch.arange(t, device=x.device).expand(x.shape[0], t) + int(previous)
-    try:
-        x = lru(x.transpose(1, 2), positions)
-        cache.update_recurrent_state(lru.recurrent_states, layer)
-    finally:
-        lru.recurrent_states = kept
+    x = lru(x.transpose(1, 2), positions)
+    cache.update_recurrent_state(lru.recurrent_states, layer)
     return block.linear_out(x * y), None
 
 

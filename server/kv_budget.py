@@ -79,7 +79,7 @@ def measure(model, device: torch.device, *, utilization: float, max_batch_tokens
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free
     text = model.config.get_text_config(decoder=True)
-    workspace = attention_workspace(kv.layout(model.config), text.num_attention_heads, model.dtype, kv_dtype,
+    workspace = attention_workspace(kv.layout(model.config), getattr(text, "num_attention_heads", 0), model.dtype, kv_dtype,
                                     rows=max_rows, chunk=max_batch_tokens, context=max_context)
     nbytes = int(utilization * total) - in_use - peak - workspace - RESERVE_BYTES - encoder_cache_bytes
     how = (f"measured: {utilization} x {total / GiB:.1f} GiB - {in_use / GiB:.2f} GiB in use - "
@@ -130,6 +130,10 @@ def check(budget: Budget, pool_bytes: int, model_config, dtype: torch.dtype, kv_
     block_bytes = kv.BLOCK_SIZE * per_token
     tokens = max(pool_bytes, 0) // block_bytes * kv.BLOCK_SIZE if block_bytes else max_context  # states only: any
     need = kv.bytes_for(model_config, max_context, dtype, kv_dtype, sequences=1)  # a hybrid's state too
+    if pool_bytes < need and not block_bytes:  # states only (Mamba): the length costs nothing
+        raise KVBudgetError(f"the KV budget of {_size(pool_bytes)} ({budget.how}) holds no recurrent state of {_size(need)} "
+                            "(a model none of whose layers attends keeps states only): give more memory "
+                            "(--kv-budget-bytes, --gpu-memory-utilization)")
     if pool_bytes < need:
         raise KVBudgetError(
             f"the KV budget of {_size(pool_bytes)} ({budget.how}) holds {tokens} tokens of {kv_dtype} KV "

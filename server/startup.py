@@ -132,9 +132,9 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     kv_budget.check(budget, budget.nbytes - draft_bytes, loaded.model.config, loaded.dtype, settings.kv_cache_dtype, max_context)
     cache_manager = build_cache_manager(settings, loaded, metrics, max_context, budget.nbytes - draft_bytes, mode)
     log.info("KV budget %.2f GiB (%s): %d tokens of %s KV (%d bytes per token); one sequence at the full context of "
-             "%d tokens takes %.1f%% of it", budget.nbytes / 2**30, budget.how, cache_manager.pool.capacity_tokens,
+             "%d tokens takes %.1f%% of it", budget.nbytes / 2**30, budget.how, cache_manager.capacity_tokens(),
              cache_manager.pool.format.name, cache_manager.pool.block_bytes // cache_manager.pool.block_size, max_context,
-             100 * max_context / max(cache_manager.pool.capacity_tokens, 1))
+             100 * max_context / max(cache_manager.capacity_tokens(), 1))
     if adapters is not None:
         metrics.watch_adapters(adapters)
     engine = Engine(loaded.model, loaded.tokenizer, engine_config(settings, max_context), cache_manager, metrics=metrics,
@@ -230,7 +230,7 @@ def build_cache_manager(settings: Settings, loaded: LoadedModel, metrics: Metric
     metrics.watch_tiers(cache_manager)
     pool = cache_manager.pool
     log.info("KV pool on %s: %d blocks of %d tokens, %.2f GiB (%d tokens)", pool.device, pool.num_blocks,
-             pool.block_size, pool.num_blocks * pool.block_bytes / 2**30, pool.capacity_tokens)
+             pool.block_size, pool.num_blocks * pool.block_bytes / 2**30, cache_manager.capacity_tokens())
     if pool.states is not None:
         log.info("recurrent state: %s; %d slots (%.2f GiB) for running and kept sequences and their checkpoints",
                  pool.states.spec.describe(), pool.states.num_slots, pool.states.num_slots * pool.states.spec.nbytes / 2**30)

@@ -222,7 +222,8 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, groups: int, scal
 def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, span: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Store the row's new keys/values at `layer`; return the keys/values its queries attend
     over, in position order, and the position of the first: the whole sequence for a full
-    layer, the last `window` positions before the first query onwards for a sliding one.
+    layer, from the first query's first visible key on for a sliding or chunked one
+    (`_first_key`).
 
     `span` (exact mode: `exact.SPAN`): from the first key of the span holding the first query
     (`_first_key`) to the end of the span holding the last; the positions past the row's end

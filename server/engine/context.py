@@ -78,7 +78,7 @@ class Batch:
 
     def prepare(self, dtype: torch.dtype, groups: int) -> None:
         """The gather index [B, L] and one additive mask [B, 1, groups * T, L] per window:
-        query at position q sees keys at positions <= q (and > q - window). Device ops only:
+        what a query sees (`visible`). Device ops only:
         this runs inside graph capture. Nothing for the kernel's decode rows."""
         if self.kernel:
             return

@@ -109,8 +109,7 @@ def _static(model, config) -> kv.Layout:
             raise UnsupportedModel("layers-without-kv", "some of its layers keep no keys and values of their own "
                                    "and share none kvserve knows the source of") from None
         named = [k for k in exc.kinds if k != "dummy"]  # "dummy": transformers' layers without attention
-        raise UnsupportedModel(f"layers-{named[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold "
-                               "(indexed attention layers are not served)") from None
+        raise UnsupportedModel(f"layers-{named[0]}", f"its layers of type {kinds} keep no KV cache kvserve can hold") from None
     _check_recurrent(model, layout)
     if layout.attending and getattr(model, "_supports_attention_backend", True) is False and not _uses_attention_interface(model):
         raise UnsupportedModel("attention-backend", f"{type(model).__name__} computes attention in its own modeling code, "

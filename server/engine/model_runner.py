@@ -107,7 +107,8 @@ class ModelRunner:
         self.max_rows = bucket(max_rows)
         self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
         text_config = model.config.get_text_config(decoder=True)
-        self.groups = text_config.num_attention_heads // pool.layout.kv_heads  # query heads per KV head
+        # query heads per KV head (none where no layer attends: Mamba)
+        self.groups = text_config.num_attention_heads // pool.layout.kv_heads if pool.layout.attending else 1
         # NOTE: faults' `capture` switch attempts (and fails) a capture off a GPU too
         self.use_graphs = cuda_graphs and ((self.device.type == "cuda" and self.paged) or faults.switched_on("capture"))
         self.paths: dict[str, str] = {}  # how each fast path runs (`describe_paths`), once prepared

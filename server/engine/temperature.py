@@ -6,8 +6,9 @@ that grows with the token's position: 1 + attn_scale * log1p(floor((p + 1) / flo
 token's index in the forward pass, which in a packed kvserve step (many sequences' tokens in one
 flattened row, no transformers cache) would be the token's index in the step. Inside a step the
 NoPE layer runs this module's forward instead, the same computation with p the token's own
-position (`StepContext.positions`); outside one (transformers' own `generate`, the families
-probe's reference) it runs its own.
+position (`StepContext.positions`: its rope position, which for Llama 4, with no pictures
+moving positions, is its position in the cache); outside one (transformers' own `generate`,
+the families probe's reference) it runs its own.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ def modules(model) -> list[torch.nn.Module]:
 
 def enable(model) -> int:
     """Switch every such module to the step's positions inside a kvserve step (once); returns
-    how many there are."""
+    how many run so (a module whose forward something else replaced first is left as it is)."""
     found = modules(model)
     for module in found:
         if "forward" not in vars(module):
             module.forward = _forward(module, module.forward)
-    return len(found)
+    return sum(getattr(m.forward, "_kvserve_temperature", False) for m in found)
 
 
 def scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -45,10 +46,14 @@ def _forward(module, original):
         step = context.current()
         if step is None:
             return original(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        if step.positions is None:
+            raise RuntimeError("a step with 3-D rope positions (M-RoPE) reached Llama 4's query temperature")
         shape = hidden_states.shape[:-1]
         query = module.q_proj(hidden_states).view(*shape, -1, module.head_dim)
         key = module.k_proj(hidden_states).view(*shape, -1, module.head_dim)
         value = module.v_proj(hidden_states).view(*shape, -1, module.head_dim).transpose(1, 2)
+        if hasattr(module, "qk_norm"):  # as transformers' forward (its NoPE layers have none)
+            query, key = module.qk_norm(query), module.qk_norm(key)
         temperature = scales(step.positions.reshape(-1), module.floor_scale, module.attn_scale)
         query = (query * temperature.view(1, -1, 1, 1)).to(query.dtype)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
@@ -58,4 +63,5 @@ def _forward(module, original):
         out, weights = attend(module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs)
         return module.o_proj(out.reshape(*shape, -1).contiguous()), weights
 
+    forward._kvserve_temperature = True
     return forward

@@ -137,22 +137,45 @@ def test_a_model_that_keeps_states_only_gives_them_the_whole_budget():
     assert layout.attending == layout.owners == () and layout.bytes_per_token(torch.float32, "fp8") == 0
     assert kv.bytes_for(config, 4096, torch.float32, sequences=1) == per_state
     pool = kv.Pool(config, 5 * per_state + 7, torch.device("cpu"), torch.float32, reserve_tokens=256)
-    assert (pool.states.num_slots, pool.block_bytes, pool.budget_bytes) == (5, 0, 7)
+    assert (pool.states.num_slots, pool.block_bytes, pool.budget_bytes) == (5, 0, 5 * per_state)  # what the store counts
     assert pool.capacity_tokens == 5 * kv.STATELESS_TOKENS and pool.keys == [None] * len(layout.windows)
     assert kv_budget.check(kv_budget.Budget(per_state, "--kv-budget-bytes"), per_state, config, torch.float32, "fp8", 256) == 256
     with pytest.raises(kv_budget.KVBudgetError):  # not one state
         kv_budget.check(kv_budget.Budget(per_state - 1, "--kv-budget-bytes"), per_state - 1, config, torch.float32, "auto", 256)
     assert kv_budget.attention_workspace(layout, 4, torch.bfloat16, "fp8", rows=64, chunk=2048, context=4096) == 0
     manager = CacheManager(config, torch.device("cpu"), torch.float32, 256, CacheConfig(budget_bytes=2 * per_state))
-    assert manager.recurrent_state()["slots"] == 2 and manager.capacity_tokens() == 2 * kv.STATELESS_TOKENS
+    assert manager.recurrent_state()["slots"] == 2 and manager.capacity_tokens() == 2 * 256  # each slot's at the full context
     a = manager.acquire("p", "a", [1, 2, 3], 40)
     assert manager.used_tokens() == 3 * kv.BLOCK_SIZE  # a's blocks for 40 tokens
+    assert manager.tier_usage()["device"][:2] == (per_state, 2 * per_state)  # one of two states held
     manager.commit(a, [1, 2, 3])
     b = manager.acquire("p", "b", [4, 5, 6], 16)
     manager.commit(b, [4, 5, 6])
     c = manager.acquire("p", "c", [7, 8, 9], 16)  # the slots decide: a, the least recently used, goes
     assert [s.session_id for s in manager.list_sessions("p")] == ["c", "b"]
     manager.release(c)
+
+
+def test_a_mamba_config_as_shipped_with_no_attention_heads_is_served(tok):
+    """Real Mamba, Mamba-2 and Falcon-Mamba configs name no attention heads at all (the matrix's
+    tiny ones inherit a count): the layout, the load check, the runner and the budget need none."""
+    from transformers import AutoConfig
+
+    for model_type, extra in (("mamba", {}), ("mamba2", dict(num_heads=8, head_dim=16, n_groups=1, chunk_size=16)),
+                              ("falcon_mamba", {})):
+        config = AutoConfig.for_model(model_type, vocab_size=49152, hidden_size=64, num_hidden_layers=2, state_size=16, **extra)
+        assert getattr(config, "num_attention_heads", None) is None, model_type
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPE).to(DEVICE).eval()
+        families.check(model)
+        assert kv.layout(config).kv_heads == 0
+        served = Served(model, tok)
+        try:
+            prompt = prompt_of(21, 15)
+            got, _ = asyncio.run(served.run(prompt, 6))
+        finally:
+            served.stop()
+        assert_equivalent(model, prompt, got, generate(model, prompt, 6))
 
 
 def fill(pool: kv.Pool, cache: kv.SequenceKV, value: float, length: int) -> None:
