@@ -374,6 +374,8 @@ class Pool:
             slots = state_slots if state_slots is not None else \
                 _state_slots(spec, budget_bytes, budget_bytes - reserve_tokens * self.block_bytes // block_size,
                              share=STATE_SHARE if self.block_bytes else 1.0)
+            if not self.block_bytes:  # no more sequences than the blocks of no bytes have room for
+                slots = max(1, min(slots, MAX_STATELESS_BLOCKS // self._stateless_blocks(reserve_tokens)))
             # the KV blocks' share (the budget less the states'); states only: the states', which
             # the store counts (`nbytes`)
             budget_bytes = budget_bytes - slots * spec.nbytes if self.block_bytes else slots * spec.nbytes
@@ -383,7 +385,7 @@ class Pool:
             num_blocks = budget_bytes // self.block_bytes
         else:  # states only: blocks of no bytes for every slot's sequence (the module docstring)
             slots = self.states.num_slots if self.states is not None else 1
-            num_blocks = min(slots * blocks_for(max(reserve_tokens, STATELESS_TOKENS), block_size), MAX_STATELESS_BLOCKS)
+            num_blocks = min(slots * self._stateless_blocks(reserve_tokens), MAX_STATELESS_BLOCKS)
         self.allocator = BlockAllocator(num_blocks)
         self.trash_block = num_blocks
         slots = (num_blocks + 1) * block_size
@@ -415,6 +417,10 @@ class Pool:
         self.key_scales, self.value_scales = [key_scales.get(s) for s in sources], [value_scales.get(s) for s in sources]
         self._zeroed = bytearray([self.device.type == "cuda"]) * (num_blocks + 1)
         self._zero([self.trash_block])
+
+    def _stateless_blocks(self, reserve_tokens: int) -> int:
+        """A states-only pool's blocks (of no bytes) for one sequence (the module docstring)."""
+        return blocks_for(max(reserve_tokens, STATELESS_TOKENS), self.block_size)
 
     def release(self) -> None:
         """Drop the storage (at shutdown, once nothing reads it): the device memory goes back

@@ -143,6 +143,9 @@ def test_a_model_that_keeps_states_only_gives_them_the_whole_budget():
     with pytest.raises(kv_budget.KVBudgetError):  # not one state
         kv_budget.check(kv_budget.Budget(per_state - 1, "--kv-budget-bytes"), per_state - 1, config, torch.float32, "auto", 256)
     assert kv_budget.attention_workspace(layout, 4, torch.bfloat16, "fp8", rows=64, chunk=2048, context=4096) == 0
+    long = kv.Pool(config, 2**40, torch.device("cpu"), torch.float32, reserve_tokens=2**22)  # 4M tokens of context
+    per_sequence = kv.blocks_for(2**22)
+    assert long.states.num_slots == kv.MAX_STATELESS_BLOCKS // per_sequence == long.num_blocks // per_sequence  # every slot's room
     manager = CacheManager(config, torch.device("cpu"), torch.float32, 256, CacheConfig(budget_bytes=2 * per_state))
     assert manager.recurrent_state()["slots"] == 2 and manager.capacity_tokens() == 2 * 256  # each slot's at the full context
     a = manager.acquire("p", "a", [1, 2, 3], 40)
