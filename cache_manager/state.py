@@ -2,7 +2,7 @@
 LFM2, Jamba, MiniMax, RecurrentGemma...) and pure state-space ones (Mamba): layers of linear
 attention, Mamba, RG-LRU or short convolutions keep a fixed-size state per sequence instead of
 keys and values that grow with it. Families that keep it outside transformers' cache interface
-are brought to it here: under names of their own (`OwnNames`), or on the module itself
+(in a cache class of their own, or on the module itself) are brought to it here
 (`state_forward`).
 
 * `Spec`: what one sequence's state is, found by running the model's own code once on the meta
@@ -83,18 +83,14 @@ def _spec(config, dtype: torch.dtype) -> Spec | None:
         return None
     # NOTE: the recurrent modules alone, on three tokens of zeros: the rest of the model (an
     # MoE's grouped products, say) need not run on the meta device
-    class Cache(OwnNames, DynamicCache):
-        pass
-
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        cache = Cache(config=text)
+        cache = DynamicCache(config=text)
         hidden = torch.zeros(1, 3, text.hidden_size, dtype=dtype, device="meta")
         with torch.inference_mode():
             for module, keyword in recurrent_modules(model):
-                forward = state_forward(module)
-                forward(hidden, **required_nones(forward, keyword), **{keyword: cache})
+                state_forward(module)(hidden, **{keyword: cache})
     except Exception:  # noqa: BLE001 - a state kept some other way kvserve does not know: none it can hold
         return Spec(())
     shapes = []
@@ -108,31 +104,7 @@ def _spec(config, dtype: torch.dtype) -> Spec | None:
     return Spec(tuple(shapes))
 
 
-_STATE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", "update_recurrent_state(", "get_linear_cache(",
-                "set_linear_cache(")
-
-
-def required_nones(forward, keyword: str) -> dict[str, None]:
-    """None for each parameter a recurrent module's `forward` requires after its input, its
-    cache's `keyword` aside (MiniMax's asks for position embeddings and a mask it ignores)."""
-    import inspect
-
-    params = list(inspect.signature(forward).parameters.values())[1:]
-    return {p.name: None for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and p.name != keyword}
-
-
-class OwnNames:
-    """A family's own names for transformers' cache interface, on a cache that has it: MiniMax's
-    lightning attention keeps its one recurrent state (K^T V, decayed) as its "linear cache",
-    in a cache class of its own; under these names it is recurrent state 0 of its layer, read
-    only once the layer has one (as MiniMax's cache gives None before)."""
-
-    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
-        return self.get_recurrent_state(layer_idx) if self.has_previous_state(layer_idx) else None
-
-    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
-        self.update_recurrent_state(linear_cache, layer_idx)
+_STATE_CALLS = ("get_conv_state(", "get_recurrent_state(", "update_conv_state(", "update_recurrent_state(")
 
 
 def recurrent_modules(model) -> list[tuple[torch.nn.Module, str]]:
@@ -207,8 +179,42 @@ def _griffin(block, input_states: torch.Tensor, past_key_values) -> tuple[torch.
     return block.linear_out(x * y), None
 
 
-# A family's recurrent block that keeps its state on itself -> kvserve's forward of it over the cache interface
-_OWN_FORWARDS = {"RecurrentGemmaRecurrentBlock": _griffin}
+def _lightning(attention, hidden_states: torch.Tensor, past_key_values) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax's lightning attention (linear attention with a per-head decay), its state (K^T V,
+    decayed) kept through the cache interface as recurrent state 0: transformers keeps it in a
+    cache class of its own (`get_linear_cache`). The same computation as its own forward: a
+    first chunk in blocks of `block_size` from a zero state, a decode step by its one-token
+    recurrence; a longer chunk after a kept state (which `generate` never runs, and which
+    transformers' own code would take one token at a time) in blocks from the kept state."""
+    cache, layer = past_key_values, attention.layer_idx
+    b, t, _ = hidden_states.shape
+    heads, dim = attention.num_attention_heads, attention.head_dim
+    qkv = attention.act_fn(attention.qkv_proj(hidden_states)).reshape(b, t, heads, 3 * dim)
+    query, key, value = (x.transpose(1, 2) for x in torch.split(qkv, dim, dim=3))
+    kept = cache.get_recurrent_state(layer)  # None before the first (transformers' has_previous_state follows a conv state)
+    if kept is not None and t == 1:
+        kv_state = torch.exp(-attention.slope_rate) * kept + torch.matmul(key.transpose(-1, -2), value)
+        out = torch.matmul(query, kv_state)
+    else:
+        kv_state = kept if kept is not None else torch.zeros(b, heads, dim, dim, device=value.device, dtype=value.dtype)
+        pieces = []
+        for start in range(0, t, attention.block_size):
+            end = min(start + attention.block_size, t)
+            n = end - start
+            q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
+            intra = torch.matmul(torch.matmul(q, k.transpose(-1, -2)) * attention.diagonal_decay[:, :, :n, :n], v)
+            pieces.append(torch.matmul(q * attention.query_decay[:, :n], kv_state) + intra)
+            kv_state = kv_state * torch.exp(-attention.slope_rate * n) + torch.matmul((k * attention.key_decay[:, -n:]).transpose(-1, -2), v)
+        out = torch.cat(pieces, dim=-2)
+    cache.update_recurrent_state(kv_state, layer)
+    out = attention.norm(out.transpose(1, 2).reshape(b, t, heads * dim))
+    out = attention.out_proj(F.sigmoid(attention.output_gate(hidden_states)) * out)
+    return out, kv_state
+
+
+# A family's recurrent block that keeps its state outside transformers' cache interface ->
+# kvserve's forward of it over the interface
+_OWN_FORWARDS = {"RecurrentGemmaRecurrentBlock": _griffin, "MiniMaxLightningAttention": _lightning}
 
 
 # transformers' layer types that keep a recurrent state ("hybrid": attention and state in one layer)

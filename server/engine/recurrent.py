@@ -15,7 +15,7 @@ each time with `_RowStates` as the module's cache: transformers' cache interface
 `has_previous_state`, `is_recording_past`) over those rows' slots, with the same semantics as
 transformers' `LinearAttentionLayer`; what the module wrote goes back to the slots afterwards.
 The forward a step runs is `state.state_forward(module)`: the module's own, or kvserve's for a
-block that keeps its state on itself (RecurrentGemma's). Outside a step (transformers' own
+block that keeps its state outside transformers' cache interface (RecurrentGemma's, MiniMax's). Outside a step (transformers' own
 `generate`, the families probe's reference) the module runs as it was. Padding rows of a decode bucket use the trash slot, zeroed after the step.
 
 Jamba's Mamba mixer runs a multi-token input through `mamba_selective_scan`, which starts from a
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from cache_manager import state
-from cache_manager.state import OwnNames, Slots
+from cache_manager.state import Slots
 from server.engine import context
 from server.engine.context import StepRows
 
@@ -138,7 +138,6 @@ def _wrapped(module, original, keyword: str, plain):
              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     first = named[0]
     from_zero = _scans_from_zero(module)
-    nones = state.required_nones(original, keyword)
 
     def forward(*args, **kwargs):
         step = context.current()
@@ -148,10 +147,10 @@ def _wrapped(module, original, keyword: str, plain):
         hidden = args[0] if args else kwargs.pop(first)
         # NOTE: only the module's own parameters: the step's other keywords (the mask) are not
         # its business, and no row is padded.
-        extra = {**nones, **{k: v for k, v in kwargs.items() if k in named and k not in (keyword, "attention_mask", first)}}
+        extra = {k: v for k, v in kwargs.items() if k in named and k not in (keyword, "attention_mask", first)}
         out, paired = None, False
 
-        def run(x, states):  # the output; a module that returns (output, its state) as a pair (MiniMax's) gives the first
+        def run(x, states):  # the output; a forward that returns (output, something) gives the first
             nonlocal paired
             y = original(x, **extra, **{keyword: states})
             paired = isinstance(y, tuple)
@@ -184,7 +183,7 @@ def _wrapped(module, original, keyword: str, plain):
     return forward
 
 
-class _RowStates(OwnNames):
+class _RowStates:
     """transformers' cache interface for a recurrent layer over some rows' state slots (the
     module docstring): reads gather the slots, writes stay here until `write_back`."""
 

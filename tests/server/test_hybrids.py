@@ -35,8 +35,8 @@ from tests.equivalence import assert_equivalent
 
 # gated delta-net, short convolutions, Mamba-2 beside attention in every layer, Mamba-2 layers
 # (Granite 4.0-H), Mamba layers (Jamba), Mamba alone (no layer attends), lightning attention
-# (MiniMax: its state under names of its own, `state.OwnNames`), RG-LRU (RecurrentGemma: its state
-# kept on the module by transformers, through the cache interface by kvserve's `state.state_forward`)
+# (MiniMax: its state in a cache class of its own), RG-LRU (RecurrentGemma: its state kept on the
+# module by transformers); both through the cache interface by kvserve's `state.state_forward`
 FAMILIES = ("qwen3_next", "lfm2", "falcon_h1", "granitemoehybrid", "jamba", "mamba", "minimax", "recurrent_gemma")
 FP = "hybrid-test"
 
@@ -441,26 +441,37 @@ def test_a_mamba_scan_continued_from_its_kept_state_is_the_scan_of_the_whole(dty
     torch.testing.assert_close(state_after, last, rtol=1e-5, atol=1e-5)
 
 
-def test_recurrent_gemmas_block_over_the_cache_interface_is_its_own_forward_in_any_chunks():
-    """RecurrentGemma keeps its block's state on the module; kvserve's forward of the block
-    (`state.state_forward`) keeps it in transformers' cache instead. A sequence of 13 tokens in
-    chunks of 5, 1, 4 and 3 (a first chunk, a decode step, continued chunks) gives the block's
-    own forward over the whole, and a decode step takes its own decoding formula."""
-    from transformers import DynamicCache
+@pytest.mark.parametrize("name", ["recurrent_gemma", "minimax"])
+def test_a_block_kvserve_runs_over_the_cache_interface_is_its_own_forward_in_any_chunks(name):
+    """RecurrentGemma keeps its block's state on the module, MiniMax in a cache class of its
+    own; kvserve's forward of the block (`state.state_forward`) keeps it in transformers' cache
+    interface instead (here over two rows' state slots, as a step keeps them). A sequence of 13
+    tokens in chunks of 5, 1, 4 and 3 (a first chunk, a decode step, continued chunks; MiniMax's
+    in blocks of 4 positions, so chunks span blocks) gives the block's own forward over the whole."""
+    from server.engine.recurrent import _RowStates
 
-    model = build("recurrent_gemma")
-    [(block, keyword)] = state.recurrent_modules(model)
+    config = architectures.FAMILIES[name].config()
+    if name == "minimax":
+        config.block_size = 4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPE).to(DEVICE).eval()
+    block, keyword = state.recurrent_modules(model)[0]
     forward = state.state_forward(block)
+    slots = state.Slots(state.spec(config, DTYPE), 2, DEVICE)
+    rows = torch.tensor([0, 1], device=DEVICE)
     torch.manual_seed(1)
-    x = torch.randn(2, 13, model.config.hidden_size, device=DEVICE, dtype=DTYPE)
+    x = torch.randn(2, 13, config.hidden_size, device=DEVICE, dtype=DTYPE)
     positions = torch.arange(13, device=DEVICE)[None].expand(2, 13)
     with torch.no_grad():
-        whole, _ = block(x, positions, None, use_cache=False)
-        cache = DynamicCache(config=model.config)
+        whole = block(x, positions, None, use_cache=False)[0] if name == "recurrent_gemma" else block(x, None, None)[0]
         pieces, at = [], 0
-        for n in (5, 1, 4, 3):
+        for n in (5, 1, 4, 3):  # each chunk over the two rows' slots, as a step runs it
+            cache = _RowStates(slots, rows, previous=at > 0)
             pieces.append(forward(x[:, at : at + n], **{keyword: cache})[0])
+            for state_name, index, values in cache.written():
+                slots.put(state_name, index, values)
             at += n
     tolerance = 1e-5 if DTYPE == torch.float32 else 2e-2
     torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=tolerance, atol=tolerance)
-    assert cache.get_recurrent_state(block.layer_idx).dtype == torch.float32  # the recurrence in full precision, as transformers keeps it
+    if name == "recurrent_gemma":  # the recurrence in full precision, as transformers keeps it
+        assert slots.tensors[f"rec.{block.layer_idx}.0"].dtype == torch.float32
