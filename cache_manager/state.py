@@ -116,7 +116,7 @@ def recurrent_modules(model) -> list[tuple[torch.nn.Module, str]]:
     found = []
     for name, module in model.named_modules():
         if type(module).__name__ in _OWN_FORWARDS:
-            module.layer_idx = _layer_of(name)  # NOTE: the block is not told its index; its decoder layer's
+            module.layer_idx = _layer_of(name)  # its decoder layer's (RecurrentGemma's block is not told its index)
             found.append((module, "past_key_values"))
             continue
         if not hasattr(module, "layer_idx"):
@@ -137,7 +137,8 @@ def recurrent_modules(model) -> list[tuple[torch.nn.Module, str]]:
 
 def state_forward(module):
     """The forward that keeps `module`'s state through transformers' cache interface: its own,
-    or kvserve's for a family that keeps the state on the module itself (`_OWN_FORWARDS`)."""
+    or kvserve's for a family that keeps it elsewhere (`_OWN_FORWARDS`: on the module itself,
+    in a cache class of its own)."""
     own = _OWN_FORWARDS.get(type(module).__name__)
     return module.forward if own is None else functools.partial(own, module)
 

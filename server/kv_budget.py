@@ -130,6 +130,9 @@ def check(budget: Budget, pool_bytes: int, model_config, dtype: torch.dtype, kv_
     block_bytes = kv.BLOCK_SIZE * per_token
     tokens = max(pool_bytes, 0) // block_bytes * kv.BLOCK_SIZE if block_bytes else max_context  # states only: any
     need = kv.bytes_for(model_config, max_context, dtype, kv_dtype, sequences=1)  # a hybrid's state too
+    if not block_bytes and kv.blocks_for(max_context) > kv.MAX_STATELESS_BLOCKS:  # states only: positions are bookkept
+        raise KVBudgetError(f"a context of {max_context} tokens is longer than a model that keeps states only is served "
+                            f"with ({kv.MAX_STATELESS_BLOCKS * kv.BLOCK_SIZE}): lower --max-model-len")
     if pool_bytes < need and not block_bytes:  # states only (Mamba): the length costs nothing
         raise KVBudgetError(f"the KV budget of {_size(pool_bytes)} ({budget.how}) holds no recurrent state of {_size(need)} "
                             "(a model none of whose layers attends keeps states only): give more memory "

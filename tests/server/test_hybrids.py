@@ -143,6 +143,8 @@ def test_a_model_that_keeps_states_only_gives_them_the_whole_budget():
     with pytest.raises(kv_budget.KVBudgetError):  # not one state
         kv_budget.check(kv_budget.Budget(per_state - 1, "--kv-budget-bytes"), per_state - 1, config, torch.float32, "auto", 256)
     assert kv_budget.attention_workspace(layout, 4, torch.bfloat16, "fp8", rows=64, chunk=2048, context=4096) == 0
+    with pytest.raises(kv_budget.KVBudgetError, match="max-model-len"):  # longer than the positions' bookkeeping
+        kv_budget.check(kv_budget.Budget(2**30, "--kv-budget-bytes"), 2**30, config, torch.float32, "auto", 2**29)
     long = kv.Pool(config, 2**40, torch.device("cpu"), torch.float32, reserve_tokens=2**22)  # 4M tokens of context
     per_sequence = kv.blocks_for(2**22)
     assert long.states.num_slots == kv.MAX_STATELESS_BLOCKS // per_sequence == long.num_blocks // per_sequence  # every slot's room
@@ -475,3 +477,34 @@ def test_a_block_kvserve_runs_over_the_cache_interface_is_its_own_forward_in_any
     torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=tolerance, atol=tolerance)
     if name == "recurrent_gemma":  # the recurrence in full precision, as transformers keeps it
         assert slots.tensors[f"rec.{block.layer_idx}.0"].dtype == torch.float32
+
+
+def test_minimaxs_own_forward_is_transformers_bit_for_bit_where_generate_runs_it():
+    """What `generate` computes (a prompt from no state, then one token at a time from the
+    state) kvserve's `_lightning` computes with the same operations: equal bits, the kept state
+    too (a prompt of 6 tokens in blocks of 4, then 4 steps), against MiniMax's own cache."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    from server.engine.recurrent import _RowStates
+
+    config = architectures.FAMILIES["minimax"].config()
+    config.block_size = 4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPE).to(DEVICE).eval()
+    block, keyword = state.recurrent_modules(model)[0]
+    forward = state.state_forward(block)
+    slots, rows = state.Slots(state.spec(config, DTYPE), 1, DEVICE), torch.tensor([0], device=DEVICE)
+    torch.manual_seed(1)
+    x = torch.randn(1, 10, config.hidden_size, device=DEVICE, dtype=DTYPE)
+    with torch.no_grad():
+        own = MiniMaxCache()
+        at = 0
+        for n in (6, 1, 1, 1, 1):
+            want = block(x[:, at : at + n], None, None, past_key_values=own)[0]
+            cache = _RowStates(slots, rows, previous=at > 0)
+            got = forward(x[:, at : at + n], **{keyword: cache})[0]
+            for state_name, index, values in cache.written():
+                slots.put(state_name, index, values)
+            assert torch.equal(got, want), at
+            at += n
+    assert torch.equal(slots.tensors[f"rec.{block.layer_idx}.0"][0:1], own.get_linear_cache(block.layer_idx))
