@@ -3,10 +3,10 @@
 kvserve runs transformers' own modeling code with some of its modules' forwards replaced
 (`model_runner.PATCHES` installs them, in order): the attention function, LongRoPE's rotary
 modules, the recurrent layers of a hybrid, Llama 4's query temperature, the LoRA deltas and
-exact mode's linear and norm layers. What each needs of the step (whose tokens these are, which adapter or state slot each
-token has, whether exact numerics are on) is in one `StepContext`, built once per step by the
-model runner and entered in one place: `ModelRunner._forward`, the body that eager steps and
-CUDA graph capture both run. A patch reads `current()`; outside a step (transformers' own
+exact mode's linear and norm layers. What each needs of the step (whose tokens these are,
+which adapter or state slot each token has, whether exact numerics are on) is in one
+`StepContext`, built once per step by the model runner and entered in one place:
+`ModelRunner._forward`, the body that eager steps and CUDA graph capture both run. A patch reads `current()`; outside a step (transformers' own
 `generate`, the families probe's reference) it is None and every patched module runs as it was.
 
 The step's parts live here too, so that the patches import the step and never each other:
