@@ -94,8 +94,9 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
         block = tl.load(table_ptr + b * t_b + keys // block_size, mask=seen, other=0).to(tl.int64)
         slot = block * block_size + keys % block_size
         kt = tl.load(k_base + slot[None, :] * k_s + dk[:, None], mask=seen[None, :] & (dk[:, None] < DK), other=0.0).to(q.dtype)
-        v = tl.load(v_base + slot[:, None] * v_s + dv[None, :], mask=seen[:, None] & (dv[None, :] < DV), other=0.0).to(q.dtype)
-        if LATENT:
+        v_ptrs, v_mask = v_base + slot[:, None] * v_s + dv[None, :], seen[:, None] & (dv[None, :] < DV)
+        if LATENT:  # the latent is a key too: read before the scores, once
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(q.dtype)
             scores = (_dot(q_latent, tl.trans(v), IEEE, UPCAST) + _dot(q, kt, IEEE, UPCAST)) * scale
         else:
             scores = _dot(q, kt, IEEE, UPCAST) * scale
@@ -109,6 +110,8 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
         rescale = tl.exp(top - shift)
         weights = tl.exp(scores - shift[:, None])
         total = total * rescale + tl.sum(weights, 1)
+        if not LATENT:  # the values read where the weights are ready, as before the latent form
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(q.dtype)
         acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, IEEE, UPCAST)
         top = new_top
     if SPLIT:
