@@ -54,6 +54,9 @@ BLOCK_SIZE = 16
 # The text-config attribute by which server/engine/mla.py (`configure`) says how an MLA model's
 # pool keeps its KV: "latent" (`Layout.latent`) or "heads" (transformers' decompressed keys and values)
 LATENT = "kvserve_mla_cache"
+# Marked on the text config of a model sharded over N tensor-parallel ranks (server/parallel.py):
+# each rank's pool keeps its own N-th of the KV heads
+SHARDS = "kvserve_tensor_parallel"
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 # Layers that keep a recurrent state (cache_manager/state.py) and no KV ("hybrid": both)
 _STATE_ONLY = ("linear_attention", "conv")
@@ -210,6 +213,8 @@ class Layout:
     # one "KV head" whose key is the shared rotary key (key_dim: qk_rope_head_dim) and whose
     # value is the normalized compressed KV (value_dim: kv_lora_rank), nothing per head
     latent: bool = False
+    # query heads per KV head (attention's grouping; one rank's are the same ratio)
+    groups: int = 1
 
     @property
     def owners(self) -> tuple[int, ...]:
@@ -255,6 +260,7 @@ def layout(config: PretrainedConfig) -> Layout:
     Key and value widths: `qk_head_dim` and `v_head_dim` where the config has them (MLA:
     DeepSeek-V2/V3, Kimi K2), else `head_dim` (or hidden_size / heads) for both; an MLA model
     whose config server/engine/mla.py marked (`LATENT`) keeps its latent instead (`Layout.latent`).
+    A model sharded over tensor-parallel ranks (`SHARDS`) keeps one rank's share of the KV heads.
     server/engine/families.py checks them against what the model's layers really produce."""
     text_config = config.get_text_config(decoder=True)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
@@ -290,8 +296,10 @@ def layout(config: PretrainedConfig) -> Layout:
     if text_config.model_type == "diffllama":  # both halves of its value heads side by side (server/engine/differential.py)
         value_dim *= 2
     if getattr(text_config, LATENT, None) == "latent":
-        return Layout(windows, 1, text_config.qk_rope_head_dim, text_config.kv_lora_rank, rope_switch(text_config), sources, no_kv, latent=True)
-    return Layout(windows, heads, key_dim, value_dim, rope_switch(text_config), sources, no_kv)
+        return Layout(windows, 1, text_config.qk_rope_head_dim, text_config.kv_lora_rank, rope_switch(text_config), sources, no_kv,
+                      latent=True, groups=text_config.num_attention_heads)
+    groups = text_config.num_attention_heads // heads
+    return Layout(windows, heads // getattr(text_config, SHARDS, 1), key_dim, value_dim, rope_switch(text_config), sources, no_kv, groups=groups)
 
 
 def _shared_layers(text_config: PretrainedConfig, layer_types: list[str]) -> tuple[list[str], tuple[int, ...] | None]:
@@ -458,8 +466,14 @@ class Pool:
 
     def take_blocks(self, n: int, after: int | None = None) -> list[int]:
         blocks = self.allocator.allocate(n, after)
-        self._zero([b for b in blocks if not self._zeroed[b]])
+        self.touch(blocks)
         return blocks
+
+    def touch(self, blocks: list[int]) -> None:
+        """Zero those of `blocks` handed out for the first time (the storage docstring in
+        `__init__`): as `take_blocks` hands them out, or as a tensor-parallel follower's
+        steps name them (server/engine/lockstep.py)."""
+        self._zero([b for b in blocks if not self._zeroed[b]])
 
     def give_back(self, blocks: list[int]) -> None:
         self.allocator.free(blocks)

@@ -98,6 +98,12 @@ class CacheConfig:
             raise ValueError("anonymous_block must be >= 1")
 
 
+def make_pool(model_config, budget_bytes: int, device: torch.device, dtype: torch.dtype, kv_dtype: str, max_context: int) -> kv.Pool:
+    """The KV pool of a cache manager's budget (and of a tensor-parallel follower's, which
+    must have the same blocks: server/engine/lockstep.py)."""
+    return kv.Pool(model_config, budget_bytes, device, dtype, kv_dtype=kv_dtype, reserve_tokens=max_context)
+
+
 class CacheManager:
     """Sessions' KV caches for one model: reuse, crop, grow, evict. Engine thread only, except
     `list_sessions`/`delete_session`, which the admin routes call (the store is locked)."""
@@ -112,7 +118,7 @@ class CacheManager:
         # NOTE: the pool is the budget's blocks, and the store counts whole blocks: whatever
         # the store makes room for, the pool has the blocks of. A hybrid's recurrent-state
         # slots take their share first (kv._state_slots), counted apart (`_state_slot`).
-        self.pool = kv.Pool(model_config, config.budget_bytes, device, dtype, kv_dtype=config.kv_dtype, reserve_tokens=max_context)
+        self.pool = make_pool(model_config, config.budget_bytes, device, dtype, config.kv_dtype, max_context)
         self.store = SessionStore(self.pool.budget_bytes, config.ttl_s, on_drop=self._dropped)
         self._private_bytes = 0  # caches of requests without a session (not in the store)
         self._lock = threading.Lock()

@@ -132,9 +132,38 @@ def main(argv: list[str] | None = None) -> int:
                             task=settings.task)
         print(f"prepared {loaded.model_id} in {settings.cache_dir}")
         return exits.OK
+    if settings.tensor_parallel_size > 1:
+        return tensor_parallel(settings, args, argv if argv is not None else sys.argv[1:])
     if args.check:
         return check(settings)
     return serve(settings)
+
+
+def tensor_parallel(settings: Settings, args: argparse.Namespace, argv: list[str]) -> int:
+    """`serve` over --tensor-parallel-size ranks (server/parallel.py): this node's first process
+    starts the node's other ranks (unless torchrun did); rank 0 serves (or checks), the others
+    follow it. The ranks started here are stopped (killed past a grace) before it returns."""
+    from server import parallel
+
+    try:
+        rank = parallel.rank_of(settings)
+    except ValueError as exc:
+        print(f"kvserve: invalid settings: {exc}", file=sys.stderr)
+        return exits.SETTINGS
+    parallel.ignore_stop_signals()
+    children = parallel.spawn(settings, rank, argv)
+    try:
+        if not rank.leader:
+            from server.startup import follow
+
+            return follow(settings)
+        status = check(settings) if args.check else serve(settings)
+        if status != exits.OK and children is not None and (theirs := children.failed_status()) is not None:
+            return theirs  # the rank that failed first named why; rank 0 only lost it
+        return status
+    finally:
+        if children is not None:
+            children.stop(grace_s=settings.shutdown_grace_s + 5)
 
 
 if __name__ == "__main__":

@@ -78,8 +78,8 @@ def measure(model, device: torch.device, *, utilization: float, max_batch_tokens
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free
-    text = model.config.get_text_config(decoder=True)
-    workspace = attention_workspace(kv.layout(model.config), getattr(text, "num_attention_heads", 0), model.dtype, kv_dtype,
+    layout = kv.layout(model.config)
+    workspace = attention_workspace(layout, layout.groups * layout.kv_heads, model.dtype, kv_dtype,
                                     rows=max_rows, chunk=max_batch_tokens, context=max_context)
     nbytes = int(utilization * total) - in_use - peak - workspace - RESERVE_BYTES - encoder_cache_bytes
     how = (f"measured: {utilization} x {total / GiB:.1f} GiB - {in_use / GiB:.2f} GiB in use - "

@@ -94,6 +94,30 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto = CUDA when available, else CPU."
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64,
+        description="Ranks the model is split over by its tensor-parallel plan, one process per GPU (gloo on CPU). "
+        "kvserve starts the other ranks of this node itself; under torchrun (WORLD_SIZE set) each process joins as "
+        "its RANK. Rank 0 serves HTTP; the others follow its steps.",
+    )
+    nnodes: int = Field(
+        1, ge=1, le=64,
+        description="Nodes the --tensor-parallel-size ranks span, as many on each; every node runs kvserve with the "
+        "same flags and its own --node-rank, and rank 0 (on node 0) serves HTTP.",
+    )
+    node_rank: int = Field(0, ge=0, description="This node's index among --nnodes (0: the node that serves HTTP).")
+    master_addr: str = Field(
+        "127.0.0.1", description="Address of node 0, where the ranks meet (torch.distributed's rendezvous over TCP)."
+    )
+    master_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Port on --master-addr where the ranks meet; unset = a free port (one node only: several need it).",
+    )
+    tensor_parallel_timeout_s: float = Field(
+        120.0, gt=0, le=86400,
+        description="How long a rank waits for the others in one collective (start-up, a step, or the leader's idle "
+        "heartbeat) before it gives the engine up as dead.",
+    )
     trust_remote_code: bool = Field(False, description="Allow model code from the model's repo.")
     cache_dir: Path = Field(
         default_factory=default_cache_dir,
@@ -338,6 +362,30 @@ class Settings(BaseSettings):
         if value is None or (isinstance(value, str) and value.strip().lower() in ("auto", "")):
             return None
         return handler(value)
+
+    @model_validator(mode="after")
+    def _ranks_fit_nodes(self) -> "Settings":
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} is not a multiple of --nnodes {self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not one of --nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("--nnodes > 1 needs --master-port (and --master-addr): every node must meet at the same one")
+        if self.tensor_parallel_size > 1:
+            # NOTE: each of these keeps or moves state one rank alone would hold
+            unsharded = [flag for flag, on in (
+                ("--lora/--enable-lora-loading", self.serves_adapters),
+                ("--speculative draft", self.speculative == "draft"),
+                ("--deterministic", self.deterministic),
+                ("--compile require", self.compile == "require"),
+                ("--overlap on", self.overlap == "on"),
+                ("--kv-host-bytes", self.kv_host_bytes > 0),
+                ("--kv-disk-dir", self.kv_disk_dir is not None),
+                (f"--task {self.task}", self.task in ("embed", "rerank")),
+            ) if on]
+            if unsharded:
+                raise ValueError(f"{', '.join(unsharded)}: not served with --tensor-parallel-size > 1 yet")
+        return self
 
     @model_validator(mode="after")
     def _speculation_is_complete(self) -> "Settings":

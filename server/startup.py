@@ -10,24 +10,26 @@ import asyncio
 import functools
 import hashlib
 import logging
+import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI
 
 from cache_manager import disk as disk_files
 from cache_manager import state
-from cache_manager.manager import CacheConfig, CacheManager
+from cache_manager.manager import CacheConfig, CacheManager, make_pool
 from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
-from server import exits, kv_budget
+from server import exits, kv_budget, model_loader, parallel
 from server.api import app, dialect, vision_prompt
 from server.api.media import MediaLimits
 from server.api.response_store import ResponseStore
 from server.api.serving import ServingContext
 from server.api.serving_pooling import PoolingContext
-from server.engine import compiled, exact, families, lora, mla
-from server.engine.core import Engine, EngineConfig
+from server.engine import compiled, exact, families, lockstep, lora, mla
+from server.engine.core import Engine, EngineConfig, serving_runner
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
 from server.engine.prompt_lookup import NgramProposer
 from server.engine.sampling import SamplingParams
@@ -115,7 +117,9 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     # a family whose features the engine does not model is refused here, by name, before any
     # cache is sized for it (server/engine/families.py); an MLA model's pool keeps its latent
     # where it can (server/engine/mla.py)
-    mla.configure(loaded.model, settings.mla_cache, lora=settings.serves_adapters)
+    group = parallel.group()
+    # NOTE: a sharded MLA model keeps its heads (each rank its share); the latent is one
+    mla.configure(loaded.model, settings.mla_cache if group is None else "heads", lora=settings.serves_adapters)
     families.check(loaded.model)
     if draft is not None:
         families.check(draft.model)
@@ -126,7 +130,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     adapters = load_adapters(settings, loaded, {model_id, *model_aliases})
     max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
     mode = numerics(settings, loaded)
-    budget = kv_budget.choose(settings, loaded.model, loaded.device, max_context)
+    budget, ranks = rank_budget(settings, loaded, max_context)
     # a draft model's caches (running and kept for sessions) take their share of the budget
     draft_bytes = draft_budget_for(loaded.model, draft.model, budget.nbytes, max_context, settings.kv_cache_dtype) if settings.speculative == "draft" else 0
     kv_budget.check(budget, budget.nbytes - draft_bytes, loaded.model.config, loaded.dtype, settings.kv_cache_dtype, max_context)
@@ -137,8 +141,10 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
              100 * max_context / max(cache_manager.capacity_tokens(), 1))
     if adapters is not None:
         metrics.watch_adapters(adapters)
+    children = parallel.children()
+    leader = lockstep.Leader(group.control, children.lost if children is not None else lambda: None) if group is not None else None
     engine = Engine(loaded.model, loaded.tokenizer, engine_config(settings, max_context), cache_manager, metrics=metrics,
-                    proposer=proposer(settings, loaded, draft, max_context, draft_bytes), adapters=adapters)
+                    proposer=proposer(settings, loaded, draft, max_context, draft_bytes), adapters=adapters, lockstep=leader)
     vocab_size = loaded.model.config.get_text_config(decoder=True).vocab_size
     compiler = GrammarCompiler(
         loaded.tokenizer,
@@ -169,7 +175,58 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         max_request_tokens=settings.max_request_tokens,
         adapters=adapters,
         vision=vision(settings, loaded, engine),
+        ranks=ranks,
     )
+
+
+def rank_budget(settings: Settings, loaded: LoadedModel, max_context: int) -> tuple[kv_budget.Budget, list[dict] | None]:
+    """The KV budget of this rank's pool (`kv_budget.choose`); with tensor parallel the one every
+    rank can hold (the smallest; on CPU each rank's share of this node's RAM), and every rank's
+    summary (its device, weights and budget: `serve --check`), else None."""
+    budget = kv_budget.choose(settings, loaded.model, loaded.device, max_context)
+    group = parallel.group()
+    if group is None:
+        return budget, None
+    if loaded.device.type == "cpu" and settings.kv_budget_bytes is None:
+        budget = kv_budget.Budget(budget.nbytes // group.rank.local_world, f"{budget.how}, shared by {group.rank.local_world} ranks")
+    weights = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in loaded.model.parameters())
+    nbytes, ranks = group.agree(budget.nbytes, {"host": socket.gethostname(), "device": str(loaded.device), "weights_bytes": weights})
+    return kv_budget.Budget(nbytes, f"{budget.how}; the smallest of {group.rank.world} ranks'" if nbytes < budget.nbytes else budget.how), ranks
+
+
+def follow(settings: Settings) -> int:
+    """A tensor-parallel follower (server/parallel.py): load this rank's shard, build what rank
+    0's `build_context` builds of it in the same order (the same collectives), then run the
+    forwards rank 0 sends until it stops. Returns the exit status."""
+    s = settings
+    try:
+        device = model_loader.resolve_device_dtype(s.device, s.dtype)[0]
+        group = parallel.join(s, device.type)
+        loaded = load_model(s.model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype, trust_remote_code=s.trust_remote_code,
+                            task=s.task, tensor_parallel=s.tensor_parallel_size)
+        mla.configure(loaded.model, "heads")
+        families.check(loaded.model)
+        max_context = min(loaded.max_context, s.max_model_len or loaded.max_context)
+        budget, _ = rank_budget(s, loaded, max_context)
+        kv_budget.check(budget, budget.nbytes, loaded.model.config, loaded.dtype, s.kv_cache_dtype, max_context)
+        pool = make_pool(loaded.model.config, budget.nbytes, loaded.device, loaded.dtype, s.kv_cache_dtype, max_context)
+        runner = serving_runner(loaded.model, engine_config(s, max_context), pool)
+        runner.prepare()
+    except Exception as exc:
+        status, reason = failed(exc)
+        print(f"kvserve: rank {parallel.rank_of(s).rank}: exiting with status {status} ({exits.STATUSES[status]}): {reason}",
+              file=sys.stderr)
+        return status
+    if (children := parallel.children()) is not None:
+        children.ready = True
+    log.info("rank %d of %d follows rank 0 over %s", group.rank.rank, group.rank.world, group.backend)
+    try:
+        lockstep.follow(runner, group.control)
+    except Exception as exc:  # noqa: BLE001 - rank 0 is gone or stopped answering
+        log.critical("rank %d: rank 0 is gone (%s: %s)", group.rank.rank, type(exc).__name__, exc)
+        return exits.ENGINE_DEAD
+    log.info("rank %d stopped", group.rank.rank)
+    return exits.OK
 
 
 def engine_config(settings: Settings, max_context: int) -> EngineConfig:
@@ -283,6 +340,8 @@ def report_paths(ctx: ServingContext, metrics: Metrics, settings: Settings) -> N
     refuse a required path that is not in use."""
     runner = ctx.engine.runner
     paths = {**runner.paths, "speculative": settings.speculative}
+    if (group := parallel.group()) is not None:
+        paths["tensor_parallel"] = f"{group.rank.world} ranks over {group.backend}"
     metrics.engine_paths.info({**paths, "fallbacks": ",".join(sorted(runner.fallbacks))})
     ctx.engine_paths = {**paths, "fallbacks": dict(runner.fallbacks)}
     if settings.compile == "require" and paths.get("compile") != "decode":
@@ -302,9 +361,12 @@ async def start(settings: Settings, metrics: Metrics, loaded: LoadedModel | None
     ctx = None
     try:
         if loaded is None:
+            if s.tensor_parallel_size > 1:  # the other ranks meet here first (server/parallel.py)
+                device = model_loader.resolve_device_dtype(s.device, s.dtype)[0]
+                await _in_own_thread(parallel.join, s, device.type)
             loaded = await _in_own_thread(
                 load_model, s.model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
-                trust_remote_code=s.trust_remote_code, task=s.task,
+                trust_remote_code=s.trust_remote_code, task=s.task, tensor_parallel=s.tensor_parallel_size,
             )
         if loaded.task != "generate":  # a pooling task: no KV cache, no generation engine
             ctx = build_pooling_context(s, loaded, metrics)
@@ -326,6 +388,8 @@ async def start(settings: Settings, metrics: Metrics, loaded: LoadedModel | None
         if ctx is not None:
             await asyncio.to_thread(ctx.engine.stop)
         raise
+    if (children := parallel.children()) is not None:
+        children.ready = True  # a rank lost from here on is the engine's to report
     log.info("ready: %s on %s (%s)", ctx.model_id, loaded.device, loaded.dtype)
     return ctx
 
@@ -386,6 +450,7 @@ async def startup_check(settings: Settings) -> tuple[dict | None, tuple[int, str
                 "disk_tier_dir": str(settings.kv_disk_dir) if settings.kv_disk_dir is not None else None,
             },
             "engine": ctx.engine_paths,
+            **({"ranks": ctx.ranks} if ctx.ranks is not None else {}),
             "max_running": settings.max_running,
             "max_batch_tokens": settings.max_batch_tokens,
         }, None

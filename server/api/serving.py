@@ -68,6 +68,7 @@ class ServingContext:
     max_request_tokens: int | None = None  # --max-request-tokens (None: limits.work_limit's default)
     adapters: lora.Adapters | None = None  # the loaded LoRA adapters, each served as a model of its own
     vision: Vision | None = None  # a vision-language model's processor and image limits (server/api/vision_prompt.py)
+    ranks: list[dict] | None = None  # tensor parallel: each rank's device, weights and KV budget (startup.rank_budget)
 
     @property
     def reasoning(self) -> ReasoningFormat | None:

@@ -28,6 +28,7 @@ from cache_manager.prefix import ROPE_SWITCH
 from grammars.matcher import start_masks
 from server import memory
 from server.engine import faults, families, lora, sampler, vision
+from server.engine.lockstep import Leader, RankLost
 from server.engine.model_runner import ModelRunner, StepOutput
 from server.engine.scheduler import Plan, ScheduledRow, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
@@ -158,7 +159,8 @@ class RequestHandle:
 class Engine:
     """Owns the model on one thread; `submit` from the event loop, outputs via handles."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig, cache_manager: CacheManager, metrics=None, proposer=None, adapters=None) -> None:
+    def __init__(self, model, tokenizer, config: EngineConfig, cache_manager: CacheManager, metrics=None, proposer=None, adapters=None,
+                 lockstep: Leader | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -175,21 +177,8 @@ class Engine:
             families.check_hybrid_modes(speculative=proposer is not None, exact=config.exact)
         self._rope_switch = cache_manager.pool.layout.rope_switch  # LongRoPE: `_cross_rope_switch`
         self.adapters = adapters  # LoRA adapters (server/engine/lora.py), or None
-        self.runner = ModelRunner(
-            model,
-            cache_manager.pool,
-            max_context=config.max_context,
-            packed=config.cpu_packed_weights,
-            cuda_graphs=config.cuda_graphs,
-            max_rows=config.max_running,
-            paged=config.paged,
-            compile=config.compile,
-            overlap=False if proposer is not None else config.overlap,  # speculation drafts from the host's tokens each step
-            exact=config.exact,
-            adapters=adapters,
-            merge=True,
-            encoder=vision.Encoder(model, config.encoder_cache_bytes, metrics) if vision.sees_images(model, config.exact) else None,
-        )
+        self.runner = serving_runner(model, config, cache_manager.pool, metrics=metrics, adapters=adapters, speculative=proposer is not None,
+                                     lockstep=lockstep)
         self.scheduler = Scheduler(config.max_batch_tokens, config.max_running, chunk_alone=self.runner.paged)
         self._waiting: collections.deque[tuple[Sequence, RequestHandle]] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
@@ -384,12 +373,16 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._waiting and not self._running and not self._calls:
+                idle = not self._stop and not self._waiting and not self._running and not self._calls
+                if idle:
                     self._cond.wait(timeout=self.config.expire_every_s)
                     self._maybe_expire()
                 if self._stop:
                     break
-                calls, self._calls = self._calls, []
+                calls, self._calls = ([], self._calls) if idle else (self._calls, [])
+            if idle:  # outside the lock: a heartbeat may wait for a rank that stopped answering
+                self._heartbeat()
+                continue
             for fn, future in calls:
                 self._call(fn, future)
             self._maybe_expire()
@@ -400,6 +393,8 @@ class Engine:
         for seq, handle in list(self._waiting):
             handle._put(seq.final_output("abort"))
         self._flush()
+        if self.runner.lockstep is not None and self.dead is None:
+            self.runner.lockstep.stop()
         with self._cond:
             calls, self._calls = self._calls, []
         for _, future in calls:
@@ -733,7 +728,10 @@ class Engine:
                 log.warning("out of memory: %s cannot run even alone with one token", row.seq.request_id)
                 self._fault("oom_row")
                 self._finish(row.seq, self._handle(row.seq), "error", error="out_of_memory")
-            except Exception:
+            except Exception as exc:
+                if self.runner.lockstep is not None and (why := self.runner.lockstep.lost(exc)) is not None:
+                    self._die(why)  # a rank is gone: no smaller step runs either
+                    return
                 if len(part.rows) > 1:
                     log.warning("a step of %d rows failed: retrying it in halves to find the row that fails", len(part.rows), exc_info=True)
                     parts[:0] = _halves(part)
@@ -795,6 +793,17 @@ class Engine:
             self._die(f"a known-good forward pass fails too ({type(exc).__name__}: {exc})")
             return False
         return True
+
+    def _heartbeat(self) -> None:
+        """An idle tensor-parallel leader's heartbeat to the other ranks (server/engine/lockstep.py);
+        the engine dies when one is gone."""
+        lockstep = self.runner.lockstep
+        if lockstep is None:
+            return
+        try:
+            lockstep.heartbeat()
+        except RankLost as exc:
+            self._die(str(exc))
 
     def _die(self, reason: str) -> None:
         """The model cannot run: fail every request with "engine_dead", take no more, end the
@@ -953,6 +962,28 @@ def _extend(output: RequestOutput, more: RequestOutput) -> None:
     output.reasoning += more.reasoning
     output.n_reasoning += more.n_reasoning
     output.tokens += more.tokens
+
+
+def serving_runner(model, config: EngineConfig, pool: kv.Pool, *, metrics=None, adapters=None, speculative: bool = False,
+                   lockstep: Leader | None = None) -> ModelRunner:
+    """The runner an engine serves with (a tensor-parallel follower builds its own alike,
+    server/parallel.py: both must run the same forwards)."""
+    return ModelRunner(
+        model,
+        pool,
+        max_context=config.max_context,
+        packed=config.cpu_packed_weights,
+        cuda_graphs=config.cuda_graphs,
+        max_rows=config.max_running,
+        paged=config.paged,
+        compile=config.compile,
+        overlap=False if speculative else config.overlap,  # speculation drafts from the host's tokens each step
+        exact=config.exact,
+        adapters=adapters,
+        merge=True,
+        encoder=vision.Encoder(model, config.encoder_cache_bytes, metrics) if vision.sees_images(model, config.exact) else None,
+        lockstep=lockstep,
+    )
 
 
 def end_of_turn_ids(model, tokenizer) -> frozenset[int]:

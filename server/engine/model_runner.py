@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_manager import kv
-from server.engine import attention, compiled, context, cpu_linear, differential, faults, lora, merged, mla, paged_kernel, recurrent, rope, temperature, vision
+from server.engine import attention, compiled, context, cpu_linear, differential, faults, lockstep, lora, merged, mla, paged_kernel, recurrent, rope, temperature, vision
 from server.engine import exact as exact_mode
 from server.engine.context import Batch, Row, StepContext, StepRows
 from server.engine.scheduler import Plan, ScheduledRow
@@ -79,8 +79,15 @@ class ModelRunner:
     def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True,
                  max_rows: int = 64, paged: bool | None = None, exact: bool = False, adapters: lora.Adapters | None = None,
                  decode_kernel: bool | None = None, merge: bool = False, compile: str = "off", overlap: bool | None = None,
-                 encoder: vision.Encoder | None = None) -> None:
+                 encoder: vision.Encoder | None = None, lockstep: lockstep.Leader | None = None) -> None:
         self.model = model
+        # a tensor-parallel model's shard (server/parallel.py): its weights are the plan's
+        # distributed tensors, packed and merged by no one; rank 0's runner sends each forward to
+        # the other ranks first (`lockstep`)
+        self.shards = getattr(model.config.get_text_config(decoder=True), kv.SHARDS, 1)
+        self.lockstep = lockstep
+        if self.shards > 1:
+            packed, merge = None, False
         self.encoder = encoder  # a vision-language model's (server/engine/vision.py): the pictures' rows of a step
         self.pool = pool
         self.adapters = adapters  # LoRA adapters (server/engine/lora.py): each row's slot, 0 the base
@@ -106,9 +113,7 @@ class ModelRunner:
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_rows = bucket(max_rows)
         self.max_blocks = kv.blocks_for(max_context or model_context(model), pool.block_size)
-        text_config = model.config.get_text_config(decoder=True)
-        # query heads per KV head (none where no layer attends: Mamba)
-        self.groups = text_config.num_attention_heads // pool.layout.kv_heads if pool.layout.attending else 1
+        self.groups = pool.layout.groups  # query heads per KV head
         # NOTE: faults' `capture` switch attempts (and fails) a capture off a GPU too
         self.use_graphs = cuda_graphs and ((self.device.type == "cuda" and self.paged) or faults.switched_on("capture"))
         self.paths: dict[str, str] = {}  # how each fast path runs (`describe_paths`), once prepared
@@ -167,6 +172,7 @@ class ModelRunner:
         cropped by one token when their previous token stopped them."""
         if self.overlap:
             why = ("a hybrid's recurrent state moves in place and cannot be cropped" if self.pool.states is not None else
+                   "tensor parallel: each step's tokens go to the other ranks from the host" if self.shards > 1 else
                    "LongRoPE picks a row's factors from its host-side length" if self.rope is not None else
                    "decode steps take the eager path (the paged path is off)" if not (self.paged or self._compiled is not None) else None)
             if why is not None:
@@ -274,6 +280,8 @@ class ModelRunner:
         counts = logits_counts or [1] * len(logits_rows)
         if len(counts) != len(logits_rows) or any(not 1 <= c <= rows[i].n for i, c in zip(logits_rows, counts)):
             raise ValueError(f"logits counts {counts} do not fit rows {logits_rows}")
+        if self.lockstep is not None:  # the other ranks run this forward too, over their shards
+            self.lockstep.step(rows, token_ids, logits_rows, logits_counts, long_rows)
         long_tokens = self._long_tokens(rows, long_rows)
         adapter_rows = self._adapter_slots(adapter_rows)
         if media is None and long_tokens is None and (self.paged or self._compiled is not None) and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):

@@ -1,0 +1,113 @@
+"""The ranks of a tensor-parallel model in step (server/parallel.py).
+
+Rank 0's runner (`ModelRunner`) owns the pool's bookkeeping: which blocks a sequence holds and
+how long it is. Each forward it runs is sent first (`Leader.step`) to the other ranks in one
+broadcast on the control group: per row its block table, length and new tokens' count, and the
+tokens. A follower (`follow`) runs the same forward over rows it builds from them in its own
+pool, which holds its share of every block's KV heads; the collectives inside the forward meet
+there. Only rank 0 reads logits.
+
+A follower's pool zeroes a block the first time a step names it, as rank 0's zeroes a block the
+first time it hands it out (`kv.Pool.touch`). Nothing else writes a pool: the tiers, hybrid
+state and anything else that would are refused with tensor parallel (server/settings.py,
+server/model_loader.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from cache_manager import kv
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # an idle leader's broadcast, so that a follower's wait has a time-out
+
+
+class RankLost(RuntimeError):
+    """Another rank is gone or stopped answering: the engine cannot run."""
+
+
+class Leader:
+    """Rank 0's side: every forward and the heartbeat go out on `group` (the control group);
+    `lost` says which started rank has exited, where this process started them."""
+
+    def __init__(self, group, lost: Callable[[], str | None] = lambda: None) -> None:
+        self.group = group
+        self._lost = lost
+        self._sent = time.monotonic()
+
+    def step(self, rows, token_ids: list[int], logits_rows: list[int], counts: list[int] | None, long_rows: list[bool] | None) -> None:
+        """Send a forward of `rows` (attention Rows of rank 0's caches) before rank 0 runs it."""
+        self._send(("step", [(r.kv.blocks, r.kv.length, r.n) for r in rows], token_ids, logits_rows, counts, long_rows))
+
+    def heartbeat(self) -> None:
+        """Between steps: tell the followers the leader is alive, at most every HEARTBEAT_S."""
+        if time.monotonic() - self._sent >= HEARTBEAT_S:
+            self._send(("beat",))
+
+    def stop(self) -> None:
+        """The followers end (the engine stopped)."""
+        try:
+            self._send(("stop",))
+        except RankLost as exc:
+            log.warning("could not stop the other ranks: %s", exc)
+
+    def lost(self, exc: BaseException | None = None) -> str | None:
+        """Why the engine cannot run, where a rank is gone (`exc`: what a step raised), else None."""
+        import torch.distributed as dist
+
+        why = self._lost()
+        if why is not None:
+            return why
+        if isinstance(exc, RankLost):
+            return str(exc)
+        if isinstance(exc, dist.DistError):
+            return f"a collective between the ranks failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return None
+
+    def _send(self, message: tuple) -> None:
+        import torch.distributed as dist
+
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.group)
+        except Exception as exc:
+            raise RankLost(self._lost() or f"the other ranks stopped answering ({type(exc).__name__}: {exc})") from exc
+        self._sent = time.monotonic()
+
+
+def follow(runner, group) -> None:
+    """A follower's loop: run each forward rank 0 sends, over this rank's pool, until it sends
+    "stop". Raises (the process ends) when rank 0 is gone or stops answering."""
+    import torch.distributed as dist
+
+    pool = runner.pool
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=group)
+        kind, *args = box[0]
+        if kind == "stop":
+            return
+        if kind == "beat":
+            continue
+        specs, token_ids, logits_rows, counts, long_rows = args
+        rows = []
+        for blocks, length, n in specs:
+            rows.append(_row(pool, blocks, length, n))
+        try:
+            runner.forward(rows, token_ids, logits_rows, counts, long_rows)
+        except Exception:  # noqa: BLE001 - rank 0's step failed alike: it retries smaller
+            log.exception("a step failed on this rank")
+
+
+def _row(pool: kv.Pool, blocks: list[int], length: int, n: int):
+    """An attention Row over rank 0's block table of a sequence, in this rank's pool."""
+    from server.engine.context import Row
+
+    pool.touch(blocks)
+    cache = kv.SequenceKV(pool)
+    cache._set_blocks(blocks)
+    cache.length = length
+    return Row(cache, n)

@@ -1,0 +1,198 @@
+"""Tensor parallel on CPU (server/parallel.py): real `kvserve serve --tensor-parallel-size 2`
+processes over gloo, fp32, tiny random models of the dense, MoE, GQA-with-few-KV-heads and
+sliding-window families saved with the default model's tokenizer. Greedy tokens equal
+transformers' `generate` on the whole model in one process, alone, batched, on a reused session
+and with prompt lookup; a killed rank, a family without a plan and heads the ranks do not divide
+each end the server with its status and leave nothing running; two processes started as two
+nodes serve together over loopback TCP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from bench.common import free_port, launch
+from server import exits
+from tests.conftest import test_cache_dir as cache_dir
+
+BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=2)
+FAMILIES = {
+    "dense": ("llama", {}),
+    "moe": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "few-kv-heads": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2)),  # one KV head per rank
+    "sliding": ("mistral", dict(sliding_window=8)),
+}
+FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-budget-bytes", str(64 * 2**20), "--max-running", "4")
+PROMPTS = [
+    [(7 * i + 11) % 5000 + 3 for i in range(n)] for n in (5, 23, 40)
+]
+N = 12
+
+
+def save(path: Path, tokenizer, model_type: str, **extra) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**BASE, **extra}), dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def generate(model, prompt: list[int], n: int = N) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def complete(server, prompt: list[int], n: int = N, session: str | None = None) -> dict:
+    headers = {"X-Session-ID": session} if session else {}
+    r = httpx.post(server.url + "/v1/completions", headers=headers, timeout=120,
+                   json={"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text_of(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode([t for t in ids if t != 2])
+
+
+def descendants(pid: int) -> list[int]:
+    """Live processes below `pid` (from /proc)."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, parent in parents.items() if parent == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_two_ranks_give_generate_tokens(family, tmp_path, tokenizer):
+    model_type, extra = FAMILIES[family]
+    model = save(tmp_path / "m", tokenizer, model_type, **extra)
+    spec = ("--speculative", "ngram") if family == "dense" else ()
+    with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
+                "--tensor-parallel-size", "2", *FLAGS, *spec) as server:
+        engine = httpx.get(server.url + "/v1/models").json()["data"][0]["engine"]
+        assert engine["tensor_parallel"] == "2 ranks over gloo"
+        expected = [generate(model, p) for p in PROMPTS]
+        # alone, then batched (concurrent requests share steps)
+        for prompt, want in zip(PROMPTS, expected):
+            assert complete(server, prompt)["choices"][0]["text"] == text_of(tokenizer, want)
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(lambda p: complete(server, p)["choices"][0]["text"], PROMPTS))
+        assert texts == [text_of(tokenizer, want) for want in expected]
+        # a session's second turn prefills only its new tokens, and gives generate's tokens
+        first = PROMPTS[1] + expected[1] + PROMPTS[0]
+        complete(server, PROMPTS[1], session=f"s-{family}")
+        second = complete(server, first, session=f"s-{family}")
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(PROMPTS[1])
+        assert second["choices"][0]["text"] == text_of(tokenizer, generate(model, first))
+        if spec:  # prompt lookup drafts what followed the prompt's end before; both ranks verify it
+            looping = PROMPTS[1] + expected[1] + PROMPTS[1]
+            assert complete(server, looping, n=20)["choices"][0]["text"] == text_of(tokenizer, generate(model, looping, 20))
+            assert server.metric("kvserve_spec_decode_draft_tokens_total") > 0
+
+
+def test_a_killed_rank_ends_the_server_with_status_9_and_nothing_left(tmp_path, tokenizer):
+    save(tmp_path / "m", tokenizer, "llama")
+    with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
+                "--tensor-parallel-size", "2", *FLAGS) as server:
+        complete(server, PROMPTS[0])
+        ranks = descendants(server.proc.pid)
+        assert len(ranks) == 1
+        os.kill(ranks[0], signal.SIGKILL)
+        status = server.proc.wait(timeout=60)
+        assert status == exits.ENGINE_DEAD
+        log = server.log_path.read_text()
+        assert f"rank 1 (pid {ranks[0]}) was killed by signal SIGKILL" in log
+        assert not any(alive(p) for p in ranks)
+
+
+def run(tmp_path: Path, *flags: str, timeout_s: float = 180) -> tuple[int, str, list[int]]:
+    """`kvserve serve` until it exits: (status, output, the pids it started)."""
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(free_port()), "--cache-dir", str(cache_dir()), *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    started: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        started.update(descendants(proc.pid))
+        time.sleep(0.1)
+    out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    return proc.returncode, out, sorted(started)
+
+
+def test_refusals_exit_with_their_status_and_nothing_left(tmp_path, tokenizer):
+    save(tmp_path / "odd", tokenizer, "llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
+    status, out, started = run(tmp_path, "--model", str(tmp_path / "odd"), "--tensor-parallel-size", "2", *FLAGS)
+    assert status == exits.UNSUPPORTED, out
+    assert "3 attention heads do not split over 2 ranks" in out.strip().splitlines()[-1]
+    assert started and not any(alive(p) for p in started)
+
+    save(tmp_path / "gpt2", tokenizer, "gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024)
+    status, out, started = run(tmp_path, "--model", str(tmp_path / "gpt2"), "--tensor-parallel-size", "2", *FLAGS)
+    assert status == exits.UNSUPPORTED, out
+    assert "gpt2 has no tensor-parallel plan" in out.strip().splitlines()[-1]
+    assert not any(alive(p) for p in started)
+
+    status, out, started = run(tmp_path, "--model", str(tmp_path / "odd"), "--tensor-parallel-size", "2", "--kv-disk-dir", str(tmp_path / "kv"), *FLAGS)
+    assert status == exits.SETTINGS and "--kv-disk-dir: not served with --tensor-parallel-size > 1 yet" in out, out
+    assert not started
+
+
+def test_check_prints_each_rank(tmp_path, tokenizer):
+    save(tmp_path / "m", tokenizer, "llama")
+    out = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--check", "--model", str(tmp_path / "m"), "--cache-dir",
+                          str(cache_dir()), "--tensor-parallel-size", "2", *FLAGS], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    for rank in summary["ranks"]:
+        assert rank["kv_budget_bytes"] == 64 * 2**20 and 0 < rank["weights_bytes"]
+    assert summary["engine"]["tensor_parallel"] == "2 ranks over gloo"
+
+
+def test_two_nodes_over_loopback(tmp_path, tokenizer):
+    """Node 1 runs as a second node would (the same flags, its --node-rank, no HTTP); node 0
+    serves; SIGTERM on node 0 drains it and stops node 1 with status 0."""
+    model = save(tmp_path / "m", tokenizer, "llama")
+    port = free_port()
+    nodes = ("--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
+    common = ("--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()), *FLAGS, *nodes)
+    second = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", *common, "--node-rank", "1"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with launch(tmp_path, *common, "--node-rank", "0") as server:
+            assert complete(server, PROMPTS[2])["choices"][0]["text"] == text_of(tokenizer, generate(model, PROMPTS[2]))
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == exits.OK, out
+        assert "rank 1 stopped" in out
+    finally:
+        second.kill()
