@@ -94,6 +94,8 @@ def fingerprint(model, dtype: torch.dtype, mode: str = "") -> str:
     with torch.no_grad():
         for name, param in model.state_dict().items():
             param = param.detach()
+            if hasattr(param, "to_local"):  # a tensor-parallel shard: rank 0's, read without a collective
+                param = param.to_local()
             if type(param) is not torch.Tensor and hasattr(param, "dequantize"):
                 param = param.dequantize()  # a quantized weight (torchao's tensor subclasses)
             flat = param.reshape(-1)

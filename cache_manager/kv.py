@@ -424,6 +424,9 @@ class Pool:
         self.keys, self.values = [keys.get(s) for s in sources], [values.get(s) for s in sources]
         self.key_scales, self.value_scales = [key_scales.get(s) for s in sources], [value_scales.get(s) for s in sources]
         self._zeroed = bytearray([self.device.type == "cuda"]) * (num_blocks + 1)
+        # tensor parallel, on rank 0: the other ranks' pools, which `export` and `load` reach
+        # (server/engine/lockstep.py `Leader`); None in one process and on the other ranks
+        self.peers = None
         self._zero([self.trash_block])
 
     def _stateless_blocks(self, reserve_tokens: int) -> int:
@@ -759,6 +762,8 @@ def export(cache: SequenceKV) -> dict[str, torch.Tensor]:
             tensors[f"{name}.{i}"] = t[None]
     if cache.state is not None:  # a hybrid's recurrent state after `length` tokens: "state.<name>"
         tensors.update(cache.pool.states.export(cache.state))
+    if cache.pool.peers is not None:  # every rank's heads, in rank order: the file of one process
+        tensors = cache.pool.peers.gather(cache, tensors)
     return tensors
 
 
@@ -778,6 +783,7 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
     if not 0 < length <= capacity:
         raise ValueError(f"{length} tokens do not fit a cache of {capacity}")
     lay, wire = pool.layout, pool.format.wire_dtype(pool.dtype)
+    heads = lay.kv_heads * (pool.peers.size if pool.peers is not None else 1)  # every rank's
     kinds = ("k", "v", "k_scale", "v_scale") if pool.format.quantized else ("k", "v")
     expected = {f"{kind}.{i}" for i in lay.owners for kind in kinds}
     states = {name: t for name, t in tensors.items() if name.startswith("state.")}
@@ -787,7 +793,7 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
     widths = lay.widths()
     for name, src in tensors.items():
         kind = name.split(".")[0]
-        dtype, shape = (SCALE_DTYPE, (1, lay.kv_heads, length)) if kind not in widths else (wire, (1, lay.kv_heads, length, widths[kind]))
+        dtype, shape = (SCALE_DTYPE, (1, heads, length)) if kind not in widths else (wire, (1, heads, length, widths[kind]))
         if src.dtype != dtype or tuple(src.shape) != shape:
             raise ValueError(f"{name}: {tuple(src.shape)} {src.dtype} does not fit {length} positions of {dtype}")
     cache = pool.allocate(capacity)
@@ -797,9 +803,18 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
         except ValueError:
             free(cache)
             raise
+    if pool.peers is not None:  # each rank writes its heads; these are rank 0's
+        tensors = pool.peers.scatter(cache, tensors, length)
+    put(cache, tensors, length)
+    return cache
+
+
+def put(cache: SequenceKV, tensors: dict[str, torch.Tensor], length: int) -> None:
+    """The KV `export` gave (checked by `load`) into the cache's first `length` positions."""
+    pool = cache.pool
+    kinds = ("k", "v", "k_scale", "v_scale") if pool.format.quantized else ("k", "v")
     index = _index(cache, 0, length, None)  # once for all layers
-    for i in lay.owners:
+    for i in pool.layout.owners:
         layer = {kind: tensors[f"{kind}.{i}"][0] for kind in kinds}
         pool.put_stored(i, index, {k: t.to(pool.device, non_blocking=t.is_pinned()) for k, t in layer.items()})
     cache.length = length
-    return cache

@@ -152,18 +152,20 @@ def tensor_parallel(settings: Settings, args: argparse.Namespace, argv: list[str
         return exits.SETTINGS
     parallel.ignore_stop_signals()
     children = parallel.spawn(settings, rank, argv)
+    status = exits.FAILED
     try:
         if not rank.leader:
             from server.startup import follow
 
-            return follow(settings)
+            status = follow(settings)
+            return status
         status = check(settings) if args.check else serve(settings)
         if status != exits.OK and children is not None and (theirs := children.failed_status()) is not None:
-            return theirs  # the rank that failed first named why; rank 0 only lost it
+            status = theirs  # the rank that failed first named why; rank 0 only lost it
         return status
     finally:
-        if children is not None:
-            children.stop(grace_s=settings.shutdown_grace_s + 5)
+        if children is not None:  # told to stop where rank 0 closed cleanly; else not waited for long
+            children.stop(grace_s=settings.shutdown_grace_s + 5 if status == exits.OK else 5)
 
 
 if __name__ == "__main__":

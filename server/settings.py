@@ -379,8 +379,6 @@ class Settings(BaseSettings):
                 ("--deterministic", self.deterministic),
                 ("--compile require", self.compile == "require"),
                 ("--overlap on", self.overlap == "on"),
-                ("--kv-host-bytes", self.kv_host_bytes > 0),
-                ("--kv-disk-dir", self.kv_disk_dir is not None),
                 (f"--task {self.task}", self.task in ("embed", "rerank")),
             ) if on]
             if unsharded:

@@ -142,7 +142,10 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     if adapters is not None:
         metrics.watch_adapters(adapters)
     children = parallel.children()
-    leader = lockstep.Leader(group.control, children.lost if children is not None else lambda: None) if group is not None else None
+    leader = None
+    if group is not None:
+        leader = lockstep.Leader(group.control, group.rank.world, children.lost if children is not None else lambda: None)
+        cache_manager.pool.peers = leader  # the tiers reach every rank's pool through rank 0's
     engine = Engine(loaded.model, loaded.tokenizer, engine_config(settings, max_context), cache_manager, metrics=metrics,
                     proposer=proposer(settings, loaded, draft, max_context, draft_bytes), adapters=adapters, lockstep=leader)
     vocab_size = loaded.model.config.get_text_config(decoder=True).vocab_size
@@ -407,12 +410,16 @@ def failed(exc: BaseException) -> tuple[int, str]:
 
 def close(ctx: ServingContext, grace_s: float) -> None:
     """End every request still in the engine now (finish_reason `abort`), stop the engine
-    thread and close the cache manager, whose sessions go to the disk tier if there is one."""
+    thread and close the cache manager, whose sessions go to the disk tier if there is one;
+    then stop the other tensor-parallel ranks."""
     if isinstance(ctx, PoolingContext):  # no sessions: its queued requests fail with 503
         ctx.engine.stop()
         return
     ended = ctx.engine.stop()
     ctx.cache_manager.close(timeout_s=max(5.0, grace_s), release=ended)
+    leader = ctx.engine.runner.lockstep
+    if leader is not None and ended and ctx.engine.dead is None:
+        leader.stop()  # after the sessions went to disk: that gathered every rank's KV
 
 
 async def startup_check(settings: Settings) -> tuple[dict | None, tuple[int, str] | None]:

@@ -393,8 +393,6 @@ class Engine:
         for seq, handle in list(self._waiting):
             handle._put(seq.final_output("abort"))
         self._flush()
-        if self.runner.lockstep is not None and self.dead is None:
-            self.runner.lockstep.stop()
         with self._cond:
             calls, self._calls = self._calls, []
         for _, future in calls:

@@ -8,9 +8,12 @@ pool, which holds its share of every block's KV heads; the collectives inside th
 there. Only rank 0 reads logits.
 
 A follower's pool zeroes a block the first time a step names it, as rank 0's zeroes a block the
-first time it hands it out (`kv.Pool.touch`). Nothing else writes a pool: the tiers, hybrid
-state and anything else that would are refused with tensor parallel (server/settings.py,
-server/model_loader.py).
+first time it hands it out (`kv.Pool.touch`). The tiers below the device reach every rank's
+pool through rank 0's (`kv.Pool.peers`): a session's KV leaves it gathered from every rank, all
+heads in rank order as one process would hold them (`gather`), and comes back split, each rank
+writing its heads (`scatter`), within one call on rank 0: complete on every rank or on none.
+Nothing else writes a pool: hybrid state and anything else that would are refused with tensor
+parallel (server/settings.py, server/model_loader.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+
+import torch
 
 from cache_manager import kv
 
@@ -34,10 +39,35 @@ class Leader:
     """Rank 0's side: every forward and the heartbeat go out on `group` (the control group);
     `lost` says which started rank has exited, where this process started them."""
 
-    def __init__(self, group, lost: Callable[[], str | None] = lambda: None) -> None:
+    def __init__(self, group, size: int, lost: Callable[[], str | None] = lambda: None) -> None:
         self.group = group
+        self.size = size  # ranks
         self._lost = lost
         self._sent = time.monotonic()
+
+    def gather(self, cache: kv.SequenceKV, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`kv.export` of `cache` on every rank (`mine`: rank 0's), joined along the heads, on
+        the CPU."""
+        import torch.distributed as dist
+
+        self._send(("export", cache.blocks, cache.length))
+        every: list[dict | None] = [None] * self.size
+        self._collective(dist.gather_object, kv.to_cpu(mine, copy=False), every, dst=0, group=self.group)
+        return {name: torch.cat([tensors[name] for tensors in every], dim=1) for name in mine}
+
+    def scatter(self, cache: kv.SequenceKV, tensors: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+        """Every rank's heads of `tensors` (`kv.load`'s, all heads) to it, written into its pool
+        at `cache`'s blocks; returns rank 0's."""
+        import torch.distributed as dist
+
+        parts = [{} for _ in range(self.size)]
+        for name, t in tensors.items():
+            for rank, piece in enumerate(t.chunk(self.size, dim=1)):
+                parts[rank][name] = piece.contiguous()
+        self._send(("load", cache.blocks, length))
+        out: list[dict | None] = [None]
+        self._collective(dist.scatter_object_list, out, parts, src=0, group=self.group)
+        return out[0]
 
     def step(self, rows, token_ids: list[int], logits_rows: list[int], counts: list[int] | None, long_rows: list[bool] | None) -> None:
         """Send a forward of `rows` (attention Rows of rank 0's caches) before rank 0 runs it."""
@@ -71,11 +101,15 @@ class Leader:
     def _send(self, message: tuple) -> None:
         import torch.distributed as dist
 
+        self._collective(dist.broadcast_object_list, [message], src=0, group=self.group)
+        self._sent = time.monotonic()
+
+    def _collective(self, fn, *args, **kwargs) -> None:
+        """fn(*args, **kwargs) on the control group; RankLost when it fails."""
         try:
-            dist.broadcast_object_list([message], src=0, group=self.group)
+            fn(*args, **kwargs)
         except Exception as exc:
             raise RankLost(self._lost() or f"the other ranks stopped answering ({type(exc).__name__}: {exc})") from exc
-        self._sent = time.monotonic()
 
 
 def follow(runner, group) -> None:
@@ -92,6 +126,16 @@ def follow(runner, group) -> None:
             return
         if kind == "beat":
             continue
+        if kind == "export":  # this rank's heads of a session leaving for a tier
+            blocks, length = args
+            dist.gather_object(kv.to_cpu(kv.export(_cache(pool, blocks, length)), copy=False), None, dst=0, group=group)
+            continue
+        if kind == "load":  # ... and coming back
+            blocks, length = args
+            out: list[dict | None] = [None]
+            dist.scatter_object_list(out, None, src=0, group=group)
+            kv.put(_cache(pool, blocks, 0), out[0], length)
+            continue
         specs, token_ids, logits_rows, counts, long_rows = args
         rows = []
         for blocks, length, n in specs:
@@ -103,11 +147,16 @@ def follow(runner, group) -> None:
 
 
 def _row(pool: kv.Pool, blocks: list[int], length: int, n: int):
-    """An attention Row over rank 0's block table of a sequence, in this rank's pool."""
+    """An attention Row of `n` new tokens over a sequence of rank 0's (`_cache`)."""
     from server.engine.context import Row
 
+    return Row(_cache(pool, blocks, length), n)
+
+
+def _cache(pool: kv.Pool, blocks: list[int], length: int) -> kv.SequenceKV:
+    """Rank 0's block table and length of a sequence, over this rank's pool."""
     pool.touch(blocks)
     cache = kv.SequenceKV(pool)
     cache._set_blocks(blocks)
     cache.length = length
-    return Row(cache, n)
+    return cache

@@ -121,6 +121,24 @@ def test_two_ranks_give_generate_tokens(family, tmp_path, tokenizer):
             assert server.metric("kvserve_spec_decode_draft_tokens_total") > 0
 
 
+def test_a_session_survives_a_restart_on_every_rank(tmp_path, tokenizer):
+    """Rank 0 persists the session with every rank's heads at shutdown; a new pair of ranks
+    restores it, each its own heads, and continues it with generate's tokens."""
+    model = save(tmp_path / "m", tokenizer, "qwen2", num_attention_heads=8, num_key_value_heads=2)
+    flags = ("--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()), "--tensor-parallel-size", "2",
+             "--kv-disk-dir", str(tmp_path / "kv"), *FLAGS)
+    first = PROMPTS[2]
+    with launch(tmp_path, *flags) as server:
+        turn = complete(server, first, session="kept")["choices"][0]["text"]
+    assert turn == text_of(tokenizer, generate(model, first))
+    prompt = first + generate(model, first) + PROMPTS[0]
+    with launch(tmp_path, *flags) as server:
+        second = complete(server, prompt, session="kept")
+        # only a restored session has cached tokens after a restart
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(first)
+        assert second["choices"][0]["text"] == text_of(tokenizer, generate(model, prompt))
+
+
 def test_a_killed_rank_ends_the_server_with_status_9_and_nothing_left(tmp_path, tokenizer):
     save(tmp_path / "m", tokenizer, "llama")
     with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
