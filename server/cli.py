@@ -160,8 +160,11 @@ def tensor_parallel(settings: Settings, args: argparse.Namespace, argv: list[str
             status = follow(settings)
             return status
         status = check(settings) if args.check else serve(settings)
-        if status != exits.OK and children is not None and (theirs := children.failed_status()) is not None:
-            status = theirs  # the rank that failed first named why; rank 0 only lost it
+        if status == exits.FAILED and not args.check and children is not None:  # rank 0 lost a collective: did a rank fail first?
+            children.stop(grace_s=5)
+            if (theirs := children.failed()) is not None:
+                status, which = theirs
+                print(f"kvserve: exiting with status {status} ({exits.STATUSES[status]}): {which}; its line above says why", file=sys.stderr)
         return status
     finally:
         if children is not None:  # told to stop where rank 0 closed cleanly; else not waited for long

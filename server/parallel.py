@@ -94,13 +94,15 @@ class Children:
                 return f"rank {rank} (pid {proc.pid}) {_ended(status)}"
         return None
 
-    def failed_status(self) -> int | None:
-        """The exit status of the first rank that failed on its own (a start-up error it named),
-        or None."""
-        for proc in self.procs.values():
+    def failed(self) -> tuple[int, str] | None:
+        """(exit status, which rank) of a rank that failed with a status of its own (a start-up
+        error it named, not a lost rank 0), or None."""
+        from server import exits
+
+        for rank, proc in self.procs.items():
             status = proc.poll()
-            if status is not None and status > 0:
-                return status
+            if status is not None and status > 0 and status != exits.ENGINE_DEAD:
+                return status, f"rank {rank} (pid {proc.pid}) {_ended(status)}"
         return None
 
     def _watch(self) -> None:
@@ -108,7 +110,7 @@ class Children:
 
         while not self._stopping:
             if not self.ready and (why := self.lost()) is not None:
-                status = self.failed_status() or exits.ENGINE_DEAD
+                status = (self.failed() or (exits.ENGINE_DEAD, ""))[0]
                 log.critical("cannot start: %s", why)
                 print(f"kvserve: exiting with status {status} ({exits.STATUSES.get(status, '')}): {why}", file=sys.stderr, flush=True)
                 self.stop(0)

@@ -28,7 +28,7 @@ from server.api.media import MediaLimits
 from server.api.response_store import ResponseStore
 from server.api.serving import ServingContext
 from server.api.serving_pooling import PoolingContext
-from server.engine import compiled, exact, families, lockstep, lora, mla
+from server.engine import compiled, exact, faults, families, lockstep, lora, mla
 from server.engine.core import Engine, EngineConfig, serving_runner
 from server.engine.draft_model import DraftModelProposer, check_compatible, draft_budget_for
 from server.engine.prompt_lookup import NgramProposer
@@ -207,6 +207,8 @@ def follow(settings: Settings) -> int:
         group = parallel.join(s, device.type)
         loaded = load_model(s.model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype, trust_remote_code=s.trust_remote_code,
                             task=s.task, tensor_parallel=s.tensor_parallel_size)
+        if faults.switched_on("rank"):
+            raise exits.StartupError(exits.MODEL_CANNOT_RUN, f"injected: rank {group.rank.rank} cannot start")
         mla.configure(loaded.model, "heads")
         families.check(loaded.model)
         max_context = min(loaded.max_context, s.max_model_len or loaded.max_context)

@@ -9,7 +9,9 @@ Off unless the server process starts with `KVSERVE_TEST_FAULTS` set to a comma l
   token is chosen, `oom` raises torch.OutOfMemoryError in a forward pass that holds the row
   and computes more than `OOM_TOKENS` tokens;
 * `model`: every forward pass raises (a model that cannot run);
-* `capture`: CUDA graph capture is attempted and fails (off a GPU it is attempted for real).
+* `capture`: CUDA graph capture is attempted and fails (off a GPU it is attempted for real);
+* `rank`: a tensor-parallel follower fails to start once its shard is loaded (server/startup.py
+  `follow`), with the status of a model that cannot run.
 
 Never on in production: the header is ignored (and not even read) while the switch is off.
 """

@@ -154,10 +154,31 @@ def test_a_killed_rank_ends_the_server_with_status_9_and_nothing_left(tmp_path, 
         assert not any(alive(p) for p in ranks)
 
 
-def run(tmp_path: Path, *flags: str, timeout_s: float = 180) -> tuple[int, str, list[int]]:
+def test_a_hung_rank_ends_the_server_after_the_collective_time_out(tmp_path, tokenizer):
+    save(tmp_path / "m", tokenizer, "llama")
+    with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
+                "--tensor-parallel-size", "2", "--tensor-parallel-timeout-s", "3", *FLAGS) as server:
+        ranks = descendants(server.proc.pid)
+        os.kill(ranks[0], signal.SIGSTOP)
+        r = httpx.post(server.url + "/v1/completions", timeout=60, json={"model": "m", "prompt": PROMPTS[1], "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+        assert server.proc.wait(timeout=60) == exits.ENGINE_DEAD
+        assert not any(alive(p) for p in ranks)
+
+
+def test_a_rank_that_fails_to_start_ends_rank_0_with_its_status(tmp_path, tokenizer):
+    save(tmp_path / "m", tokenizer, "llama")
+    status, out, started = run(tmp_path, "--model", str(tmp_path / "m"), "--tensor-parallel-size", "2", *FLAGS,
+                               env={"KVSERVE_TEST_FAULTS": "rank"})
+    assert status == exits.MODEL_CANNOT_RUN, out
+    assert "injected: rank 1 cannot start" in out and f"rank 1 (pid {started[0]}) exited with status 7" in out
+    assert not any(alive(p) for p in started)
+
+
+def run(tmp_path: Path, *flags: str, timeout_s: float = 180, env: dict | None = None) -> tuple[int, str, list[int]]:
     """`kvserve serve` until it exits: (status, output, the pids it started)."""
     cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(free_port()), "--cache-dir", str(cache_dir()), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env={**os.environ, **(env or {})})
     started: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while proc.poll() is None and time.monotonic() < deadline:
