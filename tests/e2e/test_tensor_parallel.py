@@ -121,6 +121,18 @@ def test_two_ranks_give_generate_tokens(family, tmp_path, tokenizer):
             assert server.metric("kvserve_spec_decode_draft_tokens_total") > 0
 
 
+def test_fp8_kv_on_two_ranks_gives_one_process_tokens(tmp_path, tokenizer):
+    """Each rank quantizes its own heads as one process quantizes them (a scale per token and
+    head): the tokens are one process's with the same --kv-cache-dtype."""
+    save(tmp_path / "m", tokenizer, "qwen2", num_attention_heads=8, num_key_value_heads=2)
+    flags = ("--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()), "--kv-cache-dtype", "fp8", *FLAGS)
+    texts = {}
+    for size in ("1", "2"):
+        with launch(tmp_path, *flags, "--tensor-parallel-size", size) as server:
+            texts[size] = [complete(server, p)["choices"][0]["text"] for p in PROMPTS]
+    assert texts["2"] == texts["1"]
+
+
 def test_a_session_survives_a_restart_on_every_rank(tmp_path, tokenizer):
     """Rank 0 persists the session with every rank's heads at shutdown; a new pair of ranks
     restores it, each its own heads, and continues it with generate's tokens."""
