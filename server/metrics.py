@@ -164,6 +164,16 @@ class Metrics:
         self.kv_bytes_budget = Gauge(
             "kvserve_kv_cache_bytes_budget", "The KV cache byte budget.", registry=r
         )
+        self.rank_step_seconds = Gauge(
+            "kvserve_rank_step_seconds",
+            "Tensor parallel: each rank's mean forward pass over the last few seconds with steps (on CUDA the time "
+            "to launch it), by rank.", ["rank"], registry=r,
+        )
+        self.rank_memory_bytes = Gauge(
+            "kvserve_rank_memory_bytes",
+            "Tensor parallel: each rank's memory, by rank and kind: weights (its shard), in_use (CUDA: allocated "
+            "by torch; CPU: the process's resident set). Every rank's KV pool is the same size.", ["rank", "kind"], registry=r,
+        )
         self.kv_tokens_capacity = Gauge(
             "kvserve_kv_cache_capacity_tokens",
             "Tokens the KV budget holds, all sequences together (in --kv-cache-dtype's bytes per token).",

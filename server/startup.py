@@ -146,6 +146,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     if group is not None:
         leader = lockstep.Leader(group.control, group.rank.world, children.lost if children is not None else lambda: None)
         cache_manager.pool.peers = leader  # the tiers reach every rank's pool through rank 0's
+        for shard in ranks:
+            metrics.rank_memory_bytes.labels(str(shard["rank"]), "weights").set(shard["weights_bytes"])
     engine = Engine(loaded.model, loaded.tokenizer, engine_config(settings, max_context), cache_manager, metrics=metrics,
                     proposer=proposer(settings, loaded, draft, max_context, draft_bytes), adapters=adapters, lockstep=leader)
     vocab_size = loaded.model.config.get_text_config(decoder=True).vocab_size

@@ -380,8 +380,8 @@ class Engine:
                 if self._stop:
                     break
                 calls, self._calls = ([], self._calls) if idle else (self._calls, [])
-            if idle:  # outside the lock: a heartbeat may wait for a rank that stopped answering
-                self._heartbeat()
+            # outside the lock: a rank may not answer (the engine then dies, and the loop ends)
+            if (self.runner.lockstep is not None and not self._ranks(idle)) or idle:
                 continue
             for fn, future in calls:
                 self._call(fn, future)
@@ -713,6 +713,8 @@ class Engine:
                 if self._faults is not None:
                     self._faults.before_forward(part)
                 out = self.runner.run(part)
+                if self.runner.lockstep is not None:
+                    self.runner.lockstep.ran(time.perf_counter() - t_run)
                 if self.speculator.timed:  # the step's cost, not its launch's: a sync
                     self.runner.synchronize()
                     self.speculator.observe(part.num_tokens, time.perf_counter() - t_run)
@@ -792,16 +794,24 @@ class Engine:
             return False
         return True
 
-    def _heartbeat(self) -> None:
-        """An idle tensor-parallel leader's heartbeat to the other ranks (server/engine/lockstep.py);
-        the engine dies when one is gone."""
+    def _ranks(self, idle: bool) -> bool:
+        """A tensor-parallel leader between steps (server/engine/lockstep.py): its heartbeat when
+        idle, and every rank's figures into the metrics now and then. False when a rank is
+        gone: the engine died."""
         lockstep = self.runner.lockstep
-        if lockstep is None:
-            return
         try:
-            lockstep.heartbeat()
+            if idle:
+                lockstep.heartbeat()
+            every = lockstep.stats()
         except RankLost as exc:
             self._die(str(exc))
+            return False
+        if every is not None and self.metrics is not None:
+            for rank, figures in enumerate(every):
+                if figures["step_seconds"] is not None:
+                    self.metrics.rank_step_seconds.labels(str(rank)).set(figures["step_seconds"])
+                self.metrics.rank_memory_bytes.labels(str(rank), "in_use").set(figures["in_use"])
+        return True
 
     def _die(self, reason: str) -> None:
         """The model cannot run: fail every request with "engine_dead", take no more, end the

@@ -19,6 +19,7 @@ parallel (server/settings.py, server/model_loader.py).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ from cache_manager import kv
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # an idle leader's broadcast, so that a follower's wait has a time-out
+STATS_S = 5.0  # how often rank 0 asks every rank for its figures (`Leader.stats`)
 
 
 class RankLost(RuntimeError):
@@ -43,7 +45,24 @@ class Leader:
         self.group = group
         self.size = size  # ranks
         self._lost = lost
-        self._sent = time.monotonic()
+        self._sent = self._asked = time.monotonic()
+        self.figures = Figures()  # rank 0's own (the engine times its forwards: `ran`)
+
+    def ran(self, seconds: float) -> None:
+        """Rank 0 ran a forward in `seconds`."""
+        self.figures.ran(seconds)
+
+    def stats(self) -> list[dict] | None:
+        """Every rank's `Figures.take`, in rank order, at most every STATS_S (None between)."""
+        import torch.distributed as dist
+
+        if time.monotonic() - self._asked < STATS_S:
+            return None
+        self._asked = time.monotonic()
+        self._send(("stats",))
+        every: list[dict | None] = [None] * self.size
+        self._collective(dist.gather_object, self.figures.take(), every, dst=0, group=self.group)
+        return every
 
     def gather(self, cache: kv.SequenceKV, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`kv.export` of `cache` on every rank (`mine`: rank 0's), joined along the heads, on
@@ -117,7 +136,7 @@ def follow(runner, group) -> None:
     "stop". Raises (the process ends) when rank 0 is gone or stops answering."""
     import torch.distributed as dist
 
-    pool = runner.pool
+    pool, figures = runner.pool, Figures()
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=group)
@@ -125,6 +144,9 @@ def follow(runner, group) -> None:
         if kind == "stop":
             return
         if kind == "beat":
+            continue
+        if kind == "stats":
+            dist.gather_object(figures.take(), None, dst=0, group=group)
             continue
         if kind == "export":  # this rank's heads of a session leaving for a tier
             blocks, length = args
@@ -140,10 +162,35 @@ def follow(runner, group) -> None:
         rows = []
         for blocks, length, n in specs:
             rows.append(_row(pool, blocks, length, n))
+        t0 = time.perf_counter()
         try:
             runner.forward(rows, token_ids, logits_rows, counts, long_rows)
         except Exception:  # noqa: BLE001 - rank 0's step failed alike: it retries smaller
             log.exception("a step failed on this rank")
+        figures.ran(time.perf_counter() - t0)
+
+
+class Figures:
+    """A rank's forwards since it was last asked, and its memory in use (`take`)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.forwards = 0.0, 0
+
+    def ran(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.forwards += 1
+
+    def take(self) -> dict:
+        """{"step_seconds": mean forward since the last take (None without one), "in_use":
+        bytes}; starts over."""
+        mean = self.seconds / self.forwards if self.forwards else None
+        self.seconds, self.forwards = 0.0, 0
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            in_use = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/statm") as f:
+                in_use = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"step_seconds": mean, "in_use": in_use}
 
 
 def _row(pool: kv.Pool, blocks: list[int], length: int, n: int):

@@ -119,6 +119,17 @@ def test_two_ranks_give_generate_tokens(family, tmp_path, tokenizer):
             looping = PROMPTS[1] + expected[1] + PROMPTS[1]
             assert complete(server, looping, n=20)["choices"][0]["text"] == text_of(tokenizer, generate(model, looping, 20))
             assert server.metric("kvserve_spec_decode_draft_tokens_total") > 0
+            # every rank's figures reach rank 0's metrics within a few seconds
+            deadline, seen = time.monotonic() + 30, {}
+            while time.monotonic() < deadline and len(seen) < 4:
+                complete(server, PROMPTS[0], n=2)
+                for line in httpx.get(server.url + "/metrics").text.splitlines():
+                    if line.startswith(("kvserve_rank_step_seconds{", 'kvserve_rank_memory_bytes{kind="in_use"')):
+                        seen[line.split(" ")[0]] = float(line.split(" ")[1])
+                time.sleep(0.5)
+            assert sorted(seen) == ['kvserve_rank_memory_bytes{kind="in_use",rank="0"}', 'kvserve_rank_memory_bytes{kind="in_use",rank="1"}',
+                                    'kvserve_rank_step_seconds{rank="0"}', 'kvserve_rank_step_seconds{rank="1"}'], seen
+            assert all(v > 0 for v in seen.values())
 
 
 def test_fp8_kv_on_two_ranks_gives_one_process_tokens(tmp_path, tokenizer):
