@@ -525,3 +525,48 @@ def test_lora_is_refused_behind_the_router(chart) -> None:
     its --model-alias would send the request to the base model without the adapter."""
     with pytest.raises(helm.HelmError, match="router.enabled"):
         render(chart, {"router": {"enabled": True}, "lora": {"enableLoading": True, "volume": LORA_VOLUME}})
+
+
+def test_tensor_parallel_on_one_node_asks_for_its_gpus_and_shared_memory(chart) -> None:
+    docs = render(chart, {"tensorParallel": {"size": 4}})
+    container = server_container(docs)
+    variables = env(container)
+    assert variables["KVSERVE_TENSOR_PARALLEL_SIZE"] == "4" and "KVSERVE_NNODES" not in variables
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    (shm,) = [v for v in pod_spec(docs)["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert "dshm" not in [v["name"] for v in pod_spec(render(chart))["volumes"]]
+
+
+def test_tensor_parallel_over_nodes_is_a_leader_worker_set(chart) -> None:
+    """Each replica a LeaderWorkerSet group: the leader serves HTTP (the Service selects it
+    alone), the workers join it at LWS's leader address with their index as node rank; every
+    pod template validates as a Kubernetes PodTemplate."""
+    values = {"tensorParallel": {"size": 8, "nodes": 2}, "replicaCount": 3}
+    report = helm.lint(CHART, values, strict=True, namespace="llm")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+    docs = render(chart, values)
+    assert "Deployment" not in [d["kind"] for d in docs]
+    lws = one(docs, "LeaderWorkerSet")
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["spec"]["replicas"] == 3
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    for role in ("leaderTemplate", "workerTemplate"):
+        template = group[role]
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template},
+                                         version, strict=True)
+        (container,) = [c for c in template["spec"]["containers"] if c["name"] == "kvserve"]
+        variables = env(container)
+        assert (variables["KVSERVE_TENSOR_PARALLEL_SIZE"], variables["KVSERVE_NNODES"], variables["KVSERVE_MASTER_PORT"]) == ("8", "2", "29500")
+        assert container["args"] == ["serve", "--master-addr", "$(LWS_LEADER_ADDRESS)", "--node-rank", "$(LWS_WORKER_INDEX)"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+        assert ("readinessProbe" in container) == (role == "leaderTemplate")
+        assert set(variables) - {"POD_NAME"} <= SETTINGS_ENV | {"HF_HOME", "HOME"}
+    service = one(docs, "Service")
+    assert service["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    with pytest.raises(Exception, match="not a multiple of tensorParallel.nodes"):
+        render(chart, {"tensorParallel": {"size": 3, "nodes": 2}})
+    with pytest.raises(Exception, match="autoscaling and router"):
+        render(chart, {"tensorParallel": {"size": 4, "nodes": 2}, "router": {"enabled": True}})
