@@ -233,6 +233,8 @@ def test_compose_runs_kvserve_prometheus_and_grafana() -> None:
     assert (DOCKER / kvserve["build"]["context"]).resolve() == REPO
     devices = kvserve["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    # as many GPUs as tensor-parallel ranks, and shared memory for NCCL between them
+    assert with_defaults(str(devices[0]["count"])) == "1" and with_defaults(kvserve["shm_size"]) == "16gb"
     env = kvserve["environment"]
     assert set(env) <= SETTINGS_ENV
     grace = float(env.get("KVSERVE_SHUTDOWN_GRACE_S", Settings.model_fields["shutdown_grace_s"].default))
