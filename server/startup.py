@@ -229,8 +229,8 @@ def follow(settings: Settings) -> int:
     log.info("rank %d of %d follows rank 0 over %s", group.rank.rank, group.rank.world, group.backend)
     try:
         lockstep.follow(runner, group.control)
-    except Exception as exc:  # noqa: BLE001 - rank 0 is gone or stopped answering
-        log.critical("rank %d: rank 0 is gone (%s: %s)", group.rank.rank, type(exc).__name__, exc)
+    except Exception as exc:  # noqa: BLE001 - rank 0 is gone or stopped answering, or a forward failed here
+        log.critical("rank %d cannot follow rank 0 any more: %s: %s", group.rank.rank, type(exc).__name__, exc, exc_info=True)
         return exits.ENGINE_DEAD
     log.info("rank %d stopped", group.rank.rank)
     return exits.OK

@@ -718,20 +718,25 @@ class Engine:
                 if self.speculator.timed:  # the step's cost, not its launch's: a sync
                     self.runner.synchronize()
                     self.speculator.observe(part.num_tokens, time.perf_counter() - t_run)
-            except torch.OutOfMemoryError:
-                self.runner.release_memory()
-                smaller = self._shrink(part)
-                if smaller:
-                    parts[:0] = smaller
-                    continue
-                row = part.rows[0]
-                log.warning("out of memory: %s cannot run even alone with one token", row.seq.request_id)
-                self._fault("oom_row")
-                self._finish(row.seq, self._handle(row.seq), "error", error="out_of_memory")
             except Exception as exc:
-                if self.runner.lockstep is not None and (why := self.runner.lockstep.lost(exc)) is not None:
-                    self._die(why)  # a rank is gone: no smaller step runs either
+                if self.runner.lockstep is not None:
+                    # NOTE: with tensor parallel a forward that failed on one rank may have left
+                    # the others inside a collective: no later step could be trusted to meet
+                    # theirs, so a failed step (out of memory too) ends the engine
+                    self._die(self.runner.lockstep.lost(exc) or f"a step failed on rank 0 ({type(exc).__name__}: {exc}); "
+                              "the tensor-parallel ranks cannot be kept in step after it")
                     return
+                if isinstance(exc, torch.OutOfMemoryError):
+                    self.runner.release_memory()
+                    smaller = self._shrink(part)
+                    if smaller:
+                        parts[:0] = smaller
+                        continue
+                    row = part.rows[0]
+                    log.warning("out of memory: %s cannot run even alone with one token", row.seq.request_id)
+                    self._fault("oom_row")
+                    self._finish(row.seq, self._handle(row.seq), "error", error="out_of_memory")
+                    continue
                 if len(part.rows) > 1:
                     log.warning("a step of %d rows failed: retrying it in halves to find the row that fails", len(part.rows), exc_info=True)
                     parts[:0] = _halves(part)

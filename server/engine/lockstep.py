@@ -133,7 +133,8 @@ class Leader:
 
 def follow(runner, group) -> None:
     """A follower's loop: run each forward rank 0 sends, over this rank's pool, until it sends
-    "stop". Raises (the process ends) when rank 0 is gone or stops answering."""
+    "stop". Raises (the process ends) when rank 0 is gone or stops answering, or a forward
+    fails here (rank 0's engine then dies: the ranks could not be kept in step after it)."""
     import torch.distributed as dist
 
     pool, figures = runner.pool, Figures()
@@ -163,10 +164,7 @@ def follow(runner, group) -> None:
         for blocks, length, n in specs:
             rows.append(_row(pool, blocks, length, n))
         t0 = time.perf_counter()
-        try:
-            runner.forward(rows, token_ids, logits_rows, counts, long_rows)
-        except Exception:  # noqa: BLE001 - rank 0's step failed alike: it retries smaller
-            log.exception("a step failed on this rank")
+        runner.forward(rows, token_ids, logits_rows, counts, long_rows)  # a failure ends this rank, and the engine
         figures.ran(time.perf_counter() - t0)
 
 

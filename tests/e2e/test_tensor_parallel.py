@@ -177,6 +177,34 @@ def test_a_killed_rank_ends_the_server_with_status_9_and_nothing_left(tmp_path, 
         assert not any(alive(p) for p in ranks)
 
 
+def test_a_killed_rank_0_takes_its_ranks_with_it(tmp_path, tokenizer):
+    save(tmp_path / "m", tokenizer, "llama")
+    with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
+                "--tensor-parallel-size", "2", *FLAGS) as server:
+        ranks = descendants(server.proc.pid)
+        server.proc.kill()
+        server.proc.wait()
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in ranks)
+
+
+def test_a_failed_step_ends_the_engine_and_every_rank(tmp_path, tokenizer):
+    """A forward that fails on rank 0 may leave the others inside a collective: the engine dies
+    (503 engine_dead, exit 9) rather than run steps the ranks may not meet in."""
+    save(tmp_path / "m", tokenizer, "llama")
+    with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
+                "--tensor-parallel-size", "2", *FLAGS, env={"KVSERVE_TEST_FAULTS": "requests"}) as server:
+        ranks = descendants(server.proc.pid)
+        r = httpx.post(server.url + "/v1/completions", headers={"X-Kvserve-Test-Fault": "forward"}, timeout=60,
+                       json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text
+        assert server.proc.wait(timeout=60) == exits.ENGINE_DEAD
+        assert "the tensor-parallel ranks cannot be kept in step" in server.log_path.read_text()
+        assert not any(alive(p) for p in ranks)
+
+
 def test_a_hung_rank_ends_the_server_after_the_collective_time_out(tmp_path, tokenizer):
     save(tmp_path / "m", tokenizer, "llama")
     with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
