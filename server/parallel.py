@@ -221,6 +221,15 @@ class Group:
         return min(int(s["kv_budget_bytes"]) for s in gathered), gathered
 
 
+    def share(self, value):
+        """Rank 0's `value` on every rank (the others pass None)."""
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+
 _group: Group | None = None
 
 

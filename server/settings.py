@@ -375,7 +375,6 @@ class Settings(BaseSettings):
             # NOTE: each of these keeps or moves state one rank alone would hold
             unsharded = [flag for flag, on in (
                 ("--lora/--enable-lora-loading", self.serves_adapters),
-                ("--speculative draft", self.speculative == "draft"),
                 ("--deterministic", self.deterministic),
                 ("--compile require", self.compile == "require"),
                 ("--overlap on", self.overlap == "on"),

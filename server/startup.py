@@ -133,6 +133,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     budget, ranks = rank_budget(settings, loaded, max_context)
     # a draft model's caches (running and kept for sessions) take their share of the budget
     draft_bytes = draft_budget_for(loaded.model, draft.model, budget.nbytes, max_context, settings.kv_cache_dtype) if settings.speculative == "draft" else 0
+    if group is not None:  # every rank's pool has rank 0's blocks (a draft model's caches are rank 0's alone)
+        group.share(budget.nbytes - draft_bytes)
     kv_budget.check(budget, budget.nbytes - draft_bytes, loaded.model.config, loaded.dtype, settings.kv_cache_dtype, max_context)
     cache_manager = build_cache_manager(settings, loaded, metrics, max_context, budget.nbytes - draft_bytes, mode)
     log.info("KV budget %.2f GiB (%s): %d tokens of %s KV (%d bytes per token); one sequence at the full context of "
@@ -215,8 +217,9 @@ def follow(settings: Settings) -> int:
         families.check(loaded.model)
         max_context = min(loaded.max_context, s.max_model_len or loaded.max_context)
         budget, _ = rank_budget(s, loaded, max_context)
-        kv_budget.check(budget, budget.nbytes, loaded.model.config, loaded.dtype, s.kv_cache_dtype, max_context)
-        pool = make_pool(loaded.model.config, budget.nbytes, loaded.device, loaded.dtype, s.kv_cache_dtype, max_context)
+        pool_bytes = group.share(None)  # rank 0's pool: its budget less a draft model's share
+        kv_budget.check(budget, pool_bytes, loaded.model.config, loaded.dtype, s.kv_cache_dtype, max_context)
+        pool = make_pool(loaded.model.config, pool_bytes, loaded.device, loaded.dtype, s.kv_cache_dtype, max_context)
         runner = serving_runner(loaded.model, engine_config(s, max_context), pool)
         runner.prepare()
     except Exception as exc:

@@ -132,6 +132,18 @@ def test_two_ranks_give_generate_tokens(family, tmp_path, tokenizer):
             assert all(v > 0 for v in seen.values())
 
 
+def test_a_draft_model_on_rank_0_gives_generate_tokens(tmp_path, tokenizer):
+    """The draft model runs whole on rank 0, its caches out of rank 0's budget; every rank's
+    pool keeps rank 0's blocks, and the sharded target verifies the drafts."""
+    model = save(tmp_path / "m", tokenizer, "llama")
+    save(tmp_path / "draft", tokenizer, "llama", num_hidden_layers=1)
+    with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
+                "--tensor-parallel-size", "2", "--speculative", "draft", "--draft-model", str(tmp_path / "draft"), *FLAGS) as server:
+        for prompt in PROMPTS:
+            assert complete(server, prompt)["choices"][0]["text"] == text_of(tokenizer, generate(model, prompt))
+        assert server.metric("kvserve_spec_decode_draft_tokens_total") > 0
+
+
 def test_fp8_kv_on_two_ranks_gives_one_process_tokens(tmp_path, tokenizer):
     """Each rank quantizes its own heads as one process quantizes them (a scale per token and
     head): the tokens are one process's with the same --kv-cache-dtype."""
