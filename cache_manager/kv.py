@@ -298,8 +298,12 @@ def layout(config: PretrainedConfig) -> Layout:
     if getattr(text_config, LATENT, None) == "latent":
         return Layout(windows, 1, text_config.qk_rope_head_dim, text_config.kv_lora_rank, rope_switch(text_config), sources, no_kv,
                       latent=True, groups=text_config.num_attention_heads)
-    groups = text_config.num_attention_heads // heads
-    return Layout(windows, heads // getattr(text_config, SHARDS, 1), key_dim, value_dim, rope_switch(text_config), sources, no_kv, groups=groups)
+    shards = getattr(text_config, SHARDS, 1)
+    # one rank's KV heads: its share, or the one its query heads read where the heads are fewer
+    # than the ranks (server/sharding.py)
+    local = max(1, heads // shards)
+    groups = text_config.num_attention_heads // shards // local
+    return Layout(windows, local, key_dim, value_dim, rope_switch(text_config), sources, no_kv, groups=groups)
 
 
 def _shared_layers(text_config: PretrainedConfig, layer_types: list[str]) -> tuple[list[str], tuple[int, ...] | None]:
@@ -762,7 +766,7 @@ def export(cache: SequenceKV) -> dict[str, torch.Tensor]:
             tensors[f"{name}.{i}"] = t[None]
     if cache.state is not None:  # a hybrid's recurrent state after `length` tokens: "state.<name>"
         tensors.update(cache.pool.states.export(cache.state))
-    if cache.pool.peers is not None:  # every rank's heads, in rank order: the file of one process
+    if cache.pool.peers is not None:  # tensor parallel: every rank's heads, in rank order
         tensors = cache.pool.peers.gather(cache, tensors)
     return tensors
 
@@ -784,7 +788,7 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
         raise ValueError(f"{length} tokens do not fit a cache of {capacity}")
     lay, wire = pool.layout, pool.format.wire_dtype(pool.dtype)
     heads = lay.kv_heads * (pool.peers.size if pool.peers is not None else 1)  # every rank's
-    kinds = ("k", "v", "k_scale", "v_scale") if pool.format.quantized else ("k", "v")
+    kinds = _kinds(pool)
     expected = {f"{kind}.{i}" for i in lay.owners for kind in kinds}
     states = {name: t for name, t in tensors.items() if name.startswith("state.")}
     tensors = {name: t for name, t in tensors.items() if name not in states}
@@ -812,9 +816,14 @@ def load(pool: Pool, tensors: dict[str, torch.Tensor], length: int, capacity: in
 def put(cache: SequenceKV, tensors: dict[str, torch.Tensor], length: int) -> None:
     """The KV `export` gave (checked by `load`) into the cache's first `length` positions."""
     pool = cache.pool
-    kinds = ("k", "v", "k_scale", "v_scale") if pool.format.quantized else ("k", "v")
+    kinds = _kinds(pool)
     index = _index(cache, 0, length, None)  # once for all layers
     for i in pool.layout.owners:
         layer = {kind: tensors[f"{kind}.{i}"][0] for kind in kinds}
         pool.put_stored(i, index, {k: t.to(pool.device, non_blocking=t.is_pinned()) for k, t in layer.items()})
     cache.length = length
+
+
+def _kinds(pool: Pool) -> tuple[str, ...]:
+    """What `export` names per layer in `pool`'s format (keys, values, and their scales)."""
+    return ("k", "v", "k_scale", "v_scale") if pool.format.quantized else ("k", "v")

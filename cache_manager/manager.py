@@ -242,18 +242,24 @@ class CacheManager:
         self._sweeping = False
         return queued
 
-    def close(self, timeout_s: float | None = None, *, release: bool = False) -> None:
-        """At shutdown: persist every idle named session and wait (up to `timeout_s`) for the
+    def close(self, timeout_s: float | None = None, *, release: bool = False, persist: bool = True) -> None:
+        """At shutdown: persist every idle named session (unless not `persist`: a
+        tensor-parallel pool whose other ranks are gone) and wait (up to `timeout_s`) for the
         disk writes to finish; with `release` (no step runs any more) give the pool's memory
         back too. Once: a second call does nothing."""
         if self._closed:
             return
         self._closed = True
-        if self.disk is not None:
-            self.persist(force=True)
-            self.disk.close(timeout_s)
-        if release:
-            self.pool.release()
+        try:
+            if self.disk is not None:
+                try:
+                    if persist:
+                        self.persist(force=True)
+                finally:
+                    self.disk.close(timeout_s)
+        finally:
+            if release:
+                self.pool.release()
 
     def _restore(self, key: SessionKey, prompt: list[int], bucket: int) -> tuple[Entry | None, str | None, str | None]:
         """Bring `key`'s parked KV back from the highest tier holding it, when that is estimated

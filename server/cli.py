@@ -150,7 +150,7 @@ def tensor_parallel(settings: Settings, args: argparse.Namespace, argv: list[str
     except ValueError as exc:
         print(f"kvserve: invalid settings: {exc}", file=sys.stderr)
         return exits.SETTINGS
-    parallel.ignore_stop_signals()
+    parallel.ignore_stop_signals(rank)
     children = parallel.spawn(settings, rank, argv)
     status = exits.FAILED
     try:

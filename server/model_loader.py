@@ -33,7 +33,7 @@ from transformers.models.auto.modeling_auto import (
 )
 from transformers.utils import cached_file
 
-from cache_manager import kv, state
+from server import sharding
 from server.engine import pooling_spec, vision
 from server.engine.pooling_spec import PoolingConfigError, PoolingSpec
 from server.engine.unsupported import UnsupportedModel
@@ -185,31 +185,6 @@ def load_processor(name_or_path: str, kwargs: dict, config) -> ProcessorMixin | 
         raise UnsupportedModel("vision-processor", why) from exc
 
 
-def refuse_unsharded(config, ranks: int, *, vision: bool, quantized: bool) -> None:
-    """UnsupportedModel, naming why, for a model kvserve cannot split over `ranks` ranks: no
-    tensor-parallel plan in transformers for its family, attention or KV heads the ranks do
-    not divide, or a feature whose state one rank would hold alone (recurrent layers, pictures,
-    quantized weights)."""
-    text = config.get_text_config(decoder=True)
-    kind = text.model_type
-    if not getattr(text, "base_model_tp_plan", None):
-        raise UnsupportedModel("tensor-parallel-plan", f"{kind} has no tensor-parallel plan in transformers {transformers.__version__}: "
-                               "serve it with --tensor-parallel-size 1")
-    heads = getattr(text, "num_attention_heads", 0) or 0
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    for what, n in (("attention heads", heads), ("KV heads", kv_heads)):
-        if n % ranks:
-            raise UnsupportedModel("tensor-parallel-heads", f"{kind}'s {n} {what} do not split over {ranks} ranks: "
-                                   f"choose a --tensor-parallel-size that divides {n}")
-    if vision:
-        raise UnsupportedModel("tensor-parallel-vision", "a vision-language model is not served with --tensor-parallel-size > 1 yet")
-    if quantized:
-        raise UnsupportedModel("tensor-parallel-quantized", "quantized weights are not sharded by kvserve yet: --tensor-parallel-size 1")
-    if state.spec(config, torch.float32) is not None:
-        raise UnsupportedModel("tensor-parallel-recurrent", f"{kind} keeps recurrent state, which kvserve does not shard yet: "
-                               "--tensor-parallel-size 1")
-
-
 def takes_images(config) -> bool:
     """Whether `config` is the vision-language model of a family whose images kvserve feeds
     (server/engine/vision.FAMILIES), loaded with its image-text class and processor. Other
@@ -348,10 +323,8 @@ def load_model(
         vision = task == "generate" and takes_images(config)
         processor = load_processor(name_or_path, kwargs, config) if vision else None
         vision = processor is not None
-        if tensor_parallel > 1:
-            refuse_unsharded(config, tensor_parallel, vision=vision, quantized=method is not None)
-            # transformers' own plan shards each weight as it loads (on CUDA onto LOCAL_RANK's GPU)
-            kwargs.update(tp_plan="auto", tp_size=tensor_parallel)
+        if tensor_parallel > 1:  # transformers' plan shards each weight as it loads (on CUDA onto LOCAL_RANK's GPU)
+            kwargs["distributed_config"] = sharding.plan(config, tensor_parallel, vision=vision, quantized=method is not None)
         if processor is not None and not tokenizer.chat_template and getattr(processor, "chat_template", None):
             tokenizer.chat_template = processor.chat_template  # the one template every prompt is rendered by
         if tensor_parallel == 1 and (method is not None or torch_device.type == "cuda"):
@@ -379,8 +352,8 @@ def load_model(
     if "device_map" not in kwargs and tensor_parallel == 1:
         model.to(torch_device)
     model.eval()
-    if tensor_parallel > 1:  # each rank's pool keeps its share of the KV heads (kv.layout)
-        setattr(model.config.get_text_config(decoder=True), kv.SHARDS, tensor_parallel)
+    if tensor_parallel > 1:
+        sharding.keep_rank_kv_heads(model, tensor_parallel)
     log.info("loaded %s%s as %s (--task %s)", name_or_path, f" ({method}-quantized weights)" if method else "",
              type(model).__name__, task)
     config = model.config.get_text_config(decoder=True)

@@ -78,8 +78,9 @@ class Children:
     """The ranks of this node that this process started (`spawn`), watched: one that exits
     while the group starts ends this process with its status."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen]) -> None:
+    def __init__(self, procs: dict[int, subprocess.Popen], timeout_s: float) -> None:
         self.procs = procs
+        self.timeout_s = timeout_s  # the collectives' time-out (`_watch`)
         self.ready = False  # the server serves: a rank lost from here on is the engine's to report
         self._stopping = False
         self._watcher = threading.Thread(target=self._watch, name="kvserve-ranks", daemon=True)
@@ -106,16 +107,29 @@ class Children:
         return None
 
     def _watch(self) -> None:
+        """A rank lost while the group starts ends this process now, with the lost rank's
+        status. Once serving, the engine reports it (exit 9); should this process still run a
+        time-out later (blocked in a collective that never fails: NCCL), it ends it so."""
         from server import exits
 
+        lost_at = None
         while not self._stopping:
-            if not self.ready and (why := self.lost()) is not None:
-                status = (self.failed() or (exits.ENGINE_DEAD, ""))[0]
-                log.critical("cannot start: %s", why)
-                print(f"kvserve: exiting with status {status} ({exits.STATUSES.get(status, '')}): {why}", file=sys.stderr, flush=True)
-                self.stop(0)
-                os._exit(status)
+            why = self.lost()
+            if why is not None and not self.ready:
+                self._exit((self.failed() or (exits.ENGINE_DEAD, ""))[0], f"cannot start: {why}")
+            if why is not None and lost_at is None:
+                lost_at = time.monotonic()
+            if lost_at is not None and time.monotonic() - lost_at > self.timeout_s + 10:
+                self._exit(exits.ENGINE_DEAD, f"the engine died: {why}")
             time.sleep(0.2)
+
+    def _exit(self, status: int, why: str) -> None:
+        from server import exits
+
+        log.critical(why)
+        print(f"kvserve: exiting with status {status} ({exits.STATUSES.get(status, '')}): {why}", file=sys.stderr, flush=True)
+        self.stop(0)
+        os._exit(status)
 
     def stop(self, grace_s: float = 30.0) -> None:
         """Wait up to `grace_s` for the ranks to end (rank 0's engine told them to stop), then
@@ -148,22 +162,25 @@ def spawn(settings, rank: Rank, argv: list[str]) -> Children | None:
     env = {**os.environ, "MASTER_ADDR": settings.master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(rank.world),
            "LOCAL_WORLD_SIZE": str(rank.local_world), CHILD_ENV: "1"}
     os.environ.update(MASTER_ADDR=settings.master_addr, MASTER_PORT=str(port), LOCAL_RANK="0")
-    procs = {}
+    procs, parent = {}, os.getpid()
     for local in range(1, rank.local_world):
         procs[rank.rank + local] = subprocess.Popen(
             [sys.executable, "-m", "server.cli", *argv],
             env={**env, "RANK": str(rank.rank + local), "LOCAL_RANK": str(local)},
-            preexec_fn=_die_with_parent,
+            preexec_fn=lambda: _die_with(parent),
         )
     log.info("started ranks %s of %d (pids %s), meeting at %s:%d", list(procs), rank.world,
              [p.pid for p in procs.values()], settings.master_addr, port)
-    _children = Children(procs)
+    _children = Children(procs, settings.tensor_parallel_timeout_s)
     return _children
 
 
-def _die_with_parent() -> None:
-    """In a started rank, before it runs: killed when the rank that started it dies."""
+def _die_with(parent: int) -> None:
+    """In a started rank, before it runs: killed when `parent`, the rank that started it, dies
+    (already gone: at once)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _free_port(host: str) -> int:
@@ -178,10 +195,11 @@ def _ended(status: int) -> str:
     return f"exited with status {status}"
 
 
-def ignore_stop_signals() -> None:
-    """A started rank leaves SIGINT and SIGTERM to rank 0, which drains and then stops it (a
-    Ctrl+C reaches the whole process group)."""
-    if os.environ.get(CHILD_ENV):
+def ignore_stop_signals(rank: Rank) -> None:
+    """Every rank but 0 leaves SIGINT and SIGTERM to rank 0, which drains and then stops it (a
+    Ctrl+C reaches the whole process group; torchrun and Kubernetes signal every process): it
+    ends when told, when rank 0 is gone, or by SIGKILL."""
+    if not rank.leader:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -219,7 +237,6 @@ class Group:
         gathered: list[dict | None] = [None] * self.rank.world
         dist.all_gather_object(gathered, {**shard, "rank": self.rank.rank, "kv_budget_bytes": budget_bytes}, group=self.control)
         return min(int(s["kv_budget_bytes"]) for s in gathered), gathered
-
 
     def share(self, value):
         """Rank 0's `value` on every rank (the others pass None)."""

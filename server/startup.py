@@ -368,8 +368,14 @@ async def start(settings: Settings, metrics: Metrics, loaded: LoadedModel | None
     ready server serves with. A failure stops what had started and raises; `failed` gives the
     exit status."""
     s = settings
-    ctx = None
+    ctx, started = None, False
     try:
+        draft = None
+        if s.speculative == "draft":  # NOTE: first: the other tensor-parallel ranks would wait for it
+            draft = await _in_own_thread(
+                load_model, s.draft_model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
+                trust_remote_code=s.trust_remote_code,
+            )
         if loaded is None:
             if s.tensor_parallel_size > 1:  # the other ranks meet here first (server/parallel.py)
                 device = model_loader.resolve_device_dtype(s.device, s.dtype)[0]
@@ -384,19 +390,16 @@ async def start(settings: Settings, metrics: Metrics, loaded: LoadedModel | None
             await warm_up_pooling(ctx)
             log.info("ready: %s on %s (%s) for --task %s", ctx.model_id, loaded.device, loaded.dtype, loaded.task)
             return ctx
-        draft = None
-        if s.speculative == "draft":
-            draft = await _in_own_thread(
-                load_model, s.draft_model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
-                trust_remote_code=s.trust_remote_code,
-            )
         ctx = build_context(s, loaded, metrics, draft)
         await asyncio.to_thread(ctx.engine.start)  # the models prepared, the start-up forward pass run
+        started = True
         report_paths(ctx, metrics, s)
         await warm_up(ctx)
     except BaseException:
         if ctx is not None:
-            await asyncio.to_thread(ctx.engine.stop)
+            # the other ranks follow rank 0's steps once its engine started: told to end then
+            if await asyncio.to_thread(ctx.engine.stop) and started and ctx.engine.dead is None:
+                stop_ranks(ctx.engine)
         raise
     if (children := parallel.children()) is not None:
         children.ready = True  # a rank lost from here on is the engine's to report
@@ -423,10 +426,23 @@ def close(ctx: ServingContext, grace_s: float) -> None:
         ctx.engine.stop()
         return
     ended = ctx.engine.stop()
-    ctx.cache_manager.close(timeout_s=max(5.0, grace_s), release=ended)
-    leader = ctx.engine.runner.lockstep
-    if leader is not None and ended and ctx.engine.dead is None:
-        leader.stop()  # after the sessions went to disk: that gathered every rank's KV
+    # NOTE: with tensor parallel writing the sessions gathers every rank's KV: only while the
+    # ranks are in step (the engine thread ended cleanly) and before they are told to stop
+    in_step = ended and ctx.engine.dead is None
+    try:
+        ctx.cache_manager.close(timeout_s=max(5.0, grace_s), release=ended, persist=in_step or ctx.engine.runner.lockstep is None)
+    except lockstep.RankLost as exc:
+        log.warning("the sessions were not all written at shutdown: %s", exc)
+    finally:
+        if in_step:
+            stop_ranks(ctx.engine)
+
+
+def stop_ranks(engine: Engine) -> None:
+    """Tell the other tensor-parallel ranks to end (their engine thread has ended, cleanly);
+    nothing without tensor parallel."""
+    if engine.runner.lockstep is not None:
+        engine.runner.lockstep.stop()
 
 
 async def startup_check(settings: Settings) -> tuple[dict | None, tuple[int, str] | None]:

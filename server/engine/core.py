@@ -375,19 +375,26 @@ class Engine:
             with self._cond:
                 idle = not self._stop and not self._waiting and not self._running and not self._calls
                 if idle:
+                    # NOTE: wakes at least every expire_every_s, so that the expiry below and, with
+                    # tensor parallel, the heartbeat (lockstep.HEARTBEAT_S) run while nothing else does
                     self._cond.wait(timeout=self.config.expire_every_s)
-                    self._maybe_expire()
                 if self._stop:
                     break
                 calls, self._calls = ([], self._calls) if idle else (self._calls, [])
-            # outside the lock: a rank may not answer (the engine then dies, and the loop ends)
-            if (self.runner.lockstep is not None and not self._ranks(idle)) or idle:
-                continue
-            for fn, future in calls:
-                self._call(fn, future)
-            self._maybe_expire()
-            self._admit()
-            self.step()
+            # outside the lock: a session going to disk or, with tensor parallel, any collective
+            # may take its time-out
+            try:
+                if self.runner.lockstep is not None:
+                    self._ranks(idle)
+                self._maybe_expire()
+                if idle:
+                    continue
+                for fn, future in calls:
+                    self._call(fn, future)
+                self._admit()
+                self.step()
+            except RankLost as exc:  # a step's, a heartbeat's, or a session's moving to or from a tier
+                self._die(str(exc))
         for seq, handle in list(self._running):
             self._finish(seq, handle, "abort")
         for seq, handle in list(self._waiting):
@@ -799,24 +806,19 @@ class Engine:
             return False
         return True
 
-    def _ranks(self, idle: bool) -> bool:
+    def _ranks(self, idle: bool) -> None:
         """A tensor-parallel leader between steps (server/engine/lockstep.py): its heartbeat when
-        idle, and every rank's figures into the metrics now and then. False when a rank is
-        gone: the engine died."""
+        idle, and every rank's figures into the metrics now and then. RankLost when a rank is
+        gone."""
         lockstep = self.runner.lockstep
-        try:
-            if idle:
-                lockstep.heartbeat()
-            every = lockstep.stats()
-        except RankLost as exc:
-            self._die(str(exc))
-            return False
+        if idle:
+            lockstep.heartbeat()
+        every = lockstep.stats()
         if every is not None and self.metrics is not None:
             for rank, figures in enumerate(every):
                 if figures["step_seconds"] is not None:
                     self.metrics.rank_step_seconds.labels(str(rank)).set(figures["step_seconds"])
                 self.metrics.rank_memory_bytes.labels(str(rank), "in_use").set(figures["in_use"])
-        return True
 
     def _die(self, reason: str) -> None:
         """The model cannot run: fail every request with "engine_dead", take no more, end the
@@ -980,7 +982,7 @@ def _extend(output: RequestOutput, more: RequestOutput) -> None:
 def serving_runner(model, config: EngineConfig, pool: kv.Pool, *, metrics=None, adapters=None, speculative: bool = False,
                    lockstep: Leader | None = None) -> ModelRunner:
     """The runner an engine serves with (a tensor-parallel follower builds its own alike,
-    server/parallel.py: both must run the same forwards)."""
+    server/startup.py `follow`: both must run the same forwards)."""
     return ModelRunner(
         model,
         pool,

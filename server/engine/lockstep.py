@@ -9,8 +9,8 @@ there. Only rank 0 reads logits.
 
 A follower's pool zeroes a block the first time a step names it, as rank 0's zeroes a block the
 first time it hands it out (`kv.Pool.touch`). The tiers below the device reach every rank's
-pool through rank 0's (`kv.Pool.peers`): a session's KV leaves it gathered from every rank, all
-heads in rank order as one process would hold them (`gather`), and comes back split, each rank
+pool through rank 0's (`kv.Pool.peers`): a session's KV leaves it gathered from every rank,
+every rank's heads in rank order (`gather`), and comes back split, each rank
 writing its heads (`scatter`), within one call on rank 0: complete on every rank or on none.
 Nothing else writes a pool: hybrid state and anything else that would are refused with tensor
 parallel (server/settings.py, server/model_loader.py).
@@ -46,6 +46,9 @@ class Leader:
         self.size = size  # ranks
         self._lost = lost
         self._sent = self._asked = time.monotonic()
+        # why a collective failed: every later call raises at once (a failure can leave the ranks
+        # out of step, so none is ever started again)
+        self._broken: str | None = None
         self.figures = Figures()  # rank 0's own (the engine times its forwards: `ran`)
 
     def ran(self, seconds: float) -> None:
@@ -69,9 +72,10 @@ class Leader:
         the CPU."""
         import torch.distributed as dist
 
+        mine = kv.to_cpu(mine, copy=False)  # before the followers are told: nothing may fail between
         self._send(("export", cache.blocks, cache.length))
         every: list[dict | None] = [None] * self.size
-        self._collective(dist.gather_object, kv.to_cpu(mine, copy=False), every, dst=0, group=self.group)
+        self._collective(dist.gather_object, mine, every, dst=0, group=self.group)
         return {name: torch.cat([tensors[name] for tensors in every], dim=1) for name in mine}
 
     def scatter(self, cache: kv.SequenceKV, tensors: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
@@ -124,11 +128,14 @@ class Leader:
         self._sent = time.monotonic()
 
     def _collective(self, fn, *args, **kwargs) -> None:
-        """fn(*args, **kwargs) on the control group; RankLost when it fails."""
+        """fn(*args, **kwargs) on the control group; RankLost when it fails, and from then on."""
+        if self._broken is not None:
+            raise RankLost(self._broken)
         try:
             fn(*args, **kwargs)
         except Exception as exc:
-            raise RankLost(self._lost() or f"the other ranks stopped answering ({type(exc).__name__}: {exc})") from exc
+            self._broken = self._lost() or f"the other ranks stopped answering ({type(exc).__name__}: {exc})"
+            raise RankLost(self._broken) from exc
 
 
 def follow(runner, group) -> None:
@@ -136,6 +143,8 @@ def follow(runner, group) -> None:
     "stop". Raises (the process ends) when rank 0 is gone or stops answering, or a forward
     fails here (rank 0's engine then dies: the ranks could not be kept in step after it)."""
     import torch.distributed as dist
+
+    from server.engine.context import Row
 
     pool, figures = runner.pool, Figures()
     while True:
@@ -160,9 +169,7 @@ def follow(runner, group) -> None:
             kv.put(_cache(pool, blocks, 0), out[0], length)
             continue
         specs, token_ids, logits_rows, counts, long_rows = args
-        rows = []
-        for blocks, length, n in specs:
-            rows.append(_row(pool, blocks, length, n))
+        rows = [Row(_cache(pool, blocks, length), n) for blocks, length, n in specs]
         t0 = time.perf_counter()
         runner.forward(rows, token_ids, logits_rows, counts, long_rows)  # a failure ends this rank, and the engine
         figures.ran(time.perf_counter() - t0)
@@ -189,13 +196,6 @@ class Figures:
             with open("/proc/self/statm") as f:
                 in_use = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         return {"step_seconds": mean, "in_use": in_use}
-
-
-def _row(pool: kv.Pool, blocks: list[int], length: int, n: int):
-    """An attention Row of `n` new tokens over a sequence of rank 0's (`_cache`)."""
-    from server.engine.context import Row
-
-    return Row(_cache(pool, blocks, length), n)
 
 
 def _cache(pool: kv.Pool, blocks: list[int], length: int) -> kv.SequenceKV:

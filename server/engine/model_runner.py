@@ -576,6 +576,9 @@ class ModelRunner:
                 self.graphs[(size, blocks)] = self._capture(size, blocks)
         except Exception as exc:
             log.debug("capturing CUDA graphs failed", exc_info=True)
+            if self.shards > 1:  # the other ranks may be inside a captured collective: none can go on
+                raise RuntimeError(f"capturing the decode graphs failed on this tensor-parallel rank ({type(exc).__name__}: {exc}); "
+                                   "serve with --cuda-graphs off") from exc
             self._fall_back("cuda_graphs", f"capturing the decode graphs failed ({type(exc).__name__}: {exc}); "
                             "decode steps run eagerly, several times slower on a GPU")
             self.graphs.clear()

@@ -31,7 +31,8 @@ BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_
 FAMILIES = {
     "dense": ("llama", {}),
     "moe": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "few-kv-heads": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2)),  # one KV head per rank
+    "gqa": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2)),  # one KV head per rank
+    "few-kv-heads": ("llama", dict(num_attention_heads=4, num_key_value_heads=1)),  # fewer KV heads than ranks: replicated
     "sliding": ("mistral", dict(sliding_window=8)),
 }
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-budget-bytes", str(64 * 2**20), "--max-running", "4")
@@ -132,6 +133,15 @@ def test_two_ranks_give_generate_tokens(family, tmp_path, tokenizer):
             assert all(v > 0 for v in seen.values())
 
 
+def test_four_ranks_over_two_kv_heads_each_keep_the_head_they_read(tmp_path, tokenizer):
+    """KV heads fewer than the ranks: ranks 0-1 keep KV head 0 and ranks 2-3 KV head 1 (the
+    projections replicated, then cut)."""
+    model = save(tmp_path / "m", tokenizer, "qwen2", num_key_value_heads=2)
+    with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
+                "--tensor-parallel-size", "4", *FLAGS) as server:
+        assert complete(server, PROMPTS[1])["choices"][0]["text"] == text_of(tokenizer, generate(model, PROMPTS[1]))
+
+
 def test_a_draft_model_on_rank_0_gives_generate_tokens(tmp_path, tokenizer):
     """The draft model runs whole on rank 0, its caches out of rank 0's budget; every rank's
     pool keeps rank 0's blocks, and the sharded target verifies the drafts."""
@@ -229,6 +239,21 @@ def test_a_hung_rank_ends_the_server_after_the_collective_time_out(tmp_path, tok
         assert not any(alive(p) for p in ranks)
 
 
+def test_an_idle_server_finds_a_hung_rank(tmp_path, tokenizer):
+    """Nothing runs, but rank 0 asks every rank for its figures and writes sessions to disk
+    (gathering every rank's heads): a hung rank ends the engine within the time-out."""
+    save(tmp_path / "m", tokenizer, "llama")
+    with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
+                "--tensor-parallel-size", "2", "--tensor-parallel-timeout-s", "3", "--kv-disk-dir", str(tmp_path / "kv"),
+                "--kv-persist-interval-s", "1", *FLAGS) as server:
+        complete(server, PROMPTS[1], session="idle")
+        ranks = descendants(server.proc.pid)
+        os.kill(ranks[0], signal.SIGSTOP)
+        assert server.proc.wait(timeout=60) == exits.ENGINE_DEAD
+        assert "the engine is dead" in server.log_path.read_text()
+        assert not any(alive(p) for p in ranks)
+
+
 def test_a_rank_that_fails_to_start_ends_rank_0_with_its_status(tmp_path, tokenizer):
     save(tmp_path / "m", tokenizer, "llama")
     status, out, started = run(tmp_path, "--model", str(tmp_path / "m"), "--tensor-parallel-size", "2", *FLAGS,
@@ -264,8 +289,8 @@ def test_refusals_exit_with_their_status_and_nothing_left(tmp_path, tokenizer):
     assert "gpt2 has no tensor-parallel plan" in out.strip().splitlines()[-1]
     assert not any(alive(p) for p in started)
 
-    status, out, started = run(tmp_path, "--model", str(tmp_path / "odd"), "--tensor-parallel-size", "2", "--kv-disk-dir", str(tmp_path / "kv"), *FLAGS)
-    assert status == exits.SETTINGS and "--kv-disk-dir: not served with --tensor-parallel-size > 1 yet" in out, out
+    status, out, started = run(tmp_path, "--model", str(tmp_path / "odd"), "--tensor-parallel-size", "2", "--deterministic", *FLAGS)
+    assert status == exits.SETTINGS and "--deterministic: not served with --tensor-parallel-size > 1 yet" in out, out
     assert not started
 
 
