@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import FastAPI
 
 from cache_manager import disk as disk_files
-from cache_manager import state
+from cache_manager import kv, state
 from cache_manager.manager import CacheConfig, CacheManager, make_pool
 from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
@@ -197,7 +197,9 @@ def rank_budget(settings: Settings, loaded: LoadedModel, max_context: int) -> tu
     if loaded.device.type == "cpu" and settings.kv_budget_bytes is None:
         budget = kv_budget.Budget(budget.nbytes // group.rank.local_world, f"{budget.how}, shared by {group.rank.local_world} ranks")
     weights = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in loaded.model.parameters())
-    nbytes, ranks = group.agree(budget.nbytes, {"host": socket.gethostname(), "device": str(loaded.device), "weights_bytes": weights})
+    shard = {"host": socket.gethostname(), "device": str(loaded.device), "weights_bytes": weights,
+             "kv_heads": kv.layout(loaded.model.config).kv_heads}
+    nbytes, ranks = group.agree(budget.nbytes, shard)
     return kv_budget.Budget(nbytes, f"{budget.how}; the smallest of {group.rank.world} ranks'" if nbytes < budget.nbytes else budget.how), ranks
 
 

@@ -184,6 +184,20 @@ def test_a_session_survives_a_restart_on_every_rank(tmp_path, tokenizer):
         assert second["choices"][0]["text"] == text_of(tokenizer, generate(model, prompt))
 
 
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_transformers_own_tensor_parallel_generate_agrees(family, tmp_path, tokenizer):
+    """The reference the tests above hold kvserve's two ranks to (`generate` in one process) is
+    also what transformers' own tensor-parallel `generate` gives on the same two shards."""
+    model_type, extra = FAMILIES[family]
+    model = save(tmp_path / "m", tokenizer, model_type, **extra)
+    script = Path(__file__).with_name("tp_generate.py")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                          str(script), str(tmp_path / "m"), str(N), *map(str, PROMPTS[1])],
+                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == generate(model, PROMPTS[1])
+
+
 def test_a_killed_rank_ends_the_server_with_status_9_and_nothing_left(tmp_path, tokenizer):
     save(tmp_path / "m", tokenizer, "llama")
     with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
@@ -302,7 +316,7 @@ def test_check_prints_each_rank(tmp_path, tokenizer):
     summary = json.loads(out.stdout)
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     for rank in summary["ranks"]:
-        assert rank["kv_budget_bytes"] == 64 * 2**20 and 0 < rank["weights_bytes"]
+        assert rank["kv_budget_bytes"] == 64 * 2**20 and 0 < rank["weights_bytes"] and rank["kv_heads"] == 1
     assert summary["engine"]["tensor_parallel"] == "2 ranks over gloo"
 
 
