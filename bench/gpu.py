@@ -49,7 +49,11 @@ def floor_tokens_per_s(model, device: torch.device) -> float | None:
     """One stream's bound: the weights read once per step at the measured copy bandwidth."""
     if device.type != "cuda":
         return None
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return copy_bandwidth(device) / sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s the device reads and writes in a 1 GiB copy (read + write counted)."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     for _ in range(3):
@@ -59,8 +63,7 @@ def floor_tokens_per_s(model, device: torch.device) -> float | None:
     for _ in range(10):
         y.copy_(x)
     sync(device)
-    bandwidth = 20 * x.numel() / (time.perf_counter() - t)
-    return bandwidth / nbytes
+    return 20 * x.numel() / (time.perf_counter() - t)
 
 
 def prompts(n: int, vocab: int) -> list[list[int]]:

@@ -1,31 +1,40 @@
-"""Tensor parallel on CPU (server/parallel.py): what running one model as 2 gloo ranks costs a
-decode step against one process on the same cores, and what each rank's KV pool holds.
+"""Tensor parallel (server/parallel.py): what running one model over several ranks costs or
+gives against one process, and what each rank's KV pool holds.
 
     .venv/bin/python -m bench.tp [--tokens 64] [--repeats 3] [--readme docs/benchmarks.md]
+    .venv/bin/python -m bench.tp --device cuda --model DIR [--sizes 1,2,4,8] [--streams 1,64]
 
-A correctness-and-overhead figure, not a speed claim: on a CPU the two ranks share the cores one
-process would use (each rank 1 thread, the one process 2), so the ratio says what the step's
-broadcast (server/engine/lockstep.py) and the forward's all-reduces and gathers cost, nothing
-about what more GPUs buy. On several GPUs (none is lent to this project yet) the figure to
-measure is tokens/s at 1 and 64 streams for a 70B shape at 2, 4 and 8 ranks against one GPU's
-HBM floor: unmeasured.
+On CPU (the default) it is a correctness-and-overhead figure, not a speed claim: the ranks (2,
+over gloo) share the cores one process would use (each rank 1 thread, the one process 2), so
+the ratio says what the step's broadcast (server/engine/lockstep.py) and the forward's
+all-reduces and gathers cost, nothing about what more GPUs buy. The model (fp32, seeded random
+weights, saved to a temporary directory with SmolLM2's tokenizer): Llama-shaped, hidden 512, 8
+layers, 8 query heads over 4 KV heads of 64, MLP 1536, vocabulary 49152; `--kv-budget-bytes`
+256 MiB per rank.
 
-The model (fp32, seeded random weights, saved to a temporary directory with SmolLM2's
-tokenizer): Llama-shaped, hidden 512, 8 layers, 8 query heads over 4 KV heads of 64, MLP 1536,
-vocabulary 49152. Two real servers, `--tensor-parallel-size 1` and `2`, with the same
-`--kv-budget-bytes` per rank; each round streams a 32-token prompt's --tokens greedy tokens
-(end of turn biased away) alone, then 8 such streams at once, on each server in turn. Rate =
-the tokens after the first one / the time from the first to the last (prefill left out);
-medians of --repeats rounds. The greedy text of both servers is compared (it must be equal).
+On GPUs (`--device cuda` and a checkpoint in --model: a 70B one at 2, 4 and 8 ranks is the figure
+the manual wants; no machine with several GPUs has been lent to this project yet, so it is
+unmeasured) each size in --sizes gets a server of its own on GPUs 0..N-1, bf16, one after the
+other, and a column compares one stream's tokens/s with one GPU's floor for the model: its
+weights' bytes read once per step at one GPU's measured copy bandwidth (N GPUs: ideally N
+times it).
+
+Each round streams, for each stream count in --streams, that many 32-token prompts' --tokens
+greedy tokens (end of turn biased away) at once, on each server in turn. Rate = the tokens
+after each stream's first / the time from the first to the last (prefill left out); medians of
+--repeats rounds, ratios against the smallest size. The greedy texts of every size are compared:
+on CPU they must be equal (the run fails otherwise); in bf16 on GPUs another reduction order may
+change a near-tie, so there the comparison is printed.
 
 `--readme FILE` writes the tables into FILE between `<!-- bench.tp: begin -->` and
-`<!-- bench.tp: end -->`. About 2 minutes on the 2-core dev box.
+`<!-- bench.tp: end -->`. About 3 minutes on the 2-core dev box.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import statistics
@@ -81,58 +90,97 @@ def rate(url: str, prompts: list[list[int]], tokens: int) -> tuple[float, list[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", help="a checkpoint directory (default, on CPU only: the random model above)")
+    parser.add_argument("--sizes", default=None, help="tensor-parallel sizes, comma-separated (CPU: 1,2; CUDA: 1,2,4,8)")
+    parser.add_argument("--streams", default=None, help=f"stream counts, comma-separated (CPU: 1,{STREAMS}; CUDA: 1,64)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--readme", type=Path)
     args = parser.parse_args()
-    prompts = [[(37 * i + 101 * s) % 40000 + 3 for i in range(32)] for s in range(STREAMS)]
+    gpu = args.device == "cuda"
+    if gpu and not args.model:
+        parser.error("--device cuda needs --model (a checkpoint directory)")
+    sizes = [int(n) for n in (args.sizes or ("1,2,4,8" if gpu else "1,2")).split(",")]
+    counts = [int(n) for n in (args.streams or ("1,64" if gpu else f"1,{STREAMS}")).split(",")]
+    prompts = [[(37 * i + 101 * s) % 40000 + 3 for i in range(32)] for s in range(max(counts))]
+    results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "m"
-        build(model)
-        flags = ("--model", str(model), "--served-model-name", "m", "--device", "cpu", "--dtype", "float32",
-                 "--kv-budget-bytes", str(BUDGET), "--max-running", str(STREAMS))
-        results: dict[int, dict] = {}
-        with launch(Path(tmp), *flags, "--tensor-parallel-size", "1") as one, launch(Path(tmp), *flags, "--tensor-parallel-size", "2") as two:
-            servers = {1: one, 2: two}
-            for size, server in servers.items():
+        model = Path(args.model) if args.model else Path(tmp) / "m"
+        if not args.model:
+            build(model)
+        flags = ("--model", str(model), "--served-model-name", "m", "--device", args.device, "--dtype", "bfloat16" if gpu else "float32",
+                 "--max-running", str(max(counts)), *(() if gpu else ("--kv-budget-bytes", str(BUDGET))))
+        with contextlib.ExitStack() as servers:
+            started = {}
+            for size in sizes:  # on CPU side by side, rounds in turn; on GPUs one size at a time, each on its GPUs
+                server = servers.enter_context(launch(Path(tmp), *flags, "--tensor-parallel-size", str(size), ready_timeout_s=3600))
                 info = httpx.get(server.url + "/v1/models").json()["data"][0]
-                results[size] = {"capacity": info["kv_cache"]["capacity_tokens"], "alone": [], "many": [], "texts": None}
-            for _ in range(args.repeats):
-                for size, server in servers.items():
-                    alone, texts = rate(server.url, prompts[:1], args.tokens)
-                    many, more = rate(server.url, prompts, args.tokens)
-                    results[size]["alone"].append(alone)
-                    results[size]["many"].append(many)
-                    results[size]["texts"] = texts + more
-    same = results[1]["texts"] == results[2]["texts"]
-    table = report(results, args, same)
+                results[size] = {"capacity": info["kv_cache"]["capacity_tokens"], "rates": {n: [] for n in counts}, "texts": []}
+                started[size] = server
+                if gpu:
+                    measure(started, results, prompts, counts, args)
+                    servers.close()
+                    started = {}
+            measure(started, results, prompts, counts, args)
+    same = len({tuple(r["texts"]) for r in results.values()}) == 1
+    floor = floor_per_gpu(Path(args.model)) if gpu else None
+    table = report(results, counts, args, same, floor)
     print(table)
     print(f"load average: {os.getloadavg()[0]:.2f}")
     if args.readme:
         write_readme_block(args.readme, README_BEGIN, README_END, table)
-    if not same:
-        raise SystemExit("the two servers' greedy texts differ")
+    if not same and not gpu:
+        raise SystemExit("the servers' greedy texts differ")
 
 
-def report(results: dict[int, dict], args, same: bool) -> str:
-    lines = [
-        f"Llama-shaped random model (hidden 512, 8 layers, 8 heads over 4 KV heads, vocabulary 49152), fp32, CPU (2 cores: one "
-        f"process with 2 threads, or 2 gloo ranks with 1 each), {args.tokens} greedy tokens a stream, medians of {args.repeats} "
-        f"rounds; `--kv-budget-bytes` {BUDGET // 2**20} MiB per rank. Greedy texts of both: {'equal' if same else 'DIFFERENT'}.",
-        "",
-        "| ranks | KV capacity (tokens, all ranks) | 1 stream (tokens/s) | ms a step | 8 streams (tokens/s) | **1 stream / one process** | **8 streams / one process** |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    base_alone, base_many = statistics.median(results[1]["alone"]), statistics.median(results[1]["many"])
+def measure(servers: dict, results: dict[int, dict], prompts: list[list[int]], counts: list[int], args) -> None:
+    """--repeats rounds, each stream count on each of `servers` in turn."""
+    for _ in range(args.repeats if servers else 0):
+        for size, server in servers.items():
+            texts = []
+            for n in counts:
+                tokens_per_s, more = rate(server.url, prompts[:n], args.tokens)
+                results[size]["rates"][n].append(tokens_per_s)
+                texts += more
+            results[size]["texts"] = texts
+
+
+def floor_per_gpu(model: Path) -> float:
+    """One stream's tokens/s bound on one GPU: the checkpoint's weight bytes read once per step
+    at one GPU's copy bandwidth."""
+    from bench.gpu import copy_bandwidth
+
+    nbytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    return copy_bandwidth(torch.device("cuda", 0)) / nbytes
+
+
+def report(results: dict[int, dict], counts: list[int], args, same: bool, floor: float | None) -> str:
+    gpu = floor is not None
+    what = (f"{args.model}, bf16, CUDA" if gpu else "Llama-shaped random model (hidden 512, 8 layers, 8 heads over 4 KV heads, vocabulary "
+            "49152), fp32, CPU (2 cores: one process with 2 threads, or 2 gloo ranks with 1 each)")
+    budget = "measured on each GPU" if gpu else f"`--kv-budget-bytes` {BUDGET // 2**20} MiB per rank"
+    header = ["ranks", "KV capacity (tokens, all ranks)", *(f"{n} stream{'s' if n > 1 else ''} (tokens/s)" for n in counts),
+              "ms a step (1 stream)", *(f"**{n} stream{'s' if n > 1 else ''} / {min(results)} rank{'s' if min(results) > 1 else ''}**" for n in counts)]
+    if gpu:
+        header.append("**1 stream / one GPU's floor**")
+    lines = [f"{what}, {args.tokens} greedy tokens a stream, medians of {args.repeats} rounds; {budget}. Greedy texts of all "
+             f"sizes: {'equal' if same else 'DIFFERENT'}.", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    base = {n: statistics.median(results[min(results)]["rates"][n]) for n in counts}
     for size, r in results.items():
-        alone, many = statistics.median(r["alone"]), statistics.median(r["many"])
-        lines.append(f"| {size} | {r['capacity']} | {alone:.1f} | {1000 / alone:.2f} | {many:.1f} | **{alone / base_alone:.2f}** | **{many / base_many:.2f}** |")
-    step_one, step_two = 1000 / base_alone, 1000 / statistics.median(results[2]["alone"])
-    lines += ["", f"Per decode step, 2 ranks add {step_two - step_one:.2f} ms to one process's {step_one:.2f} ms (one stream): the "
-              "broadcast of the step's rows, then per layer the gloo all-reduces after the attention and MLP output "
-              "projections (about 0.35 ms each over loopback TCP on the dev box, each waiting for the slower rank) and the "
-              "LM head's gather, with 1 thread a rank for the products. Each rank's pool holds half of every token's KV heads, so the same "
-              "budget per rank holds twice the tokens."]
+        rates = {n: statistics.median(r["rates"][n]) for n in counts}
+        row = [str(size), str(r["capacity"]), *(f"{rates[n]:.1f}" for n in counts), f"{1000 / rates[counts[0]]:.2f}",
+               *(f"**{rates[n] / base[n]:.2f}**" for n in counts)]
+        if gpu:
+            row.append(f"**{rates[counts[0]] / floor:.2f}**")
+        lines.append("| " + " | ".join(row) + " |")
+    if not gpu and {1, 2} <= set(results):
+        one, two = 1000 / base[counts[0]], 1000 / statistics.median(results[2]["rates"][counts[0]])
+        lines += ["", f"Per decode step, 2 ranks add {two - one:.2f} ms to one process's {one:.2f} ms (one stream): the "
+                  "broadcast of the step's rows, then per layer the gloo all-reduces after the attention and MLP output "
+                  "projections (about 0.35 ms each over loopback TCP on the dev box, each waiting for the slower rank) and the "
+                  "LM head's gather, with 1 thread a rank for the products. Each rank's pool holds half of every token's KV "
+                  "heads, so the same budget per rank holds twice the tokens."]
     return "\n".join(lines)
 
 
