@@ -166,13 +166,14 @@ class Metrics:
         )
         self.rank_step_seconds = Gauge(
             "kvserve_rank_step_seconds",
-            "Tensor parallel: each rank's mean forward pass over the last few seconds with steps (on CUDA the time "
-            "to launch it), by rank.", ["rank"], registry=r,
+            "Each tensor-parallel rank's mean forward pass over the last few seconds with steps (on CUDA the time "
+            "to launch it), by rank; one process is rank 0.", ["rank"], registry=r,
         )
         self.rank_memory_bytes = Gauge(
             "kvserve_rank_memory_bytes",
-            "Tensor parallel: each rank's memory, by rank and kind: weights (its shard), in_use (CUDA: allocated "
-            "by torch; CPU: the process's resident set). Every rank's KV pool is the same size.", ["rank", "kind"], registry=r,
+            "Each tensor-parallel rank's memory, by rank and kind: weights (its shard), in_use (CUDA: allocated "
+            "by torch; CPU: the process's resident set); one process is rank 0. Every rank's KV pool is the same "
+            "size.", ["rank", "kind"], registry=r,
         )
         self.kv_tokens_capacity = Gauge(
             "kvserve_kv_cache_capacity_tokens",

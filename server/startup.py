@@ -148,8 +148,8 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     if group is not None:
         leader = lockstep.Leader(group.control, group.rank.world, children.lost if children is not None else lambda: None)
         cache_manager.pool.peers = leader  # the tiers reach every rank's pool through rank 0's
-        for shard in ranks:
-            metrics.rank_memory_bytes.labels(str(shard["rank"]), "weights").set(shard["weights_bytes"])
+    for shard in ranks or [{"rank": 0, "weights_bytes": weights_bytes(loaded.model)}]:
+        metrics.rank_memory_bytes.labels(str(shard["rank"]), "weights").set(shard["weights_bytes"])
     engine = Engine(loaded.model, loaded.tokenizer, engine_config(settings, max_context), cache_manager, metrics=metrics,
                     proposer=proposer(settings, loaded, draft, max_context, draft_bytes), adapters=adapters, lockstep=leader)
     vocab_size = loaded.model.config.get_text_config(decoder=True).vocab_size
@@ -196,11 +196,16 @@ def rank_budget(settings: Settings, loaded: LoadedModel, max_context: int) -> tu
         return budget, None
     if loaded.device.type == "cpu" and settings.kv_budget_bytes is None:
         budget = kv_budget.Budget(budget.nbytes // group.rank.local_world, f"{budget.how}, shared by {group.rank.local_world} ranks")
-    weights = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in loaded.model.parameters())
+    weights = weights_bytes(loaded.model)
     shard = {"host": socket.gethostname(), "device": str(loaded.device), "weights_bytes": weights,
              "kv_heads": kv.layout(loaded.model.config).kv_heads}
     nbytes, ranks = group.agree(budget.nbytes, shard)
     return kv_budget.Budget(nbytes, f"{budget.how}; the smallest of {group.rank.world} ranks'" if nbytes < budget.nbytes else budget.how), ranks
+
+
+def weights_bytes(model) -> int:
+    """The bytes of this rank's weights (a tensor-parallel shard's local part)."""
+    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())
 
 
 def follow(settings: Settings) -> int:

@@ -28,7 +28,7 @@ from cache_manager.prefix import ROPE_SWITCH
 from grammars.matcher import start_masks
 from server import memory
 from server.engine import faults, families, lora, sampler, vision
-from server.engine.lockstep import Leader, RankLost
+from server.engine.lockstep import STATS_S, Figures, Leader, RankLost
 from server.engine.model_runner import ModelRunner, StepOutput
 from server.engine.scheduler import Plan, ScheduledRow, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
@@ -195,6 +195,7 @@ class Engine:
         self._calm_steps = 0  # steps since the last out-of-memory (`_relax`)
         self.dead: str | None = None  # why the model cannot run any more (`_die`); None: alive
         self.trimmer = memory.Trimmer()  # freed heap back to the system once idle (`_maybe_expire`)
+        self._figures, self._figures_at = Figures(), time.monotonic()  # this rank's forwards and memory (`_ranks`)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -384,8 +385,7 @@ class Engine:
             # outside the lock: a session going to disk or, with tensor parallel, any collective
             # may take its time-out
             try:
-                if self.runner.lockstep is not None:
-                    self._ranks(idle)
+                self._ranks(idle)
                 self._maybe_expire()
                 if idle:
                     continue
@@ -720,8 +720,7 @@ class Engine:
                 if self._faults is not None:
                     self._faults.before_forward(part)
                 out = self.runner.run(part)
-                if self.runner.lockstep is not None:
-                    self.runner.lockstep.ran(time.perf_counter() - t_run)
+                self._figures.ran(time.perf_counter() - t_run)
                 if self.speculator.timed:  # the step's cost, not its launch's: a sync
                     self.runner.synchronize()
                     self.speculator.observe(part.num_tokens, time.perf_counter() - t_run)
@@ -807,14 +806,18 @@ class Engine:
         return True
 
     def _ranks(self, idle: bool) -> None:
-        """A tensor-parallel leader between steps (server/engine/lockstep.py): its heartbeat when
-        idle, and every rank's figures into the metrics now and then. RankLost when a rank is
-        gone."""
+        """Between steps: with tensor parallel the heartbeat when idle (server/engine/lockstep.py);
+        every STATS_S each rank's figures (one process: its own, as rank 0) into the metrics.
+        RankLost when a rank is gone."""
         lockstep = self.runner.lockstep
-        if idle:
+        if lockstep is not None and idle:
             lockstep.heartbeat()
-        every = lockstep.stats()
-        if every is not None and self.metrics is not None:
+        if time.monotonic() - self._figures_at < STATS_S:
+            return
+        self._figures_at = time.monotonic()
+        mine = self._figures.take()
+        every = lockstep.stats(mine) if lockstep is not None else [mine]
+        if self.metrics is not None:
             for rank, figures in enumerate(every):
                 if figures["step_seconds"] is not None:
                     self.metrics.rank_step_seconds.labels(str(rank)).set(figures["step_seconds"])

@@ -30,7 +30,7 @@ from cache_manager import kv
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # an idle leader's broadcast, so that a follower's wait has a time-out
-STATS_S = 5.0  # how often rank 0 asks every rank for its figures (`Leader.stats`)
+STATS_S = 5.0  # how often the engine reports every rank's figures (`Leader.stats`; one process: its own)
 
 
 class RankLost(RuntimeError):
@@ -45,26 +45,18 @@ class Leader:
         self.group = group
         self.size = size  # ranks
         self._lost = lost
-        self._sent = self._asked = time.monotonic()
+        self._sent = time.monotonic()
         # why a collective failed: every later call raises at once (a failure can leave the ranks
         # out of step, so none is ever started again)
         self._broken: str | None = None
-        self.figures = Figures()  # rank 0's own (the engine times its forwards: `ran`)
 
-    def ran(self, seconds: float) -> None:
-        """Rank 0 ran a forward in `seconds`."""
-        self.figures.ran(seconds)
-
-    def stats(self) -> list[dict] | None:
-        """Every rank's `Figures.take`, in rank order, at most every STATS_S (None between)."""
+    def stats(self, mine: dict) -> list[dict]:
+        """Every rank's `Figures.take`, in rank order (`mine`: rank 0's)."""
         import torch.distributed as dist
 
-        if time.monotonic() - self._asked < STATS_S:
-            return None
-        self._asked = time.monotonic()
         self._send(("stats",))
         every: list[dict | None] = [None] * self.size
-        self._collective(dist.gather_object, self.figures.take(), every, dst=0, group=self.group)
+        self._collective(dist.gather_object, mine, every, dst=0, group=self.group)
         return every
 
     def gather(self, cache: kv.SequenceKV, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

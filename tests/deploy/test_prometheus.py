@@ -116,7 +116,8 @@ def test_dashboard_answers_the_operators_questions() -> None:
     titles = [p["title"] for p in dashboard()["panels"] if p["type"] == "row"]
     assert titles == ["Traffic and latency", "Is the queue growing?", "Batching: is the GPU kept busy?",
                       "Is reuse working?", "Are sessions being evicted?", "Structured output", "Speculative decoding",
-                      "Where do sessions live?", "Stored responses (/v1/responses)", "Engine health", "LoRA adapters"]
+                      "Where do sessions live?", "Stored responses (/v1/responses)", "Engine health", "LoRA adapters",
+                      "Tensor parallel"]
     exprs = "\n".join(expr for _, expr in queries())
     for metric in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):
@@ -153,6 +154,7 @@ def test_dashboard_answers_the_operators_questions() -> None:
         assert f"sum(kvserve_{metric}{{" in exprs
     assert "sum(rate(kvserve_lora_swaps_total{" in exprs
     assert "sum by (action, result) (increase(kvserve_lora_loads_total{" in exprs
+    assert "max by (rank) (kvserve_rank_step_seconds{" in exprs and "max by (rank, kind) (kvserve_rank_memory_bytes{" in exprs
 
 
 # -- a real Prometheus ---------------------------------------------------------------------------
