@@ -9,11 +9,11 @@ there. Only rank 0 reads logits.
 
 A follower's pool zeroes a block the first time a step names it, as rank 0's zeroes a block the
 first time it hands it out (`kv.Pool.touch`). The tiers below the device reach every rank's
-pool through rank 0's (`kv.Pool.peers`): a session's KV leaves it gathered from every rank,
-every rank's heads in rank order (`gather`), and comes back split, each rank
-writing its heads (`scatter`), within one call on rank 0: complete on every rank or on none.
-Nothing else writes a pool: hybrid state and anything else that would are refused with tensor
-parallel (server/settings.py, server/model_loader.py).
+pool through rank 0's (`kv.Pool.peers`): a session's KV leaves with every rank's heads gathered
+in rank order (`gather`) and comes back split, each rank writing its own (`scatter`), within
+one call on rank 0: complete on every rank or on none. Nothing else writes a pool: hybrid state
+and anything else that would is refused with tensor parallel (server/settings.py,
+server/sharding.py).
 """
 
 from __future__ import annotations
