@@ -179,9 +179,10 @@ def report(results: dict[int, dict], counts: list[int], args, same: bool, floor:
         lines += ["", f"Per decode step, 2 ranks add {two - one:.2f} ms to one process's {one:.2f} ms (one stream): the "
                   "broadcast of the step's rows, then per layer the gloo all-reduces after the attention and MLP output "
                   "projections (about 0.35 ms each over loopback TCP on the dev box, each waiting for the slower rank) and the "
-                  "LM head's gather; and the plan's distributed tensors, dispatched op by op, where one process runs its "
-                  "projections packed for oneDNN and merged (q/k/v, gate/up). Each rank's pool holds half of every token's "
-                  "KV heads, so the same budget per rank holds twice the tokens."]
+                  "LM head's gather; and transformers' wrappers around each sharded layer (their redistributions and "
+                  "dispatch, a few ms a step), where one process runs its projections packed for oneDNN and merged (q/k/v, "
+                  "gate/up). Each rank's pool holds half of every token's KV heads, so the same budget per rank holds twice "
+                  "the tokens."]
     return "\n".join(lines)
 
 
