@@ -258,3 +258,21 @@ def test_padded_rows_write_only_their_own_slots_and_the_trash_block(models, coun
 def test_runner_buckets():
     assert [model_runner.bucket(n) for n in (1, 3, 5, 17, 33, 600)] == [1, 4, 8, 24, 48, 600]
     assert [model_runner.block_bucket(n, 512) for n in (1, 16, 17, 300, 900)] == [16, 16, 32, 512, 512]
+
+
+@pytest.mark.parametrize("heads, kv_heads, ranks, local, groups", [
+    (8, 8, 1, 8, 1),  # one process
+    (8, 4, 2, 2, 2),  # the KV heads split evenly
+    (8, 2, 4, 1, 2),  # fewer KV heads than ranks: each rank keeps the one its 2 query heads read
+    (8, 1, 2, 1, 4),  # MQA: the one KV head on every rank
+])
+def test_a_tensor_parallel_rank_keeps_its_kv_heads(heads, kv_heads, ranks, local, groups):
+    """kv.SHARDS (server/sharding.py): one rank's pool holds its KV heads, and its query heads
+    per KV head, which attention groups by."""
+    config = MistralConfig(hidden_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=2)
+    setattr(config, kv.SHARDS, ranks)
+    layout = kv.layout(config)
+    assert (layout.kv_heads, layout.groups) == (local, groups)
+    assert layout.kv_heads * layout.groups == heads // ranks
+    one = MistralConfig(hidden_size=64, num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=2)
+    assert layout.bytes_per_token(torch.float32) * kv_heads == kv.layout(one).bytes_per_token(torch.float32) * local
