@@ -54,8 +54,8 @@ BLOCK_SIZE = 16
 # The text-config attribute by which server/engine/mla.py (`configure`) says how an MLA model's
 # pool keeps its KV: "latent" (`Layout.latent`) or "heads" (transformers' decompressed keys and values)
 LATENT = "kvserve_mla_cache"
-# Marked on the text config of a model sharded over N tensor-parallel ranks (server/parallel.py):
-# each rank's pool keeps its own N-th of the KV heads
+# Marked on the text config of a model sharded over N tensor-parallel ranks (server/sharding.py):
+# each rank's pool keeps its share of the KV heads
 SHARDS = "kvserve_tensor_parallel"
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 # Layers that keep a recurrent state (cache_manager/state.py) and no KV ("hybrid": both)

@@ -305,7 +305,7 @@ def load_model(
 ) -> LoadedModel:
     """Load the model and tokenizer in eval mode on the chosen device (may convert a GGUF), as the
     class its task (`resolve_task`) needs; with `tensor_parallel` > 1 this rank's shard of it
-    (`refuse_unsharded`; the ranks have joined: server/parallel.py)."""
+    (server/sharding.py; the ranks have joined: server/parallel.py)."""
     torch_device, torch_dtype = resolve_device_dtype(device, dtype)
     name_or_path, kwargs = resolve_source(source, cache_dir)
     kwargs["trust_remote_code"] = trust_remote_code

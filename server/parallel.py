@@ -3,7 +3,7 @@ share of the cores on CPU), over torch.distributed.
 
 Rank 0, the leader, serves HTTP and owns everything a request touches: the scheduler, the
 sessions' bookkeeping, grammars and sampling. The other ranks, the followers, hold their shard
-of the weights (transformers' tensor-parallel plan: server/model_loader.py) and a KV pool of
+of the weights (transformers' tensor-parallel plan: server/sharding.py) and a KV pool of
 their share of the KV heads (`kv.SHARDS`); each step's inputs reach them in one broadcast on a
 gloo group (server/engine/lockstep.py), every rank runs the forward on its shard, and the
 collectives inside it (NCCL on CUDA, gloo on CPU) join the shards.
@@ -12,7 +12,7 @@ How ranks start:
 
 * `kvserve serve --tensor-parallel-size N` on one node: the process started is rank 0, and it
   starts ranks 1..N-1 as its child processes (`spawn`), which die with it (Linux's parent-death
-  signal) and ignore SIGINT and SIGTERM (rank 0 drains and then stops them).
+  signal). Every rank but 0 ignores SIGINT and SIGTERM: rank 0 drains and then stops them.
 * `--nnodes M`: every node runs the same command with its own `--node-rank`, and starts its
   N/M ranks; they meet at `--master-addr:--master-port`.
 * torchrun: each process it starts joins as the RANK in its environment (WORLD_SIZE must be
@@ -40,7 +40,6 @@ from datetime import timedelta
 
 log = logging.getLogger(__name__)
 
-CHILD_ENV = "KVSERVE_TENSOR_PARALLEL_CHILD"  # set on a rank kvserve started itself
 _PR_SET_PDEATHSIG = 1
 
 
@@ -88,10 +87,10 @@ class Children:
 
     def lost(self) -> str | None:
         """Why a started rank is gone ("rank 1 (pid 123) was killed by signal SIGKILL"), or
-        None while all run."""
+        None while all run (or ended cleanly: told to stop)."""
         for rank, proc in self.procs.items():
             status = proc.poll()
-            if status is not None:
+            if status:
                 return f"rank {rank} (pid {proc.pid}) {_ended(status)}"
         return None
 
@@ -160,7 +159,7 @@ def spawn(settings, rank: Rank, argv: list[str]) -> Children | None:
         return None
     port = settings.master_port or _free_port(settings.master_addr)
     env = {**os.environ, "MASTER_ADDR": settings.master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(rank.world),
-           "LOCAL_WORLD_SIZE": str(rank.local_world), CHILD_ENV: "1"}
+           "LOCAL_WORLD_SIZE": str(rank.local_world)}
     os.environ.update(MASTER_ADDR=settings.master_addr, MASTER_PORT=str(port), LOCAL_RANK="0")
     procs, parent = {}, os.getpid()
     for local in range(1, rank.local_world):

@@ -81,7 +81,7 @@ class ModelRunner:
                  decode_kernel: bool | None = None, merge: bool = False, compile: str = "off", overlap: bool | None = None,
                  encoder: vision.Encoder | None = None, lockstep: lockstep.Leader | None = None) -> None:
         self.model = model
-        # a tensor-parallel model's shard (server/parallel.py): its weights are the plan's
+        # a tensor-parallel model's shard (server/sharding.py): its weights are the plan's
         # distributed tensors, packed and merged by no one; rank 0's runner sends each forward to
         # the other ranks first (`lockstep`)
         self.shards = getattr(model.config.get_text_config(decoder=True), kv.SHARDS, 1)
