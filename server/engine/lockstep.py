@@ -19,13 +19,13 @@ server/sharding.py).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 
 import torch
 
 from cache_manager import kv
+from server import memory
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +182,7 @@ class Figures:
         bytes}; starts over."""
         mean = self.seconds / self.forwards if self.forwards else None
         self.seconds, self.forwards = 0.0, 0
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            in_use = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/statm") as f:
-                in_use = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        in_use = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else memory.rss_bytes()
         return {"step_seconds": mean, "in_use": in_use}
 
 
