@@ -112,6 +112,11 @@ class LoadedModel:
     task: str = "generate"  # what it is served for (Settings.task, `auto` resolved: `resolve_task`)
     pooling: PoolingSpec | None = None  # the embed task's pooling, from the checkpoint's configuration
 
+    def context_length(self, max_model_len: int | None) -> int:
+        """The context served: --max-model-len where given, never past the model's own (every
+        tensor-parallel rank sizes its pool by it, so one rule serves them all)."""
+        return min(self.max_context, max_model_len or self.max_context)
+
 
 def checkpoint_text(name_or_path: str, filename: str, kwargs: dict) -> str | None:
     """The text of one file of the checkpoint (a directory or a hub id); None if it has none."""

@@ -128,7 +128,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     model_id = settings.served_model_name or loaded.model_id
     model_aliases = frozenset(settings.model_aliases) | {loaded.model_id}
     adapters = load_adapters(settings, loaded, {model_id, *model_aliases})
-    max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
+    max_context = loaded.context_length(settings.max_model_len)
     mode = numerics(settings, loaded)
     budget, ranks = rank_budget(settings, loaded, max_context)
     # a draft model's caches (running and kept for sessions) take their share of the budget
@@ -222,7 +222,7 @@ def follow(settings: Settings) -> int:
             raise exits.StartupError(exits.MODEL_CANNOT_RUN, f"injected: rank {group.rank.rank} cannot start")
         mla.configure(loaded.model, "heads")
         families.check(loaded.model)
-        max_context = min(loaded.max_context, s.max_model_len or loaded.max_context)
+        max_context = loaded.context_length(s.max_model_len)
         budget, _ = rank_budget(s, loaded, max_context)
         pool_bytes = group.share(None)  # rank 0's pool: its budget less a draft model's share
         kv_budget.check(budget, pool_bytes, loaded.model.config, loaded.dtype, s.kv_cache_dtype, max_context)

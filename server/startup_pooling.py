@@ -26,7 +26,7 @@ def build_pooling_context(settings: Settings, loaded: LoadedModel, metrics: Metr
     pooling engine over the head its kind needs, no KV cache and no generation engine. A model
     the task cannot use is refused by name (UnsupportedModel). The engine is not started yet."""
     config, tokenizer = loaded.model.config, loaded.tokenizer
-    max_context = min(loaded.max_context, settings.max_model_len or loaded.max_context)
+    max_context = loaded.context_length(settings.max_model_len)
     pad_id = config.pad_token_id if isinstance(config.pad_token_id, int) else (tokenizer.pad_token_id or 0)
     facts: dict = {}
     if loaded.task == "embed":
