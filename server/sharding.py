@@ -33,8 +33,7 @@ def plan(config, ranks: int, *, vision: bool, quantized: bool):
     if not rules:
         raise UnsupportedModel("tensor-parallel-plan", f"{kind} has no tensor-parallel plan in transformers {transformers.__version__}: "
                                "serve it with --tensor-parallel-size 1")
-    heads = getattr(text, "num_attention_heads", 0) or 0
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    heads, kv_heads = _heads(text)
     if heads % ranks:
         raise UnsupportedModel("tensor-parallel-heads", f"{kind}'s {heads} attention heads do not split over {ranks} ranks: "
                                f"choose a --tensor-parallel-size that divides {heads}")
@@ -64,8 +63,7 @@ def keep_rank_kv_heads(model, ranks: int) -> None:
 
     text = model.config.get_text_config(decoder=True)
     setattr(text, kv.SHARDS, ranks)
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    heads, kv_heads = _heads(text)
     if kv_heads % ranks == 0:
         return
     head = dist.get_rank() // (ranks // kv_heads)  # the KV head this rank's query heads read
@@ -80,6 +78,12 @@ def keep_rank_kv_heads(model, ranks: int) -> None:
             module.out_features = width
         elif hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = heads // ranks  # this rank's query heads, all over its one KV head
+
+
+def _heads(text) -> tuple[int, int]:
+    """The text config's attention heads and KV heads (as many as the heads where it names none)."""
+    heads = getattr(text, "num_attention_heads", 0) or 0
+    return heads, getattr(text, "num_key_value_heads", None) or heads
 
 
 def _kv_projections(rules: dict[str, str]) -> list[str] | None:
