@@ -157,7 +157,7 @@ def spawn(settings, rank: Rank, argv: list[str]) -> Children | None:
     global _children
     if "WORLD_SIZE" in os.environ:
         return None
-    port = settings.master_port or _free_port(settings.master_addr)
+    port = settings.master_port or _free_port(settings.master_addr, besides=settings.port)
     env = {**os.environ, "MASTER_ADDR": settings.master_addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(rank.world),
            "LOCAL_WORLD_SIZE": str(rank.local_world)}
     os.environ.update(MASTER_ADDR=settings.master_addr, MASTER_PORT=str(port), LOCAL_RANK="0")
@@ -182,10 +182,15 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _free_port(host: str, besides: int) -> int:
+    """A port free on `host` now, other than `besides`: the HTTP port, not bound until the ranks
+    have met, may itself be a free port the kernel would hand out again."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port != besides:
+            return port
 
 
 def _ended(status: int) -> str:
