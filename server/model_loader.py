@@ -358,6 +358,7 @@ def load_model(
         model.to(torch_device)
     model.eval()
     if tensor_parallel > 1:
+        sharding.localize(model)
         sharding.keep_rank_kv_heads(model, tensor_parallel)
     log.info("loaded %s%s as %s (--task %s)", name_or_path, f" ({method}-quantized weights)" if method else "",
              type(model).__name__, task)

@@ -376,7 +376,6 @@ class Settings(BaseSettings):
             unsharded = [flag for flag, on in (
                 ("--lora/--enable-lora-loading", self.serves_adapters),
                 ("--deterministic", self.deterministic),
-                ("--compile require", self.compile == "require"),
                 ("--overlap on", self.overlap == "on"),
                 (f"--task {self.task}", self.task in ("embed", "rerank")),
             ) if on]

@@ -6,7 +6,15 @@ are split evenly where N divides them; where they are fewer than the ranks (and 
 every rank keeps the one KV head its query heads read, as vLLM does: the plan's key and value
 projections are replicated instead of split, then cut to that head. Refused by name
 (`UnsupportedModel`): a family without a plan, heads N does not divide, and what kvserve does not
-shard yet (recurrent layers, pictures, quantized weights).
+shard yet (recurrent layers, pictures, quantized weights), and plan styles kvserve does not run.
+
+After loading, the model runs on plain local shards (`localize`): transformers keeps each
+sharded weight as a distributed tensor, swapped to a local one around every layer's forward,
+with its communication in the forward it installs on the layer. kvserve takes the local
+tensors and puts the communication in forward hooks of its own (an all-reduce after a
+row-parallel layer, the experts and the vocabulary-parallel embedding; an all-gather after the
+head), so the layers are plain `nn.Linear`s again that kvserve merges, packs, compiles and
+captures as with one process, and the hooks run whichever forward a layer ends up with.
 """
 
 from __future__ import annotations
@@ -14,12 +22,21 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed as dist
 import transformers
 
 from cache_manager import kv, state
 from server.engine.unsupported import UnsupportedModel
 
 _KV_PROJECTIONS = ("k_proj", "v_proj")
+# the styles of a base model's plan kvserve runs (`localize`): all but the last two need no
+# communication of their own on local shards (each rank's slice of the output features, or
+# a whole copy: "replicate" is `plan`'s, for KV heads fewer than the ranks); "rowwise" and
+# "moe_tp_experts" sum the ranks' partial outputs
+_STYLES = frozenset({"colwise", "packed_colwise", "packed_rowwise", "replicated_with_grad_allreduce", "local_params", "replicate",
+                     "rowwise", "moe_tp_experts"})
+# ... and around it: the vocabulary-parallel embedding and the head gathered on every rank
+_OUTER_STYLES = frozenset({"embedding_rowwise", "colwise_gather_output"})
 
 
 def plan(config, ranks: int, *, vision: bool, quantized: bool):
@@ -33,6 +50,10 @@ def plan(config, ranks: int, *, vision: bool, quantized: bool):
     if not rules:
         raise UnsupportedModel("tensor-parallel-plan", f"{kind} has no tensor-parallel plan in transformers {transformers.__version__}: "
                                "serve it with --tensor-parallel-size 1")
+    styles = sorted({style for style in rules.values() if style not in _STYLES})
+    if styles:
+        raise UnsupportedModel("tensor-parallel-plan", f"{kind}'s tensor-parallel plan shards layers as {', '.join(styles)}, which kvserve "
+                               "does not run: serve it with --tensor-parallel-size 1")
     heads, kv_heads = _heads(text)
     if heads % ranks:
         raise UnsupportedModel("tensor-parallel-heads", f"{kind}'s {heads} attention heads do not split over {ranks} ranks: "
@@ -59,8 +80,6 @@ def keep_rank_kv_heads(model, ranks: int) -> None:
     """After loading: mark the text config (`kv.SHARDS`: each rank's pool keeps its share of
     the KV heads) and, where the KV projections were replicated (`plan`), cut them to this
     rank's KV head, telling each attention module its query heads per KV head."""
-    import torch.distributed as dist
-
     text = model.config.get_text_config(decoder=True)
     setattr(text, kv.SHARDS, ranks)
     heads, kv_heads = _heads(text)
@@ -78,6 +97,85 @@ def keep_rank_kv_heads(model, ranks: int) -> None:
             module.out_features = width
         elif hasattr(module, "num_key_value_groups"):
             module.num_key_value_groups = heads // ranks  # this rank's query heads, all over its one KV head
+
+
+def localize(model) -> None:
+    """Make the loaded shard plain: every distributed weight becomes this rank's local tensor
+    (one tensor where weights are tied), transformers' forwards go, and each layer whose plan
+    style communicates gets kvserve's hook for it (module doc). UnsupportedModel for a style
+    `_STYLES` and `_OUTER_STYLES` do not name."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    rules = getattr(model, "tp_plan", None) or {}
+    local: dict[int, torch.nn.Parameter] = {}  # id of a distributed weight -> its local one
+    for name, module in model.named_modules():
+        style = rules.get(replace_layer_number_by_wildcard(name)) if name else None
+        if style is not None and style not in _STYLES | _OUTER_STYLES:
+            raise UnsupportedModel("tensor-parallel-plan", f"{type(model).__name__}'s tensor-parallel plan shards {name} as {style}, "
+                                   "which kvserve does not run: serve it with --tensor-parallel-size 1")
+        offset, width = 0, getattr(module, "out_features", None)  # a vocabulary-parallel embedding's first row; the whole output
+        for key, param in list(module._parameters.items()):
+            if isinstance(param, DTensor):
+                if key == "weight":
+                    offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1][0]
+                if id(param) not in local:
+                    local[id(param)] = torch.nn.Parameter(param.to_local(), requires_grad=False)
+                module._parameters[key] = local[id(param)]
+        if isinstance(module, torch.nn.Linear):  # the widths of this rank's slice (merged.py reads them)
+            module.out_features, module.in_features = module.weight.shape
+        elif isinstance(module, torch.nn.Embedding):
+            module.num_embeddings, module.embedding_dim = module.weight.shape
+        if style is not None:
+            module.__dict__.pop("forward", None)  # transformers' forward for its plan (the class's own stays)
+        if style == "rowwise":
+            if module.bias is not None and dist.get_rank():
+                module.bias = None  # added once, by rank 0, into the sum
+            module.register_forward_hook(_sum)
+        elif style == "moe_tp_experts":
+            module.register_forward_hook(_sum)
+        elif style == "embedding_rowwise":
+            _vocabulary_parallel(module, offset)
+        elif style == "colwise_gather_output":
+            module.register_forward_hook(_gather(width))
+
+
+def _sum(module, args, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook: the ranks' partial outputs summed, on every rank."""
+    dist.all_reduce(output)
+    return output
+
+
+def _vocabulary_parallel(module: torch.nn.Embedding, start: int) -> None:
+    """`module` holds the vocabulary's rows from `start`: it looks up the ids among them, zeros
+    for the others (through the class's forward, so a scaled embedding stays scaled), and the
+    ranks' lookups are summed."""
+    rows, forward = module.num_embeddings, type(module).forward
+
+    def lookup(ids: torch.Tensor) -> torch.Tensor:
+        ids = ids - start
+        mine = (ids >= 0) & (ids < rows)
+        out = forward(module, torch.where(mine, ids, 0))
+        return out * mine.unsqueeze(-1).to(out.dtype)
+
+    module.forward = lookup
+    module.register_forward_hook(_sum)
+
+
+def _gather(width: int):
+    """A forward hook: each rank's slice of the `width` output features (the last rank's may be
+    shorter) gathered into the whole, on every rank."""
+    ranks = dist.get_world_size()
+    part = -(-width // ranks)  # torch.chunk's split: every rank's slice but the last's
+
+    def hook(module, args, output: torch.Tensor) -> torch.Tensor:
+        mine = torch.nn.functional.pad(output, (0, part - output.shape[-1])).contiguous()
+        every = mine.new_empty((ranks * mine.shape[0], *mine.shape[1:]))
+        dist.all_gather_into_tensor(every, mine)  # the ranks' slices one after another along the first dimension
+        return every.unflatten(0, (ranks, -1)).movedim(0, -2).flatten(-2)[..., :width]
+
+    return hook
 
 
 def _heads(text) -> tuple[int, int]:

@@ -62,9 +62,6 @@ def why_eager(runner) -> str | None:
         return "LongRoPE switches factors by each row's length"
     if runner.observe is not None:
         return "an observed forward (the families probe)"
-    if runner.shards > 1:
-        # NOTE: a compilation that failed on one rank alone would leave the others in a collective
-        return "tensor parallel: the sharded forward is not compiled yet"
     quantized = sum(isinstance(m, torch.nn.Linear) and not dense(m) for m in runner.model.modules())
     if quantized:
         return f"{quantized} quantized linear layers run their own kernels"

@@ -81,13 +81,10 @@ class ModelRunner:
                  decode_kernel: bool | None = None, merge: bool = False, compile: str = "off", overlap: bool | None = None,
                  encoder: vision.Encoder | None = None, lockstep: lockstep.Leader | None = None) -> None:
         self.model = model
-        # a tensor-parallel model's shard (server/sharding.py): its weights are the plan's
-        # distributed tensors, packed and merged by no one; rank 0's runner sends each forward to
-        # the other ranks first (`lockstep`)
+        # a tensor-parallel model's shard (server/sharding.py: local weights, its collectives in
+        # hooks); rank 0's runner sends each forward to the other ranks first (`lockstep`)
         self.shards = getattr(model.config.get_text_config(decoder=True), kv.SHARDS, 1)
         self.lockstep = lockstep
-        if self.shards > 1:
-            packed, merge = None, False
         self.encoder = encoder  # a vision-language model's (server/engine/vision.py): the pictures' rows of a step
         self.pool = pool
         self.adapters = adapters  # LoRA adapters (server/engine/lora.py): each row's slot, 0 the base
@@ -159,6 +156,9 @@ class ModelRunner:
                     self._forward(ids, pos, step, None, self._compiled, shift=shift)
             except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named
                 log.debug("compiling the decode forward failed", exc_info=True)
+                if self.shards > 1:  # the other ranks may be inside a compiled collective: none can go on
+                    raise RuntimeError(f"compiling the decode forward failed on this tensor-parallel rank ({type(exc).__name__}: "
+                                       f"{exc}); serve with --compile off") from exc
                 self._compiled = None
                 why = f"compiling the decode forward failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
             else:

@@ -133,6 +133,23 @@ def test_two_ranks_give_generate_tokens(family, tmp_path, tokenizer):
             assert all(v > 0 for v in seen.values())
 
 
+def test_the_compiled_forward_on_two_ranks_gives_generate_tokens(tmp_path, tokenizer):
+    """`--compile require` under tensor parallel: each rank compiles its shard's decode forward
+    with the all-reduces inside (attention's, and the experts' partial sums), on merged and
+    packed local weights (sharding.localize), and the tokens are generate's, alone and batched."""
+    model_type, extra = FAMILIES["moe"]
+    model = save(tmp_path / "m", tokenizer, model_type, **extra)
+    with launch(tmp_path, "--model", str(tmp_path / "m"), "--served-model-name", "m", "--cache-dir", str(cache_dir()),
+                "--tensor-parallel-size", "2", "--compile", "require", *FLAGS, ready_timeout_s=300) as server:
+        engine = httpx.get(server.url + "/v1/models").json()["data"][0]["engine"]
+        assert (engine["compile"], engine["cpu_linear"], engine["fallbacks"]) == ("decode", "packed", {}), engine
+        assert engine["merged"].startswith("qkv 2"), engine
+        expected = [text_of(tokenizer, generate(model, p)) for p in PROMPTS]
+        assert [complete(server, p)["choices"][0]["text"] for p in PROMPTS] == expected
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(lambda p: complete(server, p)["choices"][0]["text"], PROMPTS)) == expected
+
+
 def test_four_ranks_over_two_kv_heads_each_keep_the_head_they_read(tmp_path, tokenizer):
     """KV heads fewer than the ranks: ranks 0-1 keep KV head 0 and ranks 2-3 KV head 1 (the
     projections replicated, then cut)."""
@@ -190,12 +207,32 @@ def test_transformers_own_tensor_parallel_generate_agrees(family, tmp_path, toke
     also what transformers' own tensor-parallel `generate` gives on the same two shards."""
     model_type, extra = FAMILIES[family]
     model = save(tmp_path / "m", tokenizer, model_type, **extra)
+    assert tp_generate("transformers", tmp_path / "m", PROMPTS[1]) == generate(model, PROMPTS[1])
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    # uneven vocabulary slices, the head tied to the embedding (weights wide enough that the
+    # tokens are not the last one repeated, as a tied random model gives)
+    ("llama", dict(vocab_size=1001, tie_word_embeddings=True, initializer_range=0.2)),
+    ("gemma3_text", dict(vocab_size=1001, head_dim=16, sliding_window=8)),  # a scaled embedding, q/k norms over local heads
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),  # experts' partial sums
+    ("llama", dict(num_key_value_heads=1)),  # the KV head replicated, then cut
+])
+def test_kvserve_local_shards_give_generate_tokens(model_type, extra, tmp_path, tokenizer):
+    """kvserve's shards (local weights, its own collectives in hooks: sharding.localize) run by
+    transformers' modeling code give the whole model's greedy tokens, over odd vocabularies too."""
+    model = save(tmp_path / "m", tokenizer, model_type, **extra)
+    prompt = [t % extra.get("vocab_size", BASE["vocab_size"]) for t in PROMPTS[2]]
+    assert tp_generate("kvserve", tmp_path / "m", prompt) == generate(model, prompt)
+
+
+def tp_generate(shards: str, path: Path, prompt: list[int]) -> list[int]:
     script = Path(__file__).with_name("tp_generate.py")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                          str(script), str(tmp_path / "m"), str(N), *map(str, PROMPTS[1])],
-                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
+                          str(script), shards, str(path), str(N), *map(str, prompt)],
+                         capture_output=True, text=True, timeout=180, cwd=path.parent)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == generate(model, PROMPTS[1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_killed_rank_ends_the_server_with_status_9_and_nothing_left(tmp_path, tokenizer):
