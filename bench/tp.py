@@ -176,13 +176,13 @@ def report(results: dict[int, dict], counts: list[int], args, same: bool, floor:
         lines.append("| " + " | ".join(row) + " |")
     if not gpu and {1, 2} <= set(results):
         one, two = 1000 / base[counts[0]], 1000 / statistics.median(results[2]["rates"][counts[0]])
-        lines += ["", f"Per decode step, 2 ranks add {two - one:.2f} ms to one process's {one:.2f} ms (one stream): the "
-                  "broadcast of the step's rows, then per layer the gloo all-reduces after the attention and MLP output "
-                  "projections (about 0.35 ms each over loopback TCP on the dev box, each waiting for the slower rank) and the "
-                  "LM head's gather; and transformers' wrappers around each sharded layer (their redistributions and "
-                  "dispatch, a few ms a step), where one process runs its projections packed for oneDNN and merged (q/k/v, "
-                  "gate/up). Each rank's pool holds half of every token's KV heads, so the same budget per rank holds twice "
-                  "the tokens."]
+        lines += ["", f"Per decode step, 2 ranks add {two - one:.2f} ms to one process's {one:.2f} ms (one stream). Each "
+                  "rank runs half the model's products, packed and merged as one process runs them, on 1 thread where one "
+                  "process has 2; on top come the broadcast of the step's rows and 2 gloo all-reduces a layer (after the "
+                  "attention and MLP output projections), one for the embedding and the LM head's gather: about 0.2 ms of CPU "
+                  "each over loopback TCP on the dev box, but each waits for the slower rank, and on 2 shared cores a rank "
+                  "that waits is woken late. Each rank's pool holds half of every token's KV heads, so the same budget per "
+                  "rank holds twice the tokens."]
     return "\n".join(lines)
 
 

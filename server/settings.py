@@ -269,8 +269,9 @@ class Settings(BaseSettings):
         description="Compile the decode steps' forward with torch.compile (inductor) at start-up, "
         "inside the CUDA graphs: auto = on CUDA (a failed compilation logs a WARNING and runs "
         "eagerly; on CPU, where it is not faster, off), require = compile on any device or refuse "
-        "to start (exit status 8), off (--no-compile) = eager. Compiled kernels are cached under "
-        "--cache-dir, so a restart skips most of the compilation.",
+        "to start (exit status 8), off (--no-compile) = eager. With --tensor-parallel-size > 1 every "
+        "rank compiles its shard, and a compilation that fails on any rank ends the start. Compiled "
+        "kernels are cached under --cache-dir, so a restart skips most of the compilation.",
         json_schema_extra={"negated": "off"},
     )
     overlap: Literal["auto", "on", "off"] = Field(

@@ -204,8 +204,8 @@ def rank_budget(settings: Settings, loaded: LoadedModel, max_context: int) -> tu
 
 
 def weights_bytes(model) -> int:
-    """The bytes of this rank's weights (a tensor-parallel shard's local part)."""
-    return sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())
+    """The bytes of this rank's weights (a tensor-parallel shard's: local tensors, sharding.localize)."""
+    return sum(p.nbytes for p in model.parameters())
 
 
 def follow(settings: Settings) -> int:
