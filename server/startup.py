@@ -114,13 +114,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     """The serving context of `loaded` (and its draft model): the model's family checked, its
     adapters loaded, the KV budget sized, the cache manager, engine and grammar compiler built.
     The engine is not started yet (`start` does)."""
-    # a family whose features the engine does not model is refused here, by name, before any
-    # cache is sized for it (server/engine/families.py); an MLA model's pool keeps its latent
-    # where it can (server/engine/mla.py)
-    group = parallel.group()
-    # NOTE: a sharded MLA model keeps its heads (each rank its share); the latent is one
-    mla.configure(loaded.model, settings.mla_cache if group is None else "heads", lora=settings.serves_adapters)
-    families.check(loaded.model)
+    check_family(settings, loaded)
     if draft is not None:
         families.check(draft.model)
         if state.spec(draft.model.config, draft.dtype) is not None:
@@ -130,21 +124,15 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     adapters = load_adapters(settings, loaded, {model_id, *model_aliases})
     max_context = loaded.context_length(settings.max_model_len)
     mode = numerics(settings, loaded)
-    budget, ranks = rank_budget(settings, loaded, max_context)
-    # a draft model's caches (running and kept for sessions) take their share of the budget
-    draft_bytes = draft_budget_for(loaded.model, draft.model, budget.nbytes, max_context, settings.kv_cache_dtype) if settings.speculative == "draft" else 0
-    if group is not None:  # every rank's pool has rank 0's blocks (a draft model's caches are rank 0's alone)
-        group.share(budget.nbytes - draft_bytes)
-    kv_budget.check(budget, budget.nbytes - draft_bytes, loaded.model.config, loaded.dtype, settings.kv_cache_dtype, max_context)
-    cache_manager = build_cache_manager(settings, loaded, metrics, max_context, budget.nbytes - draft_bytes, mode)
+    budget, pool_bytes, draft_bytes, ranks = size_pool(settings, loaded, max_context, draft)
+    cache_manager = build_cache_manager(settings, loaded, metrics, max_context, pool_bytes, mode)
     log.info("KV budget %.2f GiB (%s): %d tokens of %s KV (%d bytes per token); one sequence at the full context of "
              "%d tokens takes %.1f%% of it", budget.nbytes / 2**30, budget.how, cache_manager.capacity_tokens(),
              cache_manager.pool.format.name, cache_manager.pool.block_bytes // cache_manager.pool.block_size, max_context,
              100 * max_context / max(cache_manager.capacity_tokens(), 1))
     if adapters is not None:
         metrics.watch_adapters(adapters)
-    children = parallel.children()
-    leader = None
+    children, group, leader = parallel.children(), parallel.group(), None
     if group is not None:
         leader = lockstep.Leader(group.control, group.rank.world, children.lost if children is not None else lambda: None)
         cache_manager.pool.peers = leader  # the tiers reach every rank's pool through rank 0's
@@ -186,6 +174,33 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
     )
 
 
+def check_family(settings: Settings, loaded: LoadedModel) -> None:
+    """Refuse, by name, a family whose features the engine does not model, before any cache is
+    sized for it (server/engine/families.py); an MLA model's pool keeps its latent where it can
+    (server/engine/mla.py). On every rank (its probe runs the sharded forward)."""
+    # NOTE: a sharded MLA model keeps its heads (each rank its share); the latent is one
+    mla.configure(loaded.model, settings.mla_cache if parallel.group() is None else "heads", lora=settings.serves_adapters)
+    families.check(loaded.model)
+
+
+def size_pool(settings: Settings, loaded: LoadedModel, max_context: int,
+              draft: LoadedModel | None = None) -> tuple[kv_budget.Budget, int, int, list[dict] | None]:
+    """This rank's KV budget (`rank_budget`), the bytes of its pool, a draft model's share of the
+    budget (its caches, running and kept for sessions: on rank 0 alone) and every rank's summary
+    (None alone). With tensor parallel every rank's pool gets rank 0's bytes, so every pool has
+    the same blocks. Rank 0 (`build_context`) and the others (`follow`) both size theirs here:
+    the same collectives in the same order."""
+    budget, ranks = rank_budget(settings, loaded, max_context)
+    draft_bytes = 0
+    if draft is not None and settings.speculative == "draft":
+        draft_bytes = draft_budget_for(loaded.model, draft.model, budget.nbytes, max_context, settings.kv_cache_dtype)
+    pool_bytes = budget.nbytes - draft_bytes
+    if (group := parallel.group()) is not None:
+        pool_bytes = group.share(pool_bytes if group.rank.rank == 0 else None)
+    kv_budget.check(budget, pool_bytes, loaded.model.config, loaded.dtype, settings.kv_cache_dtype, max_context)
+    return budget, pool_bytes, draft_bytes, ranks
+
+
 def rank_budget(settings: Settings, loaded: LoadedModel, max_context: int) -> tuple[kv_budget.Budget, list[dict] | None]:
     """The KV budget of this rank's pool (`kv_budget.choose`); with tensor parallel the one every
     rank can hold (the smallest; on CPU each rank's share of this node's RAM), and every rank's
@@ -209,9 +224,10 @@ def weights_bytes(model) -> int:
 
 
 def follow(settings: Settings) -> int:
-    """A tensor-parallel follower (server/parallel.py): load this rank's shard, build what rank
-    0's `build_context` builds of it in the same order (the same collectives), then run the
-    forwards rank 0 sends until it stops. Returns the exit status."""
+    """A tensor-parallel follower (server/parallel.py): load this rank's shard, check it and size
+    its pool through what rank 0's `build_context` calls (the same collectives in the same
+    order), build the runner as the engine does, then run the forwards rank 0 sends until it
+    stops. Returns the exit status."""
     s = settings
     try:
         device = model_loader.resolve_device_dtype(s.device, s.dtype)[0]
@@ -220,12 +236,9 @@ def follow(settings: Settings) -> int:
                             task=s.task, tensor_parallel=s.tensor_parallel_size)
         if faults.switched_on("rank"):
             raise exits.StartupError(exits.MODEL_CANNOT_RUN, f"injected: rank {group.rank.rank} cannot start")
-        mla.configure(loaded.model, "heads")
-        families.check(loaded.model)
+        check_family(s, loaded)
         max_context = loaded.context_length(s.max_model_len)
-        budget, _ = rank_budget(s, loaded, max_context)
-        pool_bytes = group.share(None)  # rank 0's pool: its budget less a draft model's share
-        kv_budget.check(budget, pool_bytes, loaded.model.config, loaded.dtype, s.kv_cache_dtype, max_context)
+        pool_bytes = size_pool(s, loaded, max_context)[1]
         pool = make_pool(loaded.model.config, pool_bytes, loaded.device, loaded.dtype, s.kv_cache_dtype, max_context)
         runner = serving_runner(loaded.model, engine_config(s, max_context), pool)
         runner.prepare()
