@@ -129,6 +129,11 @@ def localize(model) -> None:
             module.num_embeddings, module.embedding_dim = module.weight.shape
         if style is not None:
             module.__dict__.pop("forward", None)  # transformers' forward for its plan (the class's own stays)
+        elif "install_forward" in getattr(module.__dict__.get("forward"), "__qualname__", ""):
+            # a layer the plan reached by a rule read otherwise here: kvserve would pack or merge it
+            # without the communication in transformers' forward
+            raise UnsupportedModel("tensor-parallel-plan", f"{type(model).__name__}'s tensor-parallel plan shards {name} by a rule "
+                                   "kvserve does not read: serve it with --tensor-parallel-size 1")
         if style == "rowwise":
             if module.bias is not None and dist.get_rank():
                 module.bias = None  # added once, by rank 0, into the sum
