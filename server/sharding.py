@@ -54,6 +54,10 @@ def plan(config, ranks: int, *, vision: bool, quantized: bool):
     if styles:
         raise UnsupportedModel("tensor-parallel-plan", f"{kind}'s tensor-parallel plan shards layers as {', '.join(styles)}, which kvserve "
                                "does not run: serve it with --tensor-parallel-size 1")
+    if not any(rule.rsplit(".", 1)[-1] == "k_proj" and style == "colwise" for rule, style in rules.items()):
+        # every rank would compute every head, where each rank's pool keeps its share of them
+        raise UnsupportedModel("tensor-parallel-plan", f"{kind}'s tensor-parallel plan does not split the attention heads over the ranks: "
+                               "serve it with --tensor-parallel-size 1")
     heads, kv_heads = _heads(text)
     if heads % ranks:
         raise UnsupportedModel("tensor-parallel-heads", f"{kind}'s {heads} attention heads do not split over {ranks} ranks: "
@@ -148,6 +152,9 @@ def localize(model) -> None:
 
 def _sum(module, args, output: torch.Tensor) -> torch.Tensor:
     """A forward hook: the ranks' partial outputs summed, on every rank."""
+    # NOTE: contiguous: a layer's output may be a strided view (cpu_linear's transposed
+    # product), which gloo reduces wrongly without a word and NCCL refuses
+    output = output.contiguous()
     dist.all_reduce(output)
     return output
 
@@ -157,6 +164,7 @@ def _vocabulary_parallel(module: torch.nn.Embedding, start: int) -> None:
     for the others (through the class's forward, so a scaled embedding stays scaled), and the
     ranks' lookups are summed."""
     rows, forward = module.num_embeddings, type(module).forward
+    module.padding_idx = None  # a global row (the pad token's), which only gradients read
 
     def lookup(ids: torch.Tensor) -> torch.Tensor:
         ids = ids - start

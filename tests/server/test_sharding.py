@@ -23,7 +23,15 @@ def test_a_plan_style_kvserve_does_not_run_is_refused_by_name(model_type, styles
     assert f"shards layers as {styles}, which kvserve does not run" in str(refused.value)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mixtral", "qwen3_moe", "gemma3_text", "deepseek_v3"])
+def test_a_plan_that_leaves_the_heads_whole_is_refused_by_name():
+    """DeepSeek-V3's plan shards its experts alone: every rank would compute every head, where each
+    rank's pool keeps its share of them."""
+    with pytest.raises(UnsupportedModel, match="plan does not split the attention heads") as refused:
+        sharding.plan(transformers.CONFIG_MAPPING["deepseek_v3"](), 2, vision=False, quantized=False)
+    assert refused.value.feature == "tensor-parallel-plan"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mixtral", "qwen3_moe", "gemma3_text"])
 def test_plans_of_split_heads_and_experts_are_run(model_type):
     config = transformers.CONFIG_MAPPING[model_type]()
     assert sharding.plan(config, 2, vision=False, quantized=False).tp_size == 2
