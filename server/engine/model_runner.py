@@ -73,6 +73,28 @@ class StepOutput:
         return StepOutput(self.logits[index], None if self.greedy is None else self.greedy[index])
 
 
+@dataclass(slots=True)
+class DecodeInputs:
+    """A decode step's inputs: views of one device buffer (`buffer`, which `ModelRunner._write`
+    fills with one copy) that a captured graph reads at each replay. `ids` and `positions`
+    [1, size]; `slots` [size] (where each row's key and value go); `tables` [size, blocks];
+    `states` [size], a hybrid's state slots; `shift` [1, size], the rows' rope shifts where
+    pictures move positions (`ModelRunner._shifts`); `adapters` [size], the rows' LoRA adapter
+    slots where adapters are served; the rows' logit bias, token ids and float32 values [size,
+    BIAS_SLOTS]. None: the model has no such input."""
+
+    buffer: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    tables: torch.Tensor
+    states: torch.Tensor | None
+    shift: torch.Tensor | None
+    adapters: torch.Tensor | None
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+
+
 class ModelRunner:
     """Runs `model` over sequences whose KV lives in `pool` (engine thread only, after `prepare`)."""
 
@@ -119,6 +141,7 @@ class ModelRunner:
         # NOTE: transformers builds no mask when handed a 4D one; ours are built per row/batch.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._meta: torch.Tensor | None = None  # the decode inputs, one device buffer
+        self._views_by_bucket: dict[tuple[int, int], DecodeInputs] = {}  # its views per (rows, blocks) bucket
         self._graph_pool = None
         self._logits: torch.Tensor | None = None  # the decode graphs' shared output [max_rows, vocab]
         self._greedy: torch.Tensor | None = None  # ... and its argmax [max_rows]
@@ -152,8 +175,8 @@ class ModelRunner:
             self._compiled = compiled.decode_forward(self.model)
             try:
                 for size in (1, 2):
-                    ids, pos, shift, step, _ = self._fill([], [], size, block_bucket(1, self.max_blocks), capture=True)
-                    self._forward(ids, pos, step, None, self._compiled, shift=shift)
+                    inputs, step = self._padding_step(size, block_bucket(1, self.max_blocks))
+                    self._forward(inputs.ids, inputs.positions, step, None, self._compiled, shift=inputs.shift)
             except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named
                 log.debug("compiling the decode forward failed", exc_info=True)
                 if self.shards > 1:  # the other ranks may be inside a compiled collective: none can go on
@@ -372,16 +395,20 @@ class ModelRunner:
         if size > self.max_rows:
             size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
         fits = biases is None or all(len(b) <= BIAS_SLOTS for b in biases)
-        ids, pos, shift, step, bias = self._fill(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
+        inputs = self._write(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
         if device_ids is not None:  # the tokens where the buffer's one host copy put their indices
-            ids[0, :n].copy_(device_ids[ids[0, :n]])
+            ids = inputs.ids[0, :n]
+            # NOTE: the indices rise, so taking every row of `device_ids` is taking them in order
+            ids.copy_(device_ids if n == device_ids.shape[0] else device_ids[ids])
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()
-            out = StepOutput(graph[1].logits[:n], graph[1].greedy[:n] if fits else None)
+            whole = n == size and fits
+            out = graph[1] if whole else StepOutput(graph[1].logits[:n], graph[1].greedy[:n] if fits else None)
         else:
-            logits = self._forward(ids, pos, step, None, self._compiled, shift=shift)[:n]
-            biased = _biased(logits, bias[0][:n], bias[1][:n]) if fits and biases and any(biases) else logits
+            step = self._decode_context(inputs, adapters=bool(adapter_rows))
+            logits = self._forward(inputs.ids, inputs.positions, step, None, self._compiled, shift=inputs.shift)[:n]
+            biased = _biased(logits, inputs.bias_ids[:n], inputs.bias_values[:n]) if fits and biases and any(biases) else logits
             out = StepOutput(logits, biased.argmax(-1) if fits else None)
         for row in rows:
             row.kv.length += 1
@@ -400,17 +427,12 @@ class ModelRunner:
         vision-language model fed pictures: server/engine/vision.py)."""
         return self.encoder is not None and self.encoder.shifts
 
-    def _fill(self, rows: list[Row], token_ids: list[int], size: int, blocks: int, adapter_rows: list[int] | None = None,
-              biases: list[dict[int, float]] | None = None, capture: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, StepContext, tuple[torch.Tensor, torch.Tensor]]:
-        """The decode inputs of `rows` in the persistent device buffer, with ONE host-to-device
-        copy: views (ids [1, size], positions [1, size], the rows' rope shifts [1, size] or None
-        where positions do not shift: `_shifts`), the step's context over them (its
-        batch, the recurrent layers' rows, the rows' adapter slots [size] where some row has
-        an adapter or for a graph's `capture`) and the rows' logit bias (token ids and float32
-        values [size, BIAS_SLOTS], padded with token 0 and 0.0, which adds nothing). Padding
-        rows: token 0 at position 0, writing and reading the trash block only (a hybrid's trash
-        state slot, the base)."""
+    def _write(self, rows: list[Row], token_ids: list[int], size: int, blocks: int, adapter_rows: list[int] | None = None,
+               biases: list[dict[int, float]] | None = None) -> DecodeInputs:
+        """The decode inputs of `rows` into the persistent device buffer with ONE host-to-device
+        copy; returns the buffer's views (`DecodeInputs`). Each row's logit bias is padded to
+        BIAS_SLOTS with token 0 and 0.0, which adds nothing. Padding rows: token 0 at position 0,
+        writing and reading the trash block only (a hybrid's trash state slot, the base)."""
         positions, slots, tables = self._paged_inputs([r.kv for r in rows], [1] * len(rows), size, 1, blocks)
         states, pad = self.pool.states, size - len(rows)
         extra = [r.kv.state for r in rows] + [states.trash] * pad if states is not None else []
@@ -418,28 +440,61 @@ class ModelRunner:
             extra += [r.shift for r in rows] + [0] * pad
         if self.adapters is not None:
             extra += (adapter_rows or [0] * len(rows)) + [0] * pad
-        bias_ids, bias_bits = [], []
-        for bias in (biases or []) + [{}] * (size - len(biases or [])):
-            bias_ids += list(bias) + [0] * (BIAS_SLOTS - len(bias))
-            # a float32's bits (as the bias op rounds a value): the buffer holds longs
-            bias_bits += [struct.unpack("<i", struct.pack("<f", v))[0] for v in bias.values()] + [0] * (BIAS_SLOTS - len(bias))
-        host = torch.tensor(token_ids + [0] * pad + positions + slots + extra + tables + bias_ids + bias_bits, dtype=torch.long)
-        meta = self._buffers(size, blocks)
-        meta.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        if biases and any(biases):
+            bias_ids, bias_bits = [], []
+            for bias in biases + [{}] * (size - len(biases)):
+                bias_ids += list(bias) + [0] * (BIAS_SLOTS - len(bias))
+                # a float32's bits (as the bias op rounds a value): the buffer holds longs
+                bias_bits += [struct.unpack("<i", struct.pack("<f", v))[0] for v in bias.values()] + [0] * (BIAS_SLOTS - len(bias))
+            bias_part = bias_ids + bias_bits
+        else:
+            bias_part = [0] * (2 * size * BIAS_SLOTS)
+        host = torch.tensor(token_ids + [0] * pad + positions + slots + extra + tables + bias_part, dtype=torch.long)
+        inputs = self._inputs(size, blocks)
+        inputs.buffer.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        return inputs
+
+    def _inputs(self, size: int, blocks: int) -> DecodeInputs:
+        """The views of (size, blocks)'s decode inputs, made once per bucket over the persistent
+        buffer (a step past the largest bucket: over a buffer of its own, eager only)."""
+        need = size * (self._per_row + blocks + 2 * BIAS_SLOTS)
+        if self._meta is None or self._meta.numel() < need:
+            return self._views(torch.empty(need, dtype=torch.long, device=self.device), size, blocks)
+        inputs = self._views_by_bucket.get((size, blocks))
+        if inputs is None:
+            inputs = self._views_by_bucket[(size, blocks)] = self._views(self._meta[:need], size, blocks)
+        return inputs
+
+    def _views(self, meta: torch.Tensor, size: int, blocks: int) -> DecodeInputs:
+        """`meta`'s layout: per row its token, position and slot (then a hybrid's state slot, a
+        rope shift, a LoRA adapter slot: `_per_row`), the block tables, the bias ids and the
+        bias values (a float32's bits in each long)."""
         per_row = self._per_row
         ids, pos, slots_t = (meta[i * size : (i + 1) * size] for i in range(3))
-        tables_t = meta[per_row * size : size * (per_row + blocks)].view(size, blocks)
-        rows_t = recurrent.decode_rows(states, meta[3 * size : 4 * size]) if states is not None else None
-        at = (3 + (states is not None)) * size
+        at = 3 * size
+        states_t = meta[at : at + size] if self.pool.states is not None else None
+        at += size * (states_t is not None)
         shift_t = meta[at : at + size][None] if self._shifts else None
-        with_adapters = self.adapters is not None and (capture or bool(adapter_rows))
-        adapters_t = meta[(per_row - 1) * size : per_row * size] if with_adapters else None
+        adapters_t = meta[(per_row - 1) * size : per_row * size] if self.adapters is not None else None
+        tables_t = meta[per_row * size : size * (per_row + blocks)].view(size, blocks)
         at = size * (per_row + blocks)
         bias_t = meta[at : at + size * BIAS_SLOTS].view(size, BIAS_SLOTS)
         # NOTE: a view, not a kernel: the low 32 bits of each long (little-endian) as float32
         values_t = meta[at + size * BIAS_SLOTS : at + 2 * size * BIAS_SLOTS].view(torch.int32)[0::2].view(size, BIAS_SLOTS).view(torch.float32)
-        batch = Batch(self.pool, slots_t, tables_t, pos, kernel=self.decode_kernel)
-        return ids[None], pos[None], shift_t, self._context([], [batch], adapters=adapters_t, states=rows_t), (bias_t, values_t)
+        return DecodeInputs(meta, ids[None], pos[None], slots_t, tables_t, states_t, shift_t, adapters_t, bias_t, values_t)
+
+    def _decode_context(self, inputs: DecodeInputs, adapters: bool) -> StepContext:
+        """A decode step's context over its inputs: its batch, the recurrent layers' rows, the
+        rows' adapter slots where `adapters` (some row has one, or a graph is captured)."""
+        batch = Batch(self.pool, inputs.slots, inputs.tables, inputs.positions[0], kernel=self.decode_kernel)
+        states = recurrent.decode_rows(self.pool.states, inputs.states) if inputs.states is not None else None
+        return self._context([], [batch], adapters=inputs.adapters if adapters else None, states=states)
+
+    def _padding_step(self, size: int, blocks: int) -> tuple[DecodeInputs, StepContext]:
+        """A decode step of `size` padding rows, every input in the graph (compilation's warm-up
+        and graph capture)."""
+        inputs = self._write([], [], size, blocks)
+        return inputs, self._decode_context(inputs, adapters=True)
 
     def _paged_inputs(self, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
         """Positions and slots [size * width] and block tables [size, blocks], flat, of
@@ -458,12 +513,6 @@ class ModelRunner:
             tables += table + [trash] * (blocks - len(table))
         pad = size - len(caches)
         return positions + [0] * (pad * width), slots + [trash * bs] * (pad * width), tables + [trash] * (pad * blocks)
-
-    def _buffers(self, size: int, blocks: int) -> torch.Tensor:
-        need = size * (self._per_row + blocks + 2 * BIAS_SLOTS)
-        if self._meta is None or self._meta.numel() < need:  # past the largest bucket: eager only
-            return torch.empty(need, dtype=torch.long, device=self.device)
-        return self._meta[:need]
 
     def _batch_inputs(self, rows: list[Row]) -> tuple[dict[str, list[int]], Callable[[dict[str, torch.Tensor]], Batch]]:
         """The paged path's inputs for rows of a mixed step (eager, not padded to a bucket;
@@ -595,8 +644,8 @@ class ModelRunner:
         padding rows while capturing (they write the trash block only)."""
         # every row a padding row; a hybrid's state reads and writes, and the LoRA deltas of each
         # row's adapter slot, are in the graph too
-        ids, pos, shift, step, bias = self._fill([], [], size, blocks, capture=True)
-        warm = self._forward(ids, pos, step, None, self._compiled, shift=shift)  # warm up outside the graph
+        inputs, step = self._padding_step(size, blocks)
+        warm = self._forward(inputs.ids, inputs.positions, step, None, self._compiled, shift=inputs.shift)  # warm up outside the graph
         if self._logits is None:  # every graph's output, so none holds logits of its own
             self._logits = torch.empty(self.max_rows, warm.shape[-1], dtype=warm.dtype, device=self.device)
             self._greedy = torch.empty(self.max_rows, dtype=torch.long, device=self.device)
@@ -604,8 +653,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._logits[:size].copy_(self._forward(ids, pos, step, None, self._compiled, shift=shift))
-            torch.argmax(_biased(self._logits[:size], *bias), dim=-1, out=self._greedy[:size])
+            self._logits[:size].copy_(self._forward(inputs.ids, inputs.positions, step, None, self._compiled, shift=inputs.shift))
+            torch.argmax(_biased(self._logits[:size], inputs.bias_ids, inputs.bias_values), dim=-1, out=self._greedy[:size])
         return graph, StepOutput(self._logits[:size], self._greedy[:size])
 
 

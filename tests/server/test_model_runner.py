@@ -107,11 +107,11 @@ def test_a_bucket_of_no_rows_is_all_padding():
     pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, torch.float32), "cpu", torch.float32)
     runner = ModelRunner(model, pool, paged=True, max_rows=4)
     runner.prepare()
-    ids, pos, _, step, (bias_ids, bias_values) = runner._fill([], [], 4, 16)
+    inputs, step = runner._padding_step(4, 16)
     (batch,) = step.batches
     trash = pool.trash_block
-    assert ids.tolist() == [[0] * 4] and pos.tolist() == [[0] * 4] and batch.positions.tolist() == [0] * 4
-    assert not bias_ids.any() and not bias_values.any()  # token 0 plus 0.0: no bias
+    assert inputs.ids.tolist() == [[0] * 4] and inputs.positions.tolist() == [[0] * 4] and batch.positions.tolist() == [0] * 4
+    assert not inputs.bias_ids.any() and not inputs.bias_values.any()  # token 0 plus 0.0: no bias
     assert batch.slots.tolist() == [trash * pool.block_size] * 4 and batch.tables.tolist() == [[trash] * 16] * 4
 
 
