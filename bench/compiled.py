@@ -8,7 +8,8 @@ The model: the embedded SmolLM2-135M (or --model). R rows each prefill PROMPT to
 decode steps of all R run, each row's argmax fed back; tok/s = R * STEPS / their time. Cold: the
 first compilation into an empty inductor cache; warm: the same again after `torch._dynamo.reset()`,
 from the on-disk cache (what a restart costs); the forward is compiled dynamic in rows, so the cold
-compilation is measured once per dtype and linear path (at the first --rows). Greedy tokens: whether both sides chose the same.
+compilation is measured once per dtype and linear path (at the first --rows). Greedy tokens:
+whether both sides chose the same.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The host's share of a decode step (issue 47): microseconds per engine step outside the
 model's forward, with the graph replay stubbed, at 1 and 64 rows.
 
-    .venv/bin/python -m bench.host [--rows 1 64] [--steps 200]
+    .venv/bin/python -m bench.host [--rows 1 64] [--steps 200] [--rounds 3]
 
 The engine runs as the server runs it on a GPU (its own thread, the paged path with its bucket
 padding and persistent buffers, a captured graph for every decode bucket, the next step launched
