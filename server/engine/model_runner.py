@@ -457,12 +457,13 @@ class ModelRunner:
     def _inputs(self, size: int, blocks: int) -> DecodeInputs:
         """The views of (size, blocks)'s decode inputs, made once per bucket over the persistent
         buffer (a step past the largest bucket: over a buffer of its own, eager only)."""
+        inputs = self._views_by_bucket.get((size, blocks))
+        if inputs is not None:
+            return inputs
         need = size * (self._per_row + blocks + 2 * BIAS_SLOTS)
         if self._meta is None or self._meta.numel() < need:
             return self._views(torch.empty(need, dtype=torch.long, device=self.device), size, blocks)
-        inputs = self._views_by_bucket.get((size, blocks))
-        if inputs is None:
-            inputs = self._views_by_bucket[(size, blocks)] = self._views(self._meta[:need], size, blocks)
+        inputs = self._views_by_bucket[(size, blocks)] = self._views(self._meta[:need], size, blocks)
         return inputs
 
     def _views(self, meta: torch.Tensor, size: int, blocks: int) -> DecodeInputs:
