@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cache_manager import kv
@@ -449,9 +450,8 @@ class ModelRunner:
             bias_part = bias_ids + bias_bits
         else:
             bias_part = [0] * (2 * size * BIAS_SLOTS)
-        host = torch.tensor(token_ids + [0] * pad + positions + slots + extra + tables + bias_part, dtype=torch.long)
         inputs = self._inputs(size, blocks)
-        inputs.buffer.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+        inputs.buffer.copy_(_host_longs(token_ids + [0] * pad + positions + slots + extra + tables + bias_part, self.device), non_blocking=True)
         return inputs
 
     def _inputs(self, size: int, blocks: int) -> DecodeInputs:
@@ -785,10 +785,17 @@ def _width_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _host_longs(values: list[int], device: torch.device) -> torch.Tensor:
+    """`values` as a host long tensor to copy to `device` (pinned for a copy to a GPU that does
+    not wait). numpy reads the list: 3-4x faster than `torch.tensor` of it (a step's inputs
+    are ~80 ints at 1 row, ~2,300 at 64)."""
+    host = torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 def _to_device(named: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
     """Long tensors of each named list on `device`, with one host-to-device copy."""
-    host = torch.tensor([x for values in named.values() for x in values], dtype=torch.long)
-    flat = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    flat = _host_longs([x for values in named.values() for x in values], device).to(device, non_blocking=True)
     out, at = {}, 0
     for name, values in named.items():
         out[name] = flat[at : at + len(values)]
