@@ -22,7 +22,7 @@ from cache_manager.manager import CacheConfig, CacheManager, make_pool
 from cache_manager.tiers import DiskTier, HostTier, budget_from_free_space
 from grammars import GrammarCompiler, GrammarSpec
 from server import __version__ as VERSION
-from server import exits, kv_budget, model_loader, parallel
+from server import exits, kv_budget, memory, model_loader, parallel
 from server.api import app, dialect, vision_prompt
 from server.api.media import MediaLimits
 from server.api.response_store import ResponseStore
@@ -249,6 +249,7 @@ def follow(settings: Settings) -> int:
         return status
     if (children := parallel.children()) is not None:
         children.ready = True
+    _freeze(True)
     log.info("rank %d of %d follows rank 0 over %s", group.rank.rank, group.rank.world, group.backend)
     try:
         lockstep.follow(runner, group.control)
@@ -396,7 +397,8 @@ async def start(settings: Settings, metrics: Metrics, loaded: LoadedModel | None
                 load_model, s.draft_model, cache_dir=s.cache_dir, device=s.device, dtype=s.dtype,
                 trust_remote_code=s.trust_remote_code,
             )
-        if loaded is None:
+        own = loaded is None  # a serving process: a test hands in a model it shares
+        if own:
             if s.tensor_parallel_size > 1:  # the other ranks meet here first (server/parallel.py)
                 device = model_loader.resolve_device_dtype(s.device, s.dtype)[0]
                 await _in_own_thread(parallel.join, s, device.type)
@@ -408,6 +410,7 @@ async def start(settings: Settings, metrics: Metrics, loaded: LoadedModel | None
             ctx = build_pooling_context(s, loaded, metrics)
             ctx.engine.start()
             await warm_up_pooling(ctx)
+            _freeze(own)
             log.info("ready: %s on %s (%s) for --task %s", ctx.model_id, loaded.device, loaded.dtype, loaded.task)
             return ctx
         ctx = build_context(s, loaded, metrics, draft)
@@ -423,8 +426,17 @@ async def start(settings: Settings, metrics: Metrics, loaded: LoadedModel | None
         raise
     if (children := parallel.children()) is not None:
         children.ready = True  # a rank lost from here on is the engine's to report
+    _freeze(own)
     log.info("ready: %s on %s (%s)", ctx.model_id, loaded.device, loaded.dtype)
     return ctx
+
+
+def _freeze(own: bool) -> None:
+    """Take the start-up heap out of the garbage collector's full collections
+    (`memory.freeze_heap`), in a process that loaded its model itself: a serving process, not
+    a test sharing one model between apps."""
+    if own and (frozen := memory.freeze_heap()):
+        log.info("%d objects alive at start-up frozen out of the garbage collector's full collections", frozen)
 
 
 def failed(exc: BaseException) -> tuple[int, str]:

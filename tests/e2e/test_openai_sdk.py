@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -27,6 +28,14 @@ def test_models(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_the_start_up_heap_is_frozen(server):
+    """A serving process takes what start-up left alive (torch, transformers, the model, the
+    tokenizer) out of the garbage collector's full collections before it serves
+    (server/memory.py `freeze_heap`)."""
+    frozen = re.search(r"(\d+) objects alive at start-up frozen", server.log())
+    assert frozen is not None and int(frozen.group(1)) > 100_000, server.log()[-4000:]
 
 
 def test_chat_greedy_equals_transformers_generate(client, smollm2):
