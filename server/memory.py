@@ -15,6 +15,7 @@ every tracked object, and a served model's process holds ~400k of them before th
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import functools
@@ -99,4 +100,7 @@ def freeze_heap() -> int:
     _frozen = True
     gc.collect()
     gc.freeze()
+    # NOTE: handed back at exit, so that the interpreter's last collection reaches them: frozen,
+    # nanobind's extension modules (Triton's) reported their objects as leaked on the way out
+    atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
