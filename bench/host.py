@@ -57,12 +57,15 @@ class Replays(dict):
 
     def __init__(self, logits: torch.Tensor) -> None:
         super().__init__()
-        self.output = model_runner.StepOutput(logits, logits.argmax(-1))
+        self.logits, self.greedy = logits, logits.argmax(-1)
+        self.outputs: dict[int, model_runner.StepOutput] = {}  # made once per size, as a capture makes them
         self.replayed = 0
 
     def get(self, key, default=None):
         size = key[0]
-        return self, model_runner.StepOutput(self.output.logits[:size], self.output.greedy[:size])
+        if size not in self.outputs:
+            self.outputs[size] = model_runner.StepOutput(self.logits[:size], self.greedy[:size])
+        return self, self.outputs[size]
 
     def replay(self) -> None:
         self.replayed += 1
