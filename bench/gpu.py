@@ -9,7 +9,10 @@ suppressed so every side generates exactly that many):
 * transformers `generate` with a static cache (on CUDA transformers compiles it and replays CUDA
   graphs) over a batch of N, and `generate_batch` (its continuous batching), `--baselines`;
 * the floor: reading the weights once per step at the device's measured copy bandwidth.
-Ratios are printed against `generate` measured in the same run. On CPU it runs too (a tiny
+Ratios are printed against `generate` measured in the same run. `--temperature T` (> 0) has
+kvserve's rows draw instead (no end-of-turn bias, which would send each draw through the host:
+a row may end early at end-of-turn, and only generated tokens count), the OpenAI default at 1;
+the baselines stay greedy. On CPU it runs too (a tiny
 model: `--model tiny`), which is how CI-less checks keep it working; the figures that matter
 come from a GPU (../shared/tools/gpu/README.md).
 """
@@ -77,10 +80,12 @@ def kvserve_rate(model, device, n: int, tokens: int, eos: int | None, args) -> f
     engine = Engine(model, Tokenizer(eos), config, cache)
     engine.start()
     bias = {eos: -1000.0} if eos is not None else {}
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, logit_bias=bias) if args.temperature == 0 else \
+        SamplingParams(max_tokens=tokens, temperature=args.temperature)
 
     async def wave() -> int:
         loop = asyncio.get_running_loop()
-        handles = [engine.submit(GenerationRequest(f"r{i}", ids, SamplingParams(max_tokens=tokens, temperature=0.0, logit_bias=bias)), loop)
+        handles = [engine.submit(GenerationRequest(f"r{i}", ids, params), loop)
                    for i, ids in enumerate(prompts(n, model.config.vocab_size))]
         done = 0
         for handle in handles:
@@ -144,6 +149,7 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, default=4 << 30)
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--temperature", type=float, default=0.0, help="kvserve's rows draw at this temperature (0: greedy)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.set_grad_enabled(False)

@@ -69,7 +69,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps (CUDA only; --no-cuda-graphs)
     paged: bool | None = None  # ModelRunner's `paged`: the paged attention path (None: on CUDA)
     compile: str = "off"  # the decode forward compiled (--compile: auto, off, require; server/engine/compiled.py)
-    overlap: bool | None = None  # launch a greedy decode step before the previous one's tokens reach the host (None: on CUDA)
+    overlap: bool | None = None  # launch a decode step before the previous one's tokens reach the host (None: on CUDA)
     exact: bool = False  # exact mode (--deterministic, server/engine/exact.py): outputs independent of batching
     encoder_cache_bytes: int = 256 * 2**20  # a vision-language model's features kept by picture (server/engine/vision.py)
 
@@ -84,7 +84,7 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class Ahead:
-    """A greedy decode step launched before the previous one's tokens reached the host (the
+    """A decode step launched before the previous one's tokens reached the host (the
     overlap, `Engine._launch_ahead`): its plan and output, and each row's length of `all_ids`
     once that previous token is appended (any other length: the row stopped or tokens were
     forced after it, and what the step computed for it is dropped)."""
@@ -512,34 +512,45 @@ class Engine:
             self.metrics.batch_tokens.observe(plan.num_tokens)
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
-    # -- the overlap: a greedy decode step launched before the previous one is postprocessed --
+    # -- the overlap: a decode step launched before the previous one is postprocessed --
 
     def _after(self, plan: Plan, out: StepOutput) -> None:
         """Postprocess a step that ran; first, where the next step needs nothing from the host,
-        launch it (`_launch_ahead`), so that the device computes it while the host samples,
-        detokenizes and emits this one."""
-        launched = self._launch_ahead(plan, out)
+        launch it (`_launch_ahead`), so that the device computes it while the host detokenizes
+        and emits this one."""
+        chosen = self._chosen(plan, out)
+        launched = self._launch_ahead(plan, chosen)
         if launched is None:
-            self._postprocess(plan, out.logits, out.greedy)
+            self._postprocess(plan, out.logits, chosen)
             return
-        ahead, greedy = launched
+        ahead, tokens = launched
         try:
-            self._postprocess(plan, out.logits, greedy())
+            self._postprocess(plan, out.logits, tokens())
         finally:  # a row postprocess did not reach has not appended its token: `_settle` undoes its step
             self._ahead = self._settle(ahead)
 
-    def _launch_ahead(self, plan: Plan, out: StepOutput) -> tuple[Ahead, Callable[[], torch.Tensor]] | None:
-        """The next decode step of `plan`'s rows, launched now from this step's argmax on the
-        device (`ModelRunner.run_ahead`), with the wait for that argmax's copy to the host;
-        None where it cannot be: the overlap is off, some row samples, drafts, is constrained
-        or reports logprobs (its token is not the argmax), or the next step has other work: a
-        running sequence outside this step (a prompt to prefill, forced tokens), requests that
-        may be admitted, calls to run. A row whose next token cannot exist (max_tokens, its
-        cache full) is left out; one that stops at this step's token (the end of its turn, a
-        stop string) is found out only afterwards (`_settle`)."""
-        if not self.runner.overlap or out.greedy is None or self._faults is not None:
+    def _chosen(self, plan: Plan, out: StepOutput) -> torch.Tensor | None:
+        """This step's tokens on the device (`sampler.chosen_on_device`), where it is decode
+        rows alone whose every token is chosen there; None: postprocess chooses them. A draw
+        that fails is left to postprocess, which finds the row that fails it."""
+        if out.greedy is None or not all(row.completes and row.n_tokens == 1 and row.draft is None for row in plan.rows):
             return None
-        if not all(row.completes and row.n_tokens == 1 and row.draft is None and sampler.plain_greedy(row.seq) for row in plan.rows):
+        try:
+            return sampler.chosen_on_device([row.seq for row in plan.rows], out.logits, out.greedy)
+        except Exception:  # noqa: BLE001 - `_choose` draws again, row by row where it must
+            log.warning("choosing a step's tokens on the device failed: postprocess chooses them", exc_info=True)
+            return None
+
+    def _launch_ahead(self, plan: Plan, chosen: torch.Tensor | None) -> tuple[Ahead, Callable[[], torch.Tensor]] | None:
+        """The next decode step of `plan`'s rows, launched now from this step's tokens on the
+        device (`chosen`: `_chosen`; `ModelRunner.run_ahead`), with the wait for their copy to
+        the host; None where it cannot be: the overlap is off, some row's token is chosen on
+        the host (a constraint, penalties, logprobs, a logit bias on a draw) or drafts, or the
+        next step has other work: a running sequence outside this step (a prompt to prefill,
+        forced tokens), requests that may be admitted, calls to run. A row whose next token
+        cannot exist (max_tokens, its cache full) is left out; one that stops at this step's
+        token (the end of its turn, a stop string) is found out only afterwards (`_settle`)."""
+        if not self.runner.overlap or chosen is None or self._faults is not None:
             return None
         with self._cond:
             admitting = self._waiting and len(self._running) < self.config.max_running
@@ -548,19 +559,19 @@ class Engine:
         pick = [i for i, row in enumerate(plan.rows) if _continues(row.seq)]
         if not pick:
             return None
-        greedy = self.runner.to_host(out.greedy)  # before the next step overwrites a graph's output
+        tokens = self.runner.to_host(chosen)  # before the next step overwrites a graph's output
         rows = [ScheduledRow(plan.rows[i].seq, 1) for i in pick]
         for row in rows:
             row.completes = True  # its pending token is the one this step samples
         try:
-            launched = self.runner.run_ahead(Plan(rows), out.greedy, pick)
+            launched = self.runner.run_ahead(Plan(rows), chosen, pick)
         except Exception:  # noqa: BLE001 - the step runs again, scheduled as usual, with the fault handling
             log.warning("a decode step launched ahead failed: it runs again after this one", exc_info=True)
             self.runner.release_memory()
             return None
         for row in rows:
             row.seq.ahead = 1  # until the step lands (`_land`): its rows computed one token more than waiting steps would have
-        return Ahead(Plan(rows), launched, [len(row.seq.all_ids) + 1 for row in rows]), greedy
+        return Ahead(Plan(rows), launched, [len(row.seq.all_ids) + 1 for row in rows]), tokens
 
     def _settle(self, ahead: Ahead) -> Ahead | None:
         """After the previous step's postprocess: the rows of the step launched ahead that
@@ -619,10 +630,10 @@ class Engine:
         if self.metrics is not None:  # kvserve_prefix_cache_misses{reason="rope_switch"}: one per recompute
             self.metrics.cache_misses.labels(ROPE_SWITCH).inc()
 
-    def _postprocess(self, plan: Plan, logits: torch.Tensor, greedy: torch.Tensor | None = None) -> None:
+    def _postprocess(self, plan: Plan, logits: torch.Tensor, chosen: torch.Tensor | None = None) -> None:
         """Sample (or verify a draft), emit and finish the rows that completed (the forward
-        pass moved their KV lengths). `greedy`: the rows' argmax on the device, for a step of
-        decode rows alone (`model_runner.StepOutput`)."""
+        pass moved their KV lengths). `chosen`: every row's token, chosen on the device
+        (`_chosen`)."""
         completed, plain, drafted = [], [], []
         offset = 0
         for row in plan.rows:
@@ -639,8 +650,8 @@ class Engine:
         if not completed:
             return
         if drafted:
-            logits, greedy = logits[plain], None
-        for seq, token in self._choose(completed, logits, greedy):
+            logits, chosen = logits[plain], None
+        for seq, token in self._choose(completed, logits, chosen):
             if token is None:
                 self._finish(seq, handles[seq], "error", error="internal")
                 continue
@@ -653,7 +664,7 @@ class Engine:
                 log.exception("request %s failed", seq.request_id)
                 self._finish(seq, handles[seq], "error", error="internal")
 
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[tuple[Sequence, TokenInfo | None]]:
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | None = None) -> list[tuple[Sequence, TokenInfo | None]]:
         """`sampler.choose` for the rows; when it raises, each row is chosen alone and only
         the ones that raise again get None.
 
@@ -663,14 +674,14 @@ class Engine:
         try:
             if self._faults is not None:
                 self._faults.before_sampling(seqs)
-            return list(zip(seqs, sampler.choose(seqs, logits, greedy)))
+            return list(zip(seqs, sampler.choose(seqs, logits, chosen)))
         except Exception:
             if len(seqs) == 1:
                 log.exception("choosing the token of %s failed", seqs[0].request_id)
                 self._fault("sampling")
                 return [(seqs[0], None)]
             log.warning("choosing the tokens of %d rows failed: choosing each alone", len(seqs), exc_info=True)
-        return [pair for i, seq in enumerate(seqs) for pair in self._choose([seq], logits[i : i + 1], None if greedy is None else greedy[i : i + 1])]
+        return [pair for i, seq in enumerate(seqs) for pair in self._choose([seq], logits[i : i + 1], None if chosen is None else chosen[i : i + 1])]
 
     def _verify(self, seq: Sequence, handle: RequestHandle, draft, logits: torch.Tensor) -> None:
         """Take a drafted row's tokens as `_take` would have taken them one step at a time: the

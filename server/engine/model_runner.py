@@ -61,9 +61,10 @@ def block_bucket(n: int, largest: int) -> int:
 class StepOutput:
     """What a step computed: float32 `logits` [R, vocab] (`ModelRunner.forward`) and, for a
     step of decode rows alone, `greedy` [R]: each row's argmax after its logit bias, on the
-    device (in a captured graph, computed inside it), so that a step whose rows are all plain
-    greedy costs one device-to-host copy of R ids (server/engine/sampler.py `choose`); None
-    otherwise, and where a row's bias has more than `BIAS_SLOTS` entries."""
+    device (in a captured graph, computed inside it), so that a step whose rows' tokens are
+    all chosen on the device costs one device-to-host copy of R ids (server/engine/sampler.py
+    `chosen_on_device`); None otherwise, and where a row's bias has more than `BIAS_SLOTS`
+    entries."""
 
     logits: torch.Tensor
     greedy: torch.Tensor | None = None

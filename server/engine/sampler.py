@@ -24,6 +24,7 @@ import torch
 from server.engine.sampling import (
     apply_logit_bias,
     apply_penalties,
+    draw_ids,
     draw_rows,
     filtered_probs,
     logprob_infos,
@@ -35,18 +36,16 @@ from server.engine.sequence import Sequence, TokenInfo
 # -- one step's rows ---------------------------------------------------------------------------
 
 
-def choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None = None) -> list[TokenInfo]:
+def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | None = None) -> list[TokenInfo]:
     """The next token of each sequence from its row of raw logits [R, vocab].
 
-    `greedy` [R] (the model runner's argmax of each row after its logit bias, on the device,
-    for a step of decode rows alone): taken as it is when every row is plain greedy
-    (`plain_greedy`), with one device-to-host copy for the step and nothing else read from the
-    logits.
+    `chosen` [R]: every row's token, already chosen on the device (`chosen_on_device`), taken
+    as it is with one device-to-host copy for the step and nothing read from the logits.
     Logprobs are the model's own distribution (before constraints, bias and penalties).
     Side effects: constraint masks are added to `logits` in place; penalty counts move forward.
     """
-    if greedy is not None and all(plain_greedy(s) for s in seqs):
-        return [taken(seq, token_id, None) for seq, token_id in zip(seqs, greedy.tolist())]
+    if chosen is not None:
+        return [taken(seq, token_id, None) for seq, token_id in zip(seqs, chosen.tolist())]
     asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
     logprobs = softmax_rows(logits[asked], log=True) if asked else None
     apply_constraints(seqs, logits)
@@ -71,12 +70,37 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | No
     return [taken(seq, token_id, infos.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
 
 
-def plain_greedy(seq: Sequence) -> bool:
-    """Whether the sequence's next token is the argmax of its logits plus its logit bias (what
-    a decode step computes on the device): greedy, with no constraint (`constraint` would give
-    None), penalties or logprobs."""
+def on_device(seq: Sequence) -> bool:
+    """Whether the sequence's next token can be chosen on the device from its raw logits and
+    the runner's argmax alone (`chosen_on_device`): nothing from the host (no constraint, for
+    `constraint` would give None; no penalties, no logprobs) and either greedy (its logit bias
+    is in the argmax) or a draw without a logit bias."""
     params = seq.params
-    return params.greedy and not params.logprobs and not params.uses_penalties and seq.grammar is None and not _bans(seq)
+    if params.logprobs or params.uses_penalties or seq.grammar is not None or _bans(seq):
+        return False
+    return params.greedy or not params.logit_bias
+
+
+def chosen_on_device(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor | None:
+    """Each row's next token [R] on the device, with no sync, for a step of decode rows alone
+    (`greedy`: the runner's argmax of each row after its logit bias); None unless every row's
+    can be chosen there (`on_device`). Greedy rows take the argmax; the others draw as
+    `choose` would have drawn them (the same rows' probabilities, the same draw calls in the
+    same order: the same tokens), so the engine may launch the next step from them before
+    they reach the host (its overlap) and `choose` takes them as they are."""
+    if greedy is None or not all(on_device(s) for s in seqs):
+        return None
+    drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if not drawn:
+        return greedy
+    every = len(drawn) == len(seqs)
+    probs = filtered_probs(logits if every else logits[drawn], [seqs[i].params for i in drawn])
+    ids = draw_ids(probs, [seqs[i].generator if seqs[i].params.seed is not None else None for i in drawn])
+    if every:
+        return ids
+    chosen = greedy.clone()
+    chosen[drawn] = ids
+    return chosen
 
 
 def _bans(seq: Sequence) -> bool:

@@ -116,23 +116,27 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
 
 
 def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of probabilities [rows, vocab] (each row's own scale). A row with a
-    generator draws from it, where it lives (a seeded row draws the same whatever else is in
-    the batch; the engine makes generators on the probabilities' device); the rows without
-    one draw together, in one call, from the device's default generator. Only the drawn ids
-    cross to the host, in one copy when every draw was on one device."""
+    """`draw_ids`, on the host: only the drawn ids cross, in one copy."""
+    return draw_ids(probs, generators).tolist()
+
+
+def draw_ids(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probabilities [rows, vocab] (each row's own scale), as a long
+    tensor [rows] on the probabilities' device, in row order. A row with a generator draws
+    from it, where it lives (a seeded row draws the same whatever else is in the batch; the
+    engine makes generators on the probabilities' device); the rows without one draw
+    together, in one call, from the device's default generator."""
     shared = [i for i, g in enumerate(generators) if g is None]
     own = [i for i, g in enumerate(generators) if g is not None]
     picked: list[torch.Tensor] = [torch.multinomial(probs[shared], 1).flatten()] if shared else []
-    picked += [torch.multinomial(probs[i].to(generators[i].device), 1, generator=generators[i]) for i in own]
-    if len({t.device for t in picked}) == 1:
-        drawn = torch.cat(picked).tolist()
-    else:
-        drawn = [x for t in picked for x in t.tolist()]
-    tokens = [0] * len(generators)
-    for i, token in zip(shared + own, drawn):
-        tokens[i] = token
-    return tokens
+    picked += [torch.multinomial(probs[i].to(generators[i].device), 1, generator=generators[i]).to(probs.device) for i in own]
+    drawn = torch.cat(picked)
+    if shared and own:  # back in row order: row i's draw is at its place in shared + own
+        at = [0] * len(generators)
+        for k, i in enumerate(shared + own):
+            at[i] = k
+        drawn = drawn[torch.tensor(at, device=probs.device)]
+    return drawn
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

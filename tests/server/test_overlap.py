@@ -1,15 +1,17 @@
-"""The overlap (server/engine/core.py `_launch_ahead`): a greedy decode step launched before the
-previous step's tokens reach the host gives the tokens, texts, finish reasons and sessions of
-an engine whose steps wait for each other, with a stop at every position: a stop string, the
-end of max_tokens, a thinking budget whose end marker the engine forces, a cancel. On CPU the
-steps do not run concurrently, but every line of the overlap runs: the step launched ahead,
-its argmax taken on the device, the rows it drops and the KV it crops."""
+"""The overlap (server/engine/core.py `_launch_ahead`): a decode step launched before the
+previous step's tokens reach the host (greedy rows' argmax and other rows' draws, chosen on the
+device) gives the tokens, texts, finish reasons and sessions of an engine whose steps wait for
+each other, with a stop at every position: a stop string, the end of max_tokens, a thinking
+budget whose end marker the engine forces, a cancel. On CPU the steps do not run concurrently,
+but every line of the overlap runs: the step launched ahead, its tokens taken on the device,
+the rows it drops and the KV it crops."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+import torch
 
 from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.sessions import Principal
@@ -130,11 +132,34 @@ async def test_a_stop_at_every_position_gives_the_same_tokens_and_sessions(engin
 
 
 @pytest.mark.anyio
+async def test_rows_that_draw_launch_ahead_and_draw_what_they_would_have(engines):
+    """Rows that draw (seeded ones with top-k and top-p, and one unseeded: the only user of
+    torch's global generator, seeded alike before each engine runs), each stopping at its own
+    max_tokens or a stop string, leave sessions: their steps are launched ahead from tokens drawn
+    on the device, and outputs and sessions equal the engine without overlap's."""
+
+    def requests():
+        out = [GenerationRequest(f"seeded{i}", engines.prompt(p), SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=i, max_tokens=6 + 3 * i),
+                                 session_id=f"seeded{i}") for i, p in enumerate(PROMPTS)]
+        out.append(GenerationRequest("stops", engines.prompt(PROMPTS[0]), SamplingParams(temperature=0.7, seed=9, max_tokens=24, stop=[" the", "."]),
+                                     session_id="stops"))
+        return out + [GenerationRequest("unseeded", engines.prompt(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=16), session_id="unseeded")]
+
+    launched = engines.launched
+    got = {}
+    for overlap in (True, False):
+        torch.manual_seed(1234)
+        got[overlap] = await engines.run_all(overlap, requests())
+    assert got[True] == got[False]
+    assert engines.launched > launched, "no step of rows that draw was launched ahead"
+    assert engines.sessions(True) == engines.sessions(False)
+
+
+@pytest.mark.anyio
 async def test_cancels_arrivals_and_sampled_rows_mid_stream(engines):
     """A row cancelled while a step is ahead, requests that arrive mid-stream (they take the
     next step: the overlap pauses for their prefill, and they finish while the others still
-    run) and a sampled row (no step is launched ahead while it runs) leave every greedy output
-    as the engine without overlap gives it."""
+    run) and a seeded sampled row leave every output as the engine without overlap gives it."""
 
     async def scenario(overlap: bool):
         first = [GenerationRequest(f"a{i}", engines.prompt(p), greedy(max_tokens=48)) for i, p in enumerate(PROMPTS)]

@@ -126,12 +126,12 @@ def test_logprob_infos_give_each_row_its_chosen_and_top_logprobs():
     assert [t for t, _ in logprob_infos(tied, [0, 0, 0], [3, 2, 1])[1][1]] == [1, 3]  # ties: lower id first
 
 
-def test_a_step_of_plain_greedy_rows_takes_the_devices_argmax_and_others_the_sampler():
-    """`sampler.choose` with the model runner's argmax of each row (a decode step's `greedy`):
-    taken as it is when every row is plain greedy (a logit bias included: the runner's argmax
-    adds it); a row with logprobs, penalties or a sampled draw sends the whole step through the
-    sampler, which reads the logits. The argmax here is deliberately not the logits' own, so
-    the test sees which was used."""
+def test_a_step_whose_tokens_are_chosen_on_the_device_takes_them_and_others_the_sampler():
+    """`sampler.chosen_on_device` with the model runner's argmax of each row (a decode step's
+    `greedy`): greedy rows take it as it is (a logit bias included: the runner's argmax adds
+    it), and `choose` takes what it chose; a row with logprobs, penalties or a logit bias on a
+    draw leaves the whole step to `choose`, which reads the logits. The argmax here is
+    deliberately not the logits' own, so the test sees which was used."""
     from server.engine import sampler
     from server.engine.sampling import SamplingParams
     from server.engine.sequence import GenerationRequest, Sequence
@@ -143,11 +143,38 @@ def test_a_step_of_plain_greedy_rows_takes_the_devices_argmax_and_others_the_sam
     logits[:, 5] = 1.0  # the logits' own argmax: 5
     given = torch.tensor([3, 4, 2], device=DEVICE)
     plain = [seq(), seq(top_k=1), seq(logit_bias={1: 5.0})]
-    assert all(sampler.plain_greedy(s) for s in plain)
-    assert [t.token_id for t in sampler.choose(plain, logits.clone(), given)] == [3, 4, 2]
+    chosen = sampler.chosen_on_device(plain, torch.zeros(3, 8, device=DEVICE), given)
+    assert chosen is given
+    assert [t.token_id for t in sampler.choose(plain, logits.clone(), chosen)] == [3, 4, 2]
     assert [t.token_id for t in sampler.choose(plain, torch.zeros(3, 8, device=DEVICE).index_fill_(1, torch.tensor([5], device=DEVICE), 1.0))] == [5, 5, 1]
-    for other in (dict(logprobs=True), dict(presence_penalty=0.5), dict(temperature=0.7, seed=1)):
+    for other in (dict(logprobs=True), dict(presence_penalty=0.5), dict(temperature=0.7, seed=1, logit_bias={2: 1.0})):
         mixed = [seq(), seq(**other)]
-        assert not sampler.plain_greedy(mixed[1])
-        got = [t.token_id for t in sampler.choose(mixed, logits.clone(), given)]
+        assert sampler.chosen_on_device(mixed, logits.clone(), given[:2]) is None, other
+        got = [t.token_id for t in sampler.choose(mixed, logits.clone(), None)]
         assert got[0] == 5 and 3 not in got and 4 not in got, other
+
+
+def test_draws_chosen_on_the_device_are_the_samplers_draws():
+    """Rows that draw (seeded and not, with top-k and top-p) beside greedy rows: the tokens
+    `chosen_on_device` draws without a sync are those `choose` draws on the host from the same
+    generators' states, and the greedy rows keep the runner's argmax."""
+    from server.engine import sampler
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import GenerationRequest, Sequence
+
+    def rows():
+        params = [dict(temperature=0.0), dict(temperature=0.9, seed=7), dict(temperature=1.3), dict(temperature=0.8, top_k=20, top_p=0.9, seed=11),
+                  dict(temperature=1.0, top_p=0.5)]
+        return [Sequence(GenerationRequest(f"r{i}", [1], SamplingParams(max_tokens=4, **p)), None, DEVICE) for i, p in enumerate(params)]
+
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    argmax = logits.argmax(-1)
+    for k in range(3):
+        on_device, on_host = rows(), rows()
+        torch.manual_seed(5 + k)
+        chosen = sampler.chosen_on_device(on_device, logits.clone(), argmax)
+        assert chosen is not None and chosen.device == logits.device
+        torch.manual_seed(5 + k)
+        drawn = [t.token_id for t in sampler.choose(on_host, logits.clone())]
+        assert chosen.tolist() == drawn
+        assert drawn[0] == int(argmax[0])
