@@ -24,6 +24,7 @@ import torch
 from server.engine.sampling import (
     apply_logit_bias,
     apply_penalties,
+    device_tensor,
     draw_ids,
     draw_rows,
     filtered_probs,
@@ -70,7 +71,7 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
     return [taken(seq, token_id, infos.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
 
 
-def on_device(seq: Sequence) -> bool:
+def device_chooses(seq: Sequence) -> bool:
     """Whether the sequence's next token can be chosen on the device from its raw logits and
     the runner's argmax alone (`chosen_on_device`): nothing from the host (no constraint, for
     `constraint` would give None; no penalties, no logprobs) and either greedy (its logit bias
@@ -84,23 +85,22 @@ def on_device(seq: Sequence) -> bool:
 def chosen_on_device(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor | None:
     """Each row's next token [R] on the device, with no sync, for a step of decode rows alone
     (`greedy`: the runner's argmax of each row after its logit bias); None unless every row's
-    can be chosen there (`on_device`). Greedy rows take the argmax; the others draw as
+    can be chosen there (`device_chooses`). Greedy rows take the argmax; the others draw as
     `choose` would have drawn them (the same rows' probabilities, the same draw calls in the
     same order: the same tokens), so the engine may launch the next step from them before
     they reach the host (its overlap) and `choose` takes them as they are."""
-    if greedy is None or not all(on_device(s) for s in seqs):
+    if greedy is None or not all(device_chooses(s) for s in seqs):
         return None
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if not drawn:
         return greedy
     every = len(drawn) == len(seqs)
-    probs = filtered_probs(logits if every else logits[drawn], [seqs[i].params for i in drawn])
+    rows = None if every else device_tensor(drawn, torch.long, logits.device)
+    probs = filtered_probs(logits if every else logits[rows], [seqs[i].params for i in drawn])
     ids = draw_ids(probs, [seqs[i].generator if seqs[i].params.seed is not None else None for i in drawn])
     if every:
         return ids
-    chosen = greedy.clone()
-    chosen[drawn] = ids
-    return chosen
+    return greedy.index_copy(0, rows, ids)
 
 
 def _bans(seq: Sequence) -> bool:

@@ -67,6 +67,14 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, without waiting for the device: on CUDA a
+    pinned copy sent non-blocking (`torch.tensor(..., device=cuda)` copies from pageable memory
+    and waits for every kernel queued before it, which would stall a step launched ahead)."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
 def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
     """Logits [rows, vocab] with each row's bias (token id -> added value) added: a new tensor,
     or `logits` itself when no row has one. One host-to-device copy and one add for all rows."""
@@ -74,10 +82,7 @@ def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> to
     if not entries:
         return logits
     # NOTE: one float64 tensor carries rows, ids and values (exact for any vocabulary size)
-    host = torch.tensor(list(zip(*entries)), dtype=torch.float64)
-    if logits.device.type == "cuda":
-        host = host.pin_memory()
-    rows, ids, values = host.to(logits.device, non_blocking=True)
+    rows, ids, values = device_tensor(list(zip(*entries)), torch.float64, logits.device)
     return logits.index_put((rows.long(), ids.long()), values.to(logits.dtype), accumulate=True)
 
 
@@ -128,14 +133,15 @@ def draw_ids(probs: torch.Tensor, generators: list[torch.Generator | None]) -> t
     together, in one call, from the device's default generator."""
     shared = [i for i, g in enumerate(generators) if g is None]
     own = [i for i, g in enumerate(generators) if g is not None]
-    picked: list[torch.Tensor] = [torch.multinomial(probs[shared], 1).flatten()] if shared else []
+    every = len(shared) == len(generators)
+    picked: list[torch.Tensor] = [torch.multinomial(probs if every else probs[device_tensor(shared, torch.long, probs.device)], 1).flatten()] if shared else []
     picked += [torch.multinomial(probs[i].to(generators[i].device), 1, generator=generators[i]).to(probs.device) for i in own]
     drawn = torch.cat(picked)
     if shared and own:  # back in row order: row i's draw is at its place in shared + own
         at = [0] * len(generators)
         for k, i in enumerate(shared + own):
             at[i] = k
-        drawn = drawn[torch.tensor(at, device=probs.device)]
+        drawn = drawn[device_tensor(at, torch.long, probs.device)]
     return drawn
 
 
@@ -144,15 +150,16 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     are the same bits in every run, however many rows come with it (`_mass_before_fixed`,
     `softmax_rows`)."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    temperature = device_tensor([p.temperature for p in params], logits.dtype, device)
     logits = logits / temperature[:, None]
     vocab = logits.shape[-1]
     if any(0 < p.top_k < vocab for p in params):
-        k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-        kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        k = device_tensor(ks, torch.long, device)
+        kth = torch.topk(logits, max(ks), dim=-1).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, -math.inf)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        top_p = device_tensor([p.top_p for p in params], torch.float32, device)
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = softmax_rows(sorted_logits.float())
         # A token is dropped when the mass before it already reaches top_p; the most likely one

@@ -178,3 +178,32 @@ def test_draws_chosen_on_the_device_are_the_samplers_draws():
         drawn = [t.token_id for t in sampler.choose(on_host, logits.clone())]
         assert chosen.tolist() == drawn
         assert drawn[0] == int(argmax[0])
+
+
+def test_choosing_on_the_device_reads_nothing_back():
+    """`chosen_on_device` (greedy rows beside draws with top-k and top-p, seeded and not) asks
+    the device for no value (no `int()`, `.item()`, `bool()` of a tensor): on a GPU such a read
+    waits for the step's kernels, and the step launched ahead from these tokens would wait too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from server.engine import sampler
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import GenerationRequest, Sequence
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    params = [dict(temperature=0.0), dict(temperature=0.9, top_k=5, seed=3), dict(temperature=1.1, top_p=0.8), dict(temperature=0.7)]
+    seqs = [Sequence(GenerationRequest(f"r{i}", [1], SamplingParams(max_tokens=4, **p)), None, DEVICE) for i, p in enumerate(params)]
+    logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with Reads() as mode:
+        chosen = sampler.chosen_on_device(seqs, logits, logits.argmax(-1))
+    assert chosen is not None and chosen.shape == (4,)
+    assert mode.reads == []
