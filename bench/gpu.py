@@ -10,9 +10,8 @@ suppressed so every side generates exactly that many):
   graphs) over a batch of N, and `generate_batch` (its continuous batching), `--baselines`;
 * the floor: reading the weights once per step at the device's measured copy bandwidth.
 Ratios are printed against `generate` measured in the same run. `--temperature T` (> 0) has
-kvserve's rows draw instead (no end-of-turn bias, which would send each draw through the host:
-a row may end early at end-of-turn, and only generated tokens count), the OpenAI default at 1;
-the baselines stay greedy. On CPU it runs too (a tiny
+kvserve's rows draw instead (end-of-turn suppressed alike), the OpenAI default at 1; the
+baselines stay greedy. On CPU it runs too (a tiny
 model: `--model tiny`), which is how CI-less checks keep it working; the figures that matter
 come from a GPU (../shared/tools/gpu/README.md).
 """
@@ -80,8 +79,7 @@ def kvserve_rate(model, device, n: int, tokens: int, eos: int | None, args) -> f
     engine = Engine(model, Tokenizer(eos), config, cache)
     engine.start()
     bias = {eos: -1000.0} if eos is not None else {}
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, logit_bias=bias) if args.temperature == 0 else \
-        SamplingParams(max_tokens=tokens, temperature=args.temperature)
+    params = SamplingParams(max_tokens=tokens, temperature=args.temperature, logit_bias=bias)
 
     async def wave() -> int:
         loop = asyncio.get_running_loop()

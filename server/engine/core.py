@@ -545,7 +545,7 @@ class Engine:
         """The next decode step of `plan`'s rows, launched now from this step's tokens on the
         device (`chosen`: `_chosen`; `ModelRunner.run_ahead`), with the wait for their copy to
         the host; None where it cannot be: the overlap is off, some row's token is chosen on
-        the host (a constraint, penalties, logprobs, a logit bias on a draw) or drafts, or the
+        the host (a constraint, penalties, logprobs) or drafts, or the
         next step has other work: a running sequence outside this step (a prompt to prefill,
         forced tokens), requests that may be admitted, calls to run. A row whose next token
         cannot exist (max_tokens, its cache full) is left out; one that stops at this step's

@@ -73,13 +73,11 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
 
 def device_chooses(seq: Sequence) -> bool:
     """Whether the sequence's next token can be chosen on the device from its raw logits and
-    the runner's argmax alone (`chosen_on_device`): nothing from the host (no constraint, for
-    `constraint` would give None; no penalties, no logprobs) and either greedy (its logit bias
-    is in the argmax) or a draw without a logit bias."""
+    the runner's argmax alone (`chosen_on_device`): nothing from the host, that is no
+    constraint (`constraint` would give None), no penalties, no logprobs. Its logit bias is in
+    the runner's argmax, and a draw adds it on the device."""
     params = seq.params
-    if params.logprobs or params.uses_penalties or seq.grammar is not None or _bans(seq):
-        return False
-    return params.greedy or not params.logit_bias
+    return not (params.logprobs or params.uses_penalties or seq.grammar is not None or _bans(seq))
 
 
 def chosen_on_device(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor | None:
@@ -96,7 +94,8 @@ def chosen_on_device(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.T
         return greedy
     every = len(drawn) == len(seqs)
     rows = None if every else device_tensor(drawn, torch.long, logits.device)
-    probs = filtered_probs(logits if every else logits[rows], [seqs[i].params for i in drawn])
+    biased = apply_logit_bias(logits if every else logits[rows], [seqs[i].params.logit_bias for i in drawn])
+    probs = filtered_probs(biased, [seqs[i].params for i in drawn])
     ids = draw_ids(probs, [seqs[i].generator if seqs[i].params.seed is not None else None for i in drawn])
     if every:
         return ids

@@ -133,16 +133,16 @@ async def test_a_stop_at_every_position_gives_the_same_tokens_and_sessions(engin
 
 @pytest.mark.anyio
 async def test_rows_that_draw_launch_ahead_and_draw_what_they_would_have(engines):
-    """Rows that draw (seeded ones with top-k and top-p, and one unseeded: the only user of
-    torch's global generator, seeded alike before each engine runs), each stopping at its own
-    max_tokens or a stop string, leave sessions: their steps are launched ahead from tokens drawn
+    """Rows that draw (seeded ones with top-k and top-p, one with a logit bias, and one unseeded:
+    the only user of torch's global generator, seeded alike before each engine runs), each
+    stopping at its own max_tokens or a stop string, leave sessions: their steps are launched ahead from tokens drawn
     on the device, and outputs and sessions equal the engine without overlap's."""
 
     def requests():
         out = [GenerationRequest(f"seeded{i}", engines.prompt(p), SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=i, max_tokens=6 + 3 * i),
                                  session_id=f"seeded{i}") for i, p in enumerate(PROMPTS)]
-        out.append(GenerationRequest("stops", engines.prompt(PROMPTS[0]), SamplingParams(temperature=0.7, seed=9, max_tokens=24, stop=[" the", "."]),
-                                     session_id="stops"))
+        out.append(GenerationRequest("stops", engines.prompt(PROMPTS[0]), SamplingParams(temperature=0.7, seed=9, max_tokens=24, stop=[" the", "."],
+                                                                                          logit_bias={2: -5.0, 28: 2.0}), session_id="stops"))
         return out + [GenerationRequest("unseeded", engines.prompt(PROMPTS[1]), SamplingParams(temperature=1.0, max_tokens=16), session_id="unseeded")]
 
     launched = engines.launched

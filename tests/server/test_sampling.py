@@ -129,8 +129,8 @@ def test_logprob_infos_give_each_row_its_chosen_and_top_logprobs():
 def test_a_step_whose_tokens_are_chosen_on_the_device_takes_them_and_others_the_sampler():
     """`sampler.chosen_on_device` with the model runner's argmax of each row (a decode step's
     `greedy`): greedy rows take it as it is (a logit bias included: the runner's argmax adds
-    it), and `choose` takes what it chose; a row with logprobs, penalties or a logit bias on a
-    draw leaves the whole step to `choose`, which reads the logits. The argmax here is
+    it), and `choose` takes what it chose; a row with logprobs or penalties leaves the whole
+    step to `choose`, which reads the logits. The argmax here is
     deliberately not the logits' own, so the test sees which was used."""
     from server.engine import sampler
     from server.engine.sampling import SamplingParams
@@ -147,7 +147,7 @@ def test_a_step_whose_tokens_are_chosen_on_the_device_takes_them_and_others_the_
     assert chosen is given
     assert [t.token_id for t in sampler.choose(plain, logits.clone(), chosen)] == [3, 4, 2]
     assert [t.token_id for t in sampler.choose(plain, torch.zeros(3, 8, device=DEVICE).index_fill_(1, torch.tensor([5], device=DEVICE), 1.0))] == [5, 5, 1]
-    for other in (dict(logprobs=True), dict(presence_penalty=0.5), dict(temperature=0.7, seed=1, logit_bias={2: 1.0})):
+    for other in (dict(logprobs=True), dict(presence_penalty=0.5)):
         mixed = [seq(), seq(**other)]
         assert sampler.chosen_on_device(mixed, logits.clone(), given[:2]) is None, other
         got = [t.token_id for t in sampler.choose(mixed, logits.clone(), None)]
@@ -155,19 +155,19 @@ def test_a_step_whose_tokens_are_chosen_on_the_device_takes_them_and_others_the_
 
 
 def test_draws_chosen_on_the_device_are_the_samplers_draws():
-    """Rows that draw (seeded and not, with top-k and top-p) beside greedy rows: the tokens
-    `chosen_on_device` draws without a sync are those `choose` draws on the host from the same
-    generators' states, and the greedy rows keep the runner's argmax."""
+    """Rows that draw (seeded and not, with top-k, top-p and a logit bias) beside greedy rows:
+    the tokens `chosen_on_device` draws without a sync are those `choose` draws on the host
+    from the same generators' states, and the greedy rows keep the runner's argmax."""
     from server.engine import sampler
     from server.engine.sampling import SamplingParams
     from server.engine.sequence import GenerationRequest, Sequence
 
     def rows():
         params = [dict(temperature=0.0), dict(temperature=0.9, seed=7), dict(temperature=1.3), dict(temperature=0.8, top_k=20, top_p=0.9, seed=11),
-                  dict(temperature=1.0, top_p=0.5)]
+                  dict(temperature=1.0, top_p=0.5, logit_bias={3: 4.0, 9: -100.0}), dict(temperature=0.6, seed=2, logit_bias={int(argmax[5]): -3.0})]
         return [Sequence(GenerationRequest(f"r{i}", [1], SamplingParams(max_tokens=4, **p)), None, DEVICE) for i, p in enumerate(params)]
 
-    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     argmax = logits.argmax(-1)
     for k in range(3):
         on_device, on_host = rows(), rows()
@@ -181,7 +181,7 @@ def test_draws_chosen_on_the_device_are_the_samplers_draws():
 
 
 def test_choosing_on_the_device_reads_nothing_back():
-    """`chosen_on_device` (greedy rows beside draws with top-k and top-p, seeded and not) asks
+    """`chosen_on_device` (greedy rows beside draws with top-k, top-p and a bias, seeded or not) asks
     the device for no value (no `int()`, `.item()`, `bool()` of a tensor): on a GPU such a read
     waits for the step's kernels, and the step launched ahead from these tokens would wait too."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -200,7 +200,7 @@ def test_choosing_on_the_device_reads_nothing_back():
                 self.reads.append(func)
             return func(*args, **(kwargs or {}))
 
-    params = [dict(temperature=0.0), dict(temperature=0.9, top_k=5, seed=3), dict(temperature=1.1, top_p=0.8), dict(temperature=0.7)]
+    params = [dict(temperature=0.0), dict(temperature=0.9, top_k=5, seed=3), dict(temperature=1.1, top_p=0.8), dict(temperature=0.7, logit_bias={4: 2.0})]
     seqs = [Sequence(GenerationRequest(f"r{i}", [1], SamplingParams(max_tokens=4, **p)), None, DEVICE) for i, p in enumerate(params)]
     logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with Reads() as mode:
