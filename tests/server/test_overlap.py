@@ -135,8 +135,9 @@ async def test_a_stop_at_every_position_gives_the_same_tokens_and_sessions(engin
 async def test_rows_that_draw_launch_ahead_and_draw_what_they_would_have(engines):
     """Rows that draw (seeded ones with top-k and top-p, one with a logit bias, and one unseeded:
     the only user of torch's global generator, seeded alike before each engine runs), each
-    stopping at its own max_tokens or a stop string, leave sessions: their steps are launched ahead from tokens drawn
-    on the device, and outputs and sessions equal the engine without overlap's."""
+    stopping at its own max_tokens or a stop string, leave sessions: their steps are launched
+    ahead from tokens drawn on the device, and outputs and sessions equal the engine without
+    overlap's."""
 
     def requests():
         out = [GenerationRequest(f"seeded{i}", engines.prompt(p), SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=i, max_tokens=6 + 3 * i),
