@@ -62,7 +62,7 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
     free = [i for i, token_id in enumerate(token_ids) if token_id is None]
     if free:
         rows = logits if len(free) == len(seqs) else logits[free]
-        drawn = sample_rows(rows, [seqs[i].params for i in free], [seqs[i].generator if seqs[i].params.seed is not None else None for i in free])
+        drawn = sample_rows(rows, [seqs[i].params for i in free], [_draws_from(seqs[i]) for i in free])
         for i, token_id in zip(free, drawn):
             token_ids[i] = token_id
     infos = {}
@@ -96,10 +96,17 @@ def chosen_on_device(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.T
     rows = None if every else device_tensor(drawn, torch.long, logits.device)
     biased = apply_logit_bias(logits if every else logits[rows], [seqs[i].params.logit_bias for i in drawn])
     probs = filtered_probs(biased, [seqs[i].params for i in drawn])
-    ids = draw_ids(probs, [seqs[i].generator if seqs[i].params.seed is not None else None for i in drawn])
+    ids = draw_ids(probs, [_draws_from(seqs[i]) for i in drawn])
     if every:
         return ids
     return greedy.index_copy(0, rows, ids)
+
+
+def _draws_from(seq: Sequence) -> torch.Generator | None:
+    """The generator a row of a step draws from: a seeded request's own, else None (the rows
+    without one draw together from the device's default generator: `draw_ids`). `choose` and
+    `chosen_on_device` both ask here, so that they draw the same tokens."""
+    return seq.generator if seq.params.seed is not None else None
 
 
 def _bans(seq: Sequence) -> bool:
