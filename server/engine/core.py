@@ -395,6 +395,14 @@ class Engine:
                 self.step()
             except RankLost as exc:  # a step's, a heartbeat's, or a session's moving to or from a tier
                 self._die(str(exc))
+            except Exception as exc:  # noqa: BLE001 - see the note
+                # NOTE: a row's faults are handled where they happen (`_execute`, `_choose`,
+                # `_take`); what reaches here is not one: on CUDA an asynchronous device error
+                # (an illegal address, a device-side assert) surfaces at the next wait, and the
+                # device is of no more use. Without this the thread would end quietly, /health
+                # stay 200 and every request wait for ever
+                log.exception("a step failed outside any row's fault handling")
+                self._die(f"a step failed outside any row's fault handling ({type(exc).__name__}: {exc})")
         for seq, handle in list(self._running):
             self._finish(seq, handle, "abort")
         for seq, handle in list(self._waiting):

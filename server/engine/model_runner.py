@@ -400,8 +400,10 @@ class ModelRunner:
         inputs = self._write(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
         if device_ids is not None:  # the tokens where the buffer's one host copy put their indices
             ids = inputs.ids[0, :n]
-            # NOTE: the indices rise, so taking every row of `device_ids` is taking them in order
-            ids.copy_(device_ids if n == device_ids.shape[0] else device_ids[ids])
+            # NOTE: the indices rise, so taking every row of `device_ids` is taking them in order.
+            # A row that drew from no distribution (-1: `sampling.draw_ids`) fails when its token
+            # reaches the host; until then it computes token 0's step, which `_settle` drops
+            torch.clamp(device_ids if n == device_ids.shape[0] else device_ids[ids], min=0, out=ids)
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()

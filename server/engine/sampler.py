@@ -28,6 +28,7 @@ from server.engine.sampling import (
     draw_ids,
     draw_rows,
     filtered_probs,
+    host_ids,
     logprob_infos,
     sample_rows,
     softmax_rows,
@@ -46,7 +47,7 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
     Side effects: constraint masks are added to `logits` in place; penalty counts move forward.
     """
     if chosen is not None:
-        return [taken(seq, token_id, None) for seq, token_id in zip(seqs, chosen.tolist())]
+        return [taken(seq, token_id, None) for seq, token_id in zip(seqs, host_ids(chosen))]
     asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
     logprobs = softmax_rows(logits[asked], log=True) if asked else None
     apply_constraints(seqs, logits)

@@ -121,8 +121,17 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
 
 
 def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
-    """`draw_ids`, on the host: only the drawn ids cross, in one copy."""
-    return draw_ids(probs, generators).tolist()
+    """`draw_ids`, on the host: only the drawn ids cross, in one copy (`host_ids`)."""
+    return host_ids(draw_ids(probs, generators))
+
+
+def host_ids(ids: torch.Tensor) -> list[int]:
+    """Tokens chosen on the device, on the host. ValueError where a row drew from no
+    distribution (`draw_ids`' -1): the engine fails that row alone."""
+    tokens = ids.tolist()
+    if min(tokens, default=0) < 0:
+        raise ValueError(f"rows {[i for i, t in enumerate(tokens) if t < 0]} drew from no distribution (NaN or inf in their logits)")
+    return tokens
 
 
 def draw_ids(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -130,19 +139,32 @@ def draw_ids(probs: torch.Tensor, generators: list[torch.Generator | None]) -> t
     tensor [rows] on the probabilities' device, in row order. A row with a generator draws
     from it, where it lives (a seeded row draws the same whatever else is in the batch; the
     engine makes generators on the probabilities' device); the rows without one draw
-    together, in one call, from the device's default generator."""
+    together, in one call, from the device's default generator. -1 for a row whose
+    probabilities are no distribution (NaN from the model, or all 0): the caller fails it
+    (`host_ids`); nothing here reads the device or asserts on it."""
     shared = [i for i, g in enumerate(generators) if g is None]
     own = [i for i, g in enumerate(generators) if g is not None]
     every = len(shared) == len(generators)
-    picked: list[torch.Tensor] = [torch.multinomial(probs if every else probs[device_tensor(shared, torch.long, probs.device)], 1).flatten()] if shared else []
-    picked += [torch.multinomial(probs[i].to(generators[i].device), 1, generator=generators[i]).to(probs.device) for i in own]
+    picked: list[torch.Tensor] = [_race(probs if every else probs[device_tensor(shared, torch.long, probs.device)])] if shared else []
+    picked += [_race(probs[i : i + 1].to(generators[i].device), generators[i]).to(probs.device) for i in own]
     drawn = torch.cat(picked)
     if shared and own:  # back in row order: row i's draw is at its place in shared + own
         at = [0] * len(generators)
         for k, i in enumerate(shared + own):
             at[i] = k
         drawn = drawn[device_tensor(at, torch.long, probs.device)]
-    return drawn
+    # a real draw never lands on a token of probability 0 (nor NaN): argmax did, where no token had more
+    return torch.where(probs.gather(1, drawn[:, None])[:, 0] > 0, drawn, -1)
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probabilities [rows, vocab]: `torch.multinomial(probs, 1)`'s own
+    draw for one sample (argmax of p / q, q ~ Exp(1) from `generator`), the same numbers from
+    the same generator, so the same tokens, without its checks of the input. Those read the
+    device back (some torch releases) or assert on it, and a device-side assert breaks a CUDA
+    process for good: a row of NaN logits would take down every request."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / q).argmax(-1)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -203,3 +203,74 @@ def test_a_cache_that_fills_before_max_tokens_ends_where_it_would_have(smollm2):
         assert all(length == 64 for _, length in small.sessions(True).values())
     finally:
         small.stop()
+
+
+RARE = 40000  # a token id no request here writes unless biased to it
+
+
+class Overflows:
+    """A model that overflows on one input token: a hook on its embedding turns the token's
+    vector NaN, so a row's logits are NaN at the step whose pending token it is. Installed
+    before the engines are made, so that a captured graph or a compiled forward holds it."""
+
+    def __init__(self, model, token: int) -> None:
+        self.hook = model.get_input_embeddings().register_forward_hook(
+            lambda module, args, out: out.masked_fill(args[0][..., None] == token, float("nan")))
+
+    def remove(self) -> None:
+        self.hook.remove()
+
+
+def test_a_row_that_draws_from_nan_logits_fails_alone(smollm2):
+    """A drawing row whose logits turn NaN (biased to write RARE, on which the model overflows)
+    draws -1 on the device; the step launched ahead from it runs on and drops it, and the row
+    fails alone with an error after the one token it wrote. The other rows (greedy, and draws
+    from their own seeds) give what they give without it, overlap on and off, and nothing stops
+    the engine."""
+    overflows = Overflows(smollm2.model, RARE)
+    both = Engines(smollm2)
+    try:
+        def requests(poisoned: bool) -> list[GenerationRequest]:
+            out = [GenerationRequest(f"s{i}", both.prompt(p), SamplingParams(temperature=0.9, seed=i, max_tokens=10)) for i, p in enumerate(PROMPTS)]
+            out.append(GenerationRequest("g", both.prompt(PROMPTS[0]), greedy(max_tokens=10)))
+            if poisoned:
+                out.append(GenerationRequest("nan", both.prompt(PROMPTS[1]), SamplingParams(temperature=1.0, seed=9, max_tokens=10, logit_bias={RARE: 100.0})))
+            return out
+
+        async def run():
+            return [await both.run_all(overlap, requests(poisoned)) for overlap, poisoned in ((True, True), (False, True), (False, False))]
+
+        *poisoned, clean = asyncio.run(run())
+        for overlap, got in zip((True, False), poisoned):
+            *others, bad = got
+            assert [r[:5] for r in others] == [r[:5] for r in clean]  # (anonymous reuse follows the runs before: not compared)
+            assert all(RARE not in r[0] for r in others)
+            assert bad[0] == [RARE] and bad[3] == "error"
+            assert both.engines[overlap].dead is None
+        assert both.launched > 0, "no step was launched ahead"
+    finally:
+        both.stop()
+        overflows.remove()
+
+
+def test_a_device_fault_at_a_steps_copy_ends_the_engine_loudly(smollm2):
+    """On CUDA an asynchronous device error (an illegal address in a kernel of the step launched
+    ahead) surfaces where the host waits for a step's tokens, outside any row's fault handling.
+    The engine dies as a broken model makes it die (`dead` set, every request ends with
+    engine_dead, /health then 503), instead of its thread ending quietly while requests wait."""
+    both = Engines(smollm2)
+    engine = both.engines[True]
+
+    def to_host(ids):
+        def wait():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return wait
+
+    engine.runner.to_host = to_host
+    try:
+        requests = [GenerationRequest(f"r{i}", both.prompt(p), greedy(max_tokens=16)) for i, p in enumerate(PROMPTS)]
+        got = asyncio.run(asyncio.wait_for(both.run_all(True, requests), 60))
+        assert [r[3] for r in got] == ["error"] * len(PROMPTS)
+        assert engine.dead is not None and "illegal memory access" in engine.dead
+    finally:
+        both.stop()

@@ -180,6 +180,36 @@ def test_draws_chosen_on_the_device_are_the_samplers_draws():
         assert drawn[0] == int(argmax[0])
 
 
+def test_a_row_of_nan_logits_draws_minus_one_and_leaves_the_other_draws_alone():
+    """A row whose logits are NaN (a model that overflowed on its input) draws -1 on the device,
+    with nothing raised there: on CUDA `torch.multinomial`'s check of its input is a device-side
+    assert, after which the process serves no request. The other rows, seeded and not (one
+    drawing in the same call as the NaN row), draw what they draw without it; on the host that
+    row is refused (`choose`, `draw_rows`), as is a row of no probability at all."""
+    from server.engine import sampler
+    from server.engine.sampling import draw_rows
+    from server.engine.sequence import GenerationRequest, Sequence
+
+    params = [dict(temperature=0.9, seed=7), dict(temperature=1.0), dict(temperature=0.8, top_k=5, seed=3), dict(temperature=1.2), dict(temperature=0.0)]
+
+    def rows():
+        return [Sequence(GenerationRequest(f"r{i}", [1], SamplingParams(max_tokens=4, **p)), None, DEVICE) for i, p in enumerate(params)]
+
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    argmax = logits.argmax(-1)
+    poisoned = logits.clone()
+    poisoned[1] = float("nan")
+    torch.manual_seed(3)
+    clean = sampler.chosen_on_device(rows(), logits.clone(), argmax).tolist()
+    torch.manual_seed(3)
+    dirty = sampler.chosen_on_device(rows(), poisoned, argmax)
+    assert dirty.tolist() == clean[:1] + [-1] + clean[2:]
+    with pytest.raises(ValueError, match=r"rows \[1\] drew from no distribution"):
+        sampler.choose(rows(), poisoned, dirty)
+    with pytest.raises(ValueError):
+        draw_rows(torch.zeros(1, 8, device=DEVICE), [None])
+
+
 def test_choosing_on_the_device_reads_nothing_back():
     """`chosen_on_device` (greedy rows beside draws with top-k, top-p and a bias, seeded or not) asks
     the device for no value (no `int()`, `.item()`, `bool()` of a tensor): on a GPU such a read
