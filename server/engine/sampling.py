@@ -78,12 +78,16 @@ def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> tor
 def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
     """Logits [rows, vocab] with each row's bias (token id -> added value) added: a new tensor,
     or `logits` itself when no row has one. One host-to-device copy and one add for all rows."""
-    entries = [(row, token, value) for row, bias in enumerate(biases) for token, value in bias.items()]
+    vocab = logits.shape[-1]
+    entries = [(row * vocab + token, value) for row, bias in enumerate(biases) for token, value in bias.items()]
     if not entries:
         return logits
-    # NOTE: one float64 tensor carries rows, ids and values (exact for any vocabulary size)
-    rows, ids, values = device_tensor(list(zip(*entries)), torch.float64, logits.device)
-    return logits.index_put((rows.long(), ids.long()), values.to(logits.dtype), accumulate=True)
+    # NOTE: one float64 tensor carries the flat places and the values (exact for any vocabulary
+    # size). index_add, not index_put(accumulate=True): that one sorts its indices and reads
+    # their range back to the host (a sync on CUDA, which a step launched ahead would wait on);
+    # a row holds a token once, so no two adds meet and the sums are the same bits
+    places, values = device_tensor(list(zip(*entries)), torch.float64, logits.device)
+    return logits.flatten().index_add(0, places.long(), values.to(logits.dtype)).view(logits.shape)
 
 
 def apply_penalties(
