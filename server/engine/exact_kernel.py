@@ -138,6 +138,12 @@ def _attend(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, pos_ptr, sink_ptr,
     no-ops either way, whose skipping keeps the loop free of branches for the compiler's
     software pipelining). SINKS: `sink_ptr` holds a float32 logit per (row x KV head, query
     row), [B * Hkv, queries] (`_sink`)."""
+    # NOTE: the strides in int64 before any product: Triton passes an argument under 2**31 as an
+    # int32, and int32 products of a stride (times 16, a query row, a key column) wrap past
+    # 2**31 elements, as a long prompt's mask [B, 1, G * T, L] reaches on a large card
+    q_b, q_h, q_m, k_b, k_h, k_n = q_b.to(tl.int64), q_h.to(tl.int64), q_m.to(tl.int64), k_b.to(tl.int64), k_h.to(tl.int64), k_n.to(tl.int64)
+    v_b, v_h, v_n, m_b, m_h, m_m = v_b.to(tl.int64), v_h.to(tl.int64), v_n.to(tl.int64), m_b.to(tl.int64), m_h.to(tl.int64), m_m.to(tl.int64)
+    o_b, o_h, o_m = o_b.to(tl.int64), o_h.to(tl.int64), o_m.to(tl.int64)
     if ALIGNED:
         q_b, q_h, q_m, k_b, k_h, k_n, v_b, v_h, v_n = q_b * 16, q_h * 16, q_m * 16, k_b * 16, k_h * 16, k_n * 16, v_b * 16, v_h * 16, v_n * 16
         m_b, m_h, m_m, o_b, o_h, o_m = m_b * 16, m_h * 16, m_m * 16, o_b * 16, o_h * 16, o_m * 16

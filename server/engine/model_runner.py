@@ -123,6 +123,8 @@ class ModelRunner:
         # by default on CUDA where Triton runs, over plain storage, outside exact mode (its own kernel)
         if decode_kernel is None:
             decode_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not pool.format.quantized and not exact
+        elif decode_kernel and pool.format.quantized:  # it would read the codes as numbers, without their scales
+            raise ValueError(f"the paged decode kernel reads plain KV storage, not a {pool.format.name} pool")
         self.decode_kernel = self.paged and decode_kernel
         # whether `prepare` compiles the decode steps' forward (server/engine/compiled.py): `compile`
         # "require" on any device, "auto" on CUDA, "off" never; the app refuses to start without it

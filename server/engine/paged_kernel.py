@@ -18,7 +18,7 @@ pool. On CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1, tests)
 Triton kernels below; elsewhere `paged_decode_reference`, the eager formula in float32.
 
 A program is one (row, KV head) and one split of the row's context: its G query heads as the
-rows of one tile, its keys in tiles of BLOCK_N positions (a table look-up per position, so any
+rows of one tile (of at most MAX_HEADS; more make more programs), its keys in tiles of BLOCK_N positions (a table look-up per position, so any
 block size works), FlashAttention's online softmax in float32. Only the tiles holding keys
 the query can see are walked (from the window's start to the row's position): the cost
 follows the tokens a row holds, not the bucket's max_blocks. A long context is split over
@@ -51,6 +51,12 @@ INTERPRETED = TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 32  # key positions per step of a program's walk
 PARTITION = 512  # the fewest key positions a split walks (below that, merging costs more than it spreads)
 TARGET_PROGRAMS = 1024  # splits stop once a launch has this many programs (enough to fill a GPU)
+# the most query heads one program holds, by whether it computes in float32 (True) or 16-bit:
+# an MLA latent pool folds all of a model's heads onto its one KV head (DeepSeek-V3: 128), and a
+# program of 128 heads over a 512-wide latent asks more shared memory than an H200 has (sm_90
+# code built ahead of time: 385 KB in float32, 262 KB in bf16 with 8 warps, against 227 KB;
+# 184 KB in bf16 with 4, spilling 13 KB of registers a thread). More heads: more programs.
+MAX_HEADS = {True: 32, False: 64}
 
 _jit = triton.jit if TRITON else (lambda fn: fn)
 
@@ -62,8 +68,9 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
             DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, IEEE: tl.constexpr,
             UPCAST: tl.constexpr, LATENT: tl.constexpr):
-    """Program (row x KV head, split): the visible key tiles of the split's range. SPLIT: its
-    state goes to the partial buffers [B * Hkv, splits, BLOCK_M(, DV_P2)] for `_merge_splits`;
+    """Program (row x KV head, split, tile of BLOCK_M query heads): the visible key tiles of the
+    split's range. SPLIT: its state goes to the partial buffers [B * Hkv, splits, query heads
+    padded to whole tiles(, DV_P2)] for `_merge_splits`;
     otherwise (one split) it adds the sinks and writes the output. LATENT: an MLA latent pool
     (`mla.meet`): the query is [DV | DK] wide and meets each position's value (the latent) and
     key (the rotary key) side by side, so a tile's values are read once for both products."""
@@ -74,7 +81,7 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
     first, last = _visible(pos, max_tokens, window)
     lo = tl.maximum(first // BLOCK_N, split * tiles_per_split)
     hi = tl.minimum(last // BLOCK_N + 1, (split + 1) * tiles_per_split)
-    g = tl.arange(0, BLOCK_M)
+    g = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = g < groups
     dk = tl.arange(0, DK_P2)
     dv = tl.arange(0, DV_P2)
@@ -115,7 +122,7 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
         acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, IEEE, UPCAST)
         top = new_top
     if SPLIT:
-        part = (row * tl.num_programs(1) + split) * BLOCK_M + g
+        part = (row * tl.num_programs(1) + split) * (tl.num_programs(2) * BLOCK_M) + g
         tl.store(top_ptr + part, top)
         tl.store(total_ptr + part, total)
         tl.store(acc_ptr + part[:, None] * DV_P2 + dv[None, :], acc)
@@ -127,19 +134,20 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
 def _merge_splits(pos_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr, heads, groups, splits, max_tokens,
                   tiles_per_split, window, p_b, o_b, o_h, o_g,
                   DV: tl.constexpr, DV_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINKS: tl.constexpr):
-    """Program (row x KV head): the states of the splits that saw keys, merged, then the sinks
-    and the output. The others were never walked: their buffers are not read."""
+    """Program (row x KV head, tile of BLOCK_M query heads): the states of the splits that saw
+    keys, merged, then the sinks and the output. The others were never walked: their buffers
+    are not read."""
     row = tl.program_id(0).to(tl.int64)
     b, h = row // heads, row % heads
     pos = tl.load(pos_ptr + b * p_b).to(tl.int64)
     first, last = _visible(pos, max_tokens, window)
-    g = tl.arange(0, BLOCK_M)
+    g = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     dv = tl.arange(0, DV_P2)
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_P2], tl.float32)
     for split in range(first // BLOCK_N // tiles_per_split, last // BLOCK_N // tiles_per_split + 1):
-        part = (row * splits + split) * BLOCK_M + g
+        part = (row * splits + split) * (tl.num_programs(1) * BLOCK_M) + g
         s_top = tl.load(top_ptr + part)
         new_top = tl.maximum(top, s_top)
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)
@@ -231,31 +239,41 @@ def paged_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     tiles = triton.cdiv(max_blocks * block_size, BLOCK_N)
     tiles_per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, tiles_per_split)  # none left empty by the rounding
-    block_m = max(16, triton.next_power_of_2(groups))  # tl.dot's smallest tile
-    dk_p2, dv_p2 = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
     split = splits > 1
+    decode, merge = launch_constants(groups, dk, dv, q.dtype, latent=latent, split=split, softcap=softcap is not None, sinks=sinks is not None)
+    head_tiles = triton.cdiv(groups, decode["BLOCK_M"])
     if split:
-        top = torch.empty(b * kv_heads * splits * block_m, device=q.device, dtype=torch.float32)
+        top = torch.empty(b * kv_heads * splits * head_tiles * decode["BLOCK_M"], device=q.device, dtype=torch.float32)
         total = torch.empty_like(top)
-        acc = torch.empty(top.shape[0], dv_p2, device=q.device, dtype=torch.float32)
+        acc = torch.empty(top.shape[0], decode["DV_P2"], device=q.device, dtype=torch.float32)
     else:
         top = total = acc = out  # unused
     sink = sinks.to(device=q.device, dtype=torch.float32).reshape(kv_heads, groups).contiguous() if sinks is not None else out
     window = window or 0
-    ieee = q.dtype == torch.float32
-    # NOTE: float32's IEEE dots run on the FMA units, not tensor cores: with 4 warps their tiles
-    # spill registers (sm_90 code built ahead of time), with 8 they fit.
-    common = dict(DV=dv, DV_P2=dv_p2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SINKS=sinks is not None, num_warps=8 if ieee else 4)
-    _decode[(b * kv_heads, splits)](
+    _decode[(b * kv_heads, splits, head_tiles)](
         q, keys, values, tables, positions, out, top, total, acc, sink,
         kv_heads, groups, block_size, max_blocks * block_size, tiles_per_split, window, float(scale), float(softcap or 1.0),
-        *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], tables.stride(0), positions.stride(0), *out.stride()[:3],
-        DK=dk, DK_P2=dk_p2, SPLIT=split, SOFTCAP=softcap is not None, IEEE=ieee,
-        UPCAST=INTERPRETED and q.dtype == torch.bfloat16, LATENT=latent, num_stages=2, **common)
+        *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], tables.stride(0), positions.stride(0), *out.stride()[:3], **decode)
     if split:
-        _merge_splits[(b * kv_heads,)](positions, out, top, total, acc, sink, kv_heads, groups, splits, max_blocks * block_size,
-                                       tiles_per_split, window, positions.stride(0), *out.stride()[:3], **common)
+        _merge_splits[(b * kv_heads, head_tiles)](positions, out, top, total, acc, sink, kv_heads, groups, splits, max_blocks * block_size,
+                                                  tiles_per_split, window, positions.stride(0), *out.stride()[:3], **merge)
     return out
+
+
+def launch_constants(groups: int, dk: int, dv: int, dtype: torch.dtype, *, latent: bool, split: bool, softcap: bool,
+                     sinks: bool) -> tuple[dict, dict]:
+    """The compile-time constants and launch options of `_decode` and of `_merge_splits` for G
+    query heads over keys dk and values dv wide in `dtype`: what `paged_decode_triton` launches
+    (bench/kernel_resources.py builds the same ahead of time for an H200)."""
+    ieee = dtype == torch.float32
+    block_m = min(max(16, triton.next_power_of_2(groups)), MAX_HEADS[ieee])  # at least tl.dot's smallest tile
+    dk_p2, dv_p2 = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    # NOTE: float32's IEEE dots run on the FMA units, not tensor cores: with 4 warps their tiles
+    # spill registers (sm_90 code built ahead of time), with 8 they fit.
+    merge = dict(DV=dv, DV_P2=dv_p2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SINKS=sinks, num_warps=8 if ieee else 4)
+    decode = dict(merge, DK=dk, DK_P2=dk_p2, SPLIT=split, SOFTCAP=softcap, IEEE=ieee, UPCAST=INTERPRETED and dtype == torch.bfloat16,
+                  LATENT=latent, num_stages=2)
+    return decode, merge
 
 
 def paged_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,

@@ -88,6 +88,8 @@ CASES = {
     "latent": dict(groups=8, kv_heads=1, dk=16, dv=48, latent=True),
     "latent-block4-split": dict(groups=5, kv_heads=1, dk=8, dv=40, latent=True, block_size=4, max_blocks=8, softcap=4.0),
     "block4-chunked": dict(groups=2, block_size=4, max_blocks=8, window=-6, sinks=True),
+    # more query heads on the latent than one program holds (paged_kernel.MAX_HEADS), as DeepSeek-V3's 128
+    "latent-many-heads": dict(groups=80, kv_heads=1, dk=8, dv=24, latent=True, sinks=True),
 }
 
 
@@ -99,7 +101,7 @@ def test_matches_reference_fp32(name):
     assert_close(case.kernel(), case.reference())
 
 
-@pytest.mark.parametrize("name", ["gqa4-head80", "gqa7-dk48-dv80", "block4-all", "chunked", "latent"])
+@pytest.mark.parametrize("name", ["gqa4-head80", "gqa7-dk48-dv80", "block4-all", "chunked", "latent", "latent-many-heads"])
 def test_matches_reference_bf16(name):
     config = CASES[name]
     lengths = LENGTHS if config.get("block_size", 16) == 16 else [1, 4, 5, 14, 32, None]
@@ -140,6 +142,17 @@ def test_split_context_merges_to_the_same_result():
     assert_close(whole, case.reference())
     for splits in (3, 8):
         torch.testing.assert_close(case.kernel(splits=splits), whole, atol=1e-6, rtol=1e-6)
+
+
+def test_query_heads_past_one_programs_tile_split_and_merge_alike():
+    """A latent pool whose 80 query heads take three programs' tiles (float32: MAX_HEADS[True]
+    a tile), its context split over 3 programs too: each tile's partial states merge to the
+    unsplit result."""
+    assert paged_kernel.MAX_HEADS[True] < 80
+    case = Case([128, 61, 1, None], groups=80, kv_heads=1, dk=8, dv=24, latent=True, window=40, sinks=True)
+    whole = case.kernel(splits=1)
+    assert_close(whole, case.reference())
+    torch.testing.assert_close(case.kernel(splits=3), whole, atol=1e-6, rtol=1e-6)
 
 
 def test_long_row_splits_by_default():
@@ -283,6 +296,21 @@ def test_the_runner_decodes_through_the_kernel_as_through_the_gather(family):
     torch.testing.assert_close(runs[True][1], runs[False][1], atol=1e-4, rtol=1e-4)
 
 
+def test_the_kernel_asked_for_over_a_quantized_pool_is_refused():
+    """An fp8 or int8 pool holds codes and scales: the kernel reads plain storage, so asking for
+    it over one (`decode_kernel=True`) is refused, not read as numbers; by default such a pool
+    takes the gather path, which dequantizes."""
+    from bench import architectures
+    from server.engine.model_runner import ModelRunner
+
+    model = architectures.build("qwen2", DEVICE)
+    for kv_dtype in ("fp8", "int8"):
+        pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, model.dtype, kv_dtype) * 2, model.device, model.dtype, kv_dtype=kv_dtype)
+        with pytest.raises(ValueError, match=f"not a {kv_dtype} pool"):
+            ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2, decode_kernel=True)
+        assert not ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2).decode_kernel
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_store_kernel_writes_what_two_index_copies_write(dtype, monkeypatch):
     """`kvserve::store_kv`: a decode step's new keys and values (views into the step's larger
@@ -308,3 +336,33 @@ def test_the_store_kernel_writes_what_two_index_copies_write(dtype, monkeypatch)
         plain_k, plain_v = keys.clone(), values.clone()
         torch.ops.kvserve.store_kv(key[:, :4], value[:, :4], plain_k, plain_v, slots[:4])
         assert torch.equal(plain_k, want_k) and torch.equal(plain_v, want_v)
+
+
+# -- built for the GPU: what a program asks of an H200 ---------------------------------------------
+
+
+def test_the_kernels_fit_an_h200s_shared_memory():
+    """The paged decode kernels built ahead of time for sm_90 by Triton's compiler and ptxas
+    (no GPU needed: bench/kernel_resources.py) as they launch for a dense model and for
+    DeepSeek-V3's latent (128 query heads on one KV head, 512 wide), in bf16 and float32: every
+    program fits the shared memory one block may have, so none fails at its first launch on
+    the card. One program of all 128 heads asked 385 KB in float32."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from bench.kernel_resources import SHARED_LIMIT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    shapes = ["qwen2.5-32b", "deepseek-v3-latent", "deepseek-v3-latent-fp32"]
+    run = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--json", "--shapes", *shapes], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(figures) == sorted(shapes)
+    for name, got in figures.items():
+        for kernel in ("decode", "merge"):
+            assert 0 < got[kernel]["shared"] <= SHARED_LIMIT, (name, kernel, got[kernel])
+    assert figures["deepseek-v3-latent-fp32"]["heads_a_program"] < 128

@@ -1,0 +1,111 @@
+"""What the paged decode kernel asks of an H200 (issue 47), measured without one: its Triton
+kernels built ahead of time for sm_90 by Triton's own compiler and ptxas (both ship in the
+triton wheel), as `paged_kernel.paged_decode_triton` launches them (`launch_constants`), for
+the attention shapes of the models kvserve serves. Per kernel: the shared memory a program
+takes (an H200 gives one block at most SHARED_LIMIT bytes: a kernel past it fails at its
+first launch), and ptxas's registers and spilled bytes per thread.
+
+    .venv/bin/python -m bench.kernel_resources [--shapes NAME ...] [--json]
+
+Run it without TRITON_INTERPRET: the interpreter's kernels are not compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+SHARED_LIMIT = 227 * 1024  # sm_90's most shared memory for one block (opted in)
+ARCH = 90
+
+# name: (query heads per KV head, key width, value width, dtype, extras); a latent pool's key is
+# the rotary key and its value the latent (server/engine/mla.py)
+SHAPES = {
+    "qwen2.5-1.5b": (6, 128, 128, torch.bfloat16, {}),
+    "qwen2.5-32b": (5, 128, 128, torch.bfloat16, {}),
+    "llama-3.1-70b": (8, 128, 128, torch.bfloat16, {}),
+    "gemma-2-9b": (2, 256, 256, torch.bfloat16, dict(softcap=True)),
+    "gpt-oss-20b": (8, 64, 64, torch.bfloat16, dict(sinks=True)),
+    "deepseek-v2-lite-latent": (16, 64, 512, torch.bfloat16, dict(latent=True)),
+    "deepseek-v3-latent": (128, 64, 512, torch.bfloat16, dict(latent=True)),
+    "qwen2.5-32b-fp32": (5, 128, 128, torch.float32, {}),
+    "deepseek-v3-latent-fp32": (128, 64, 512, torch.float32, dict(latent=True)),
+}
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_POINTERS = {"table_ptr": "*i64", "pos_ptr": "*i64", "slot_ptr": "*i64", "top_ptr": "*fp32", "total_ptr": "*fp32", "acc_ptr": "*fp32",
+             "sink_ptr": "*fp32"}
+
+
+def build(kernel, dtype: torch.dtype, constants: dict) -> dict:
+    """One Triton kernel compiled for sm_90 with `constants` (its constexprs and launch
+    options): {"shared": bytes, "registers": per thread, "spilled": bytes stored per thread}.
+    Pointers are the model's dtype but for the int64 tables and positions and the float32
+    partial states; every other argument an int32 (a stride past 2**31 arrives as int64 and
+    only widens the address arithmetic)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler.compiler import ASTSource
+
+    options = {k: constants[k] for k in ("num_warps", "num_stages") if k in constants}
+    constexprs = {k: v for k, v in constants.items() if k not in options}
+    signature, aligned = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = _POINTERS.get(name, "*" + _TYPES[dtype])
+            aligned[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are
+        else:
+            signature[name] = "fp32" if name in ("scale", "softcap") else "i32"
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", ARCH, 32), options=options)
+    ptxas = get_ptxas(ARCH).path  # the one that built the kernel: the legacy ptxas reads older PTX only
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        report = subprocess.run([ptxas, f"-arch=sm_{ARCH}a", "-v", ptx.name, "-o", os.devnull], capture_output=True, text=True, check=True).stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spilled = re.search(r"(\d+) bytes spill stores", report)
+    return {"shared": compiled.metadata.shared, "registers": int(registers[1]) if registers else None, "spilled": int(spilled[1]) if spilled else 0}
+
+
+def measure(name: str) -> dict:
+    """Both kernels of a split decode step for SHAPES[name] (the superset of an unsplit one)."""
+    from server.engine import paged_kernel
+
+    groups, dk, dv, dtype, extras = SHAPES[name]
+    decode, merge = paged_kernel.launch_constants(groups, dk, dv, dtype, latent=extras.get("latent", False), split=True,
+                                                  softcap=extras.get("softcap", False), sinks=extras.get("sinks", False))
+    return {"heads_a_program": decode["BLOCK_M"], "decode": build(paged_kernel._decode, dtype, decode),
+            "merge": build(paged_kernel._merge_splits, dtype, merge)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--json", action="store_true", help="one JSON object of every shape's figures")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("bench.kernel_resources builds the kernels for a GPU: run it without TRITON_INTERPRET=1")
+    figures = {name: measure(name) for name in args.shapes}
+    if args.json:
+        print(json.dumps(figures))
+        return
+    print(f"sm_{ARCH} (H100/H200), shared memory limit {SHARED_LIMIT // 1024} KB a block")
+    print(f"{'shape':26} {'heads/prog':>10} {'kernel':>7} {'shared KB':>9} {'fits':>5} {'regs':>5} {'spilled B':>9}")
+    for name, got in figures.items():
+        for kernel in ("decode", "merge"):
+            k = got[kernel]
+            print(f"{name:26} {got['heads_a_program']:>10} {kernel:>7} {k['shared'] / 1024:>9.1f} {'yes' if k['shared'] <= SHARED_LIMIT else 'NO':>5} "
+                  f"{k['registers']:>5} {k['spilled']:>9}")
+
+
+if __name__ == "__main__":
+    main()
