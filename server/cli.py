@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import typing
 
@@ -139,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     return serve(settings)
 
 
+FAILED_RANK_WAIT_S = 20.0  # how long rank 0, failed in a collective, waits for a rank that failed first to exit with its status
+
+
 def tensor_parallel(settings: Settings, args: argparse.Namespace, argv: list[str]) -> int:
     """`serve` over --tensor-parallel-size ranks (server/parallel.py): this node's first process
     starts the node's other ranks (unless torchrun did); rank 0 serves (or checks), the others
@@ -158,10 +162,17 @@ def tensor_parallel(settings: Settings, args: argparse.Namespace, argv: list[str
             from server.startup import follow
 
             status = follow(settings)
+            if status not in (exits.OK, exits.ENGINE_DEAD):
+                # NOTE: a rank that could not start has nothing to tidy, and rank 0 reads its
+                # status once it has exited: the interpreter's teardown took seconds on a busy
+                # node, and rank 0 gave up waiting and reported a lost collective instead
+                logging.shutdown()
+                sys.stderr.flush()
+                os._exit(status)
             return status
         status = check(settings) if args.check else serve(settings)
         if status == exits.FAILED and not args.check and children is not None:  # rank 0 lost a collective: did a rank fail first?
-            children.stop(grace_s=5)
+            children.stop(grace_s=FAILED_RANK_WAIT_S)
             if (theirs := children.failed()) is not None:
                 status, which = theirs
                 print(f"kvserve: exiting with status {status} ({exits.STATUSES[status]}): {which}; its line above says why", file=sys.stderr)

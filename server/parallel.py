@@ -115,7 +115,8 @@ class Children:
         while not self._stopping:
             why = self.lost()
             if why is not None and not self.ready:
-                self._exit((self.failed() or (exits.ENGINE_DEAD, ""))[0], f"cannot start: {why}")
+                failed = self.failed()
+                self._exit(failed[0] if failed else exits.ENGINE_DEAD, f"cannot start: {why}" + ("; its line above says why" if failed else ""))
             if why is not None and lost_at is None:
                 lost_at = time.monotonic()
             if lost_at is not None and time.monotonic() - lost_at > self.timeout_s + 10:

@@ -333,14 +333,16 @@ def run(tmp_path: Path, *flags: str, timeout_s: float = 180, env: dict | None = 
 def test_refusals_exit_with_their_status_and_nothing_left(tmp_path, tokenizer):
     save(tmp_path / "odd", tokenizer, "llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
     status, out, started = run(tmp_path, "--model", str(tmp_path / "odd"), "--tensor-parallel-size", "2", *FLAGS)
+    # NOTE: every rank refuses it; rank 0 says why last, or ends first with rank 1's status and
+    # points at its line
     assert status == exits.UNSUPPORTED, out
-    assert "3 attention heads do not split over 2 ranks" in out.strip().splitlines()[-1]
+    assert "3 attention heads do not split over 2 ranks" in out and "status 5" in out.strip().splitlines()[-1]
     assert started and not any(alive(p) for p in started)
 
     save(tmp_path / "gpt2", tokenizer, "gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=1024)
     status, out, started = run(tmp_path, "--model", str(tmp_path / "gpt2"), "--tensor-parallel-size", "2", *FLAGS)
     assert status == exits.UNSUPPORTED, out
-    assert "gpt2 has no tensor-parallel plan" in out.strip().splitlines()[-1]
+    assert "gpt2 has no tensor-parallel plan" in out and "status 5" in out.strip().splitlines()[-1]
     assert not any(alive(p) for p in started)
 
     status, out, started = run(tmp_path, "--model", str(tmp_path / "odd"), "--tensor-parallel-size", "2", "--deterministic", *FLAGS)
