@@ -20,10 +20,9 @@ Triton kernels below; elsewhere `paged_decode_reference`, the eager formula in f
 A program is one (row, KV head) and one split of the row's context: its G query heads as the
 rows of one tile (at most MAX_HEADS of them; more heads make more programs), its keys in tiles
 of BLOCK_N positions (a table look-up per position, so any block size works), FlashAttention's
-online softmax in float32. Only the tiles holding keys
-the query can see are walked (from the window's start to the row's position): the cost
-follows the tokens a row holds, not the bucket's max_blocks. A long context is split over
-several programs each walking a range of tiles (flash-decoding), whose partial states
+online softmax in float32. Only the tiles holding keys the query can see are walked (from the
+window's start to the row's position): the cost follows the tokens a row holds, not the
+bucket's max_blocks. A long context is split over several programs each walking a range of tiles (flash-decoding), whose partial states
 (max, sum, weighted values) a second small kernel merges, then adds the sinks (gpt-oss: a
 logit per query head in the denominator, no value). The split count depends on the static
 shapes only (B, Hkv, max_blocks, `splits`), so a CUDA graph captured for a bucket replays
