@@ -311,7 +311,11 @@ class ModelRunner:
             self.lockstep.step(rows, token_ids, logits_rows, logits_counts, long_rows)
         long_tokens = self._long_tokens(rows, long_rows)
         adapter_rows = self._adapter_slots(adapter_rows)
-        if media is None and long_tokens is None and (self.paged or self._compiled is not None) and counts == [1] * len(rows) and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows):
+        # NOTE: a hybrid's row at length 0 (a one-token prompt, a first chunk cut to one token)
+        # starts from no state: a decode step would continue its slot's last owner's
+        fresh_state = self.pool.states is not None and any(r.kv.length == 0 for r in rows)
+        if (media is None and long_tokens is None and not fresh_state and (self.paged or self._compiled is not None) and counts == [1] * len(rows)
+                and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows)):
             return self._decode(rows, token_ids, adapter_rows, biases)
         # decode rows first (the paged path's decode batch), then the others in plan order;
         # logits are kept in plan order

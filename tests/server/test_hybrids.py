@@ -289,6 +289,28 @@ def test_hybrids_give_generates_tokens_batched_reused_regenerated_and_edited(nam
         assert (edited.cached_tokens, edited.miss_reason) == (27, "recurrent_checkpoint")  # where turn 2 started
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_first_token_alone_starts_from_no_state_on_a_recycled_slot(name):
+    """A sequence whose first step is one token (a one-token prompt, or a first chunk cut to one
+    token), on the paged path (where a step of single tokens is a decode step: a graph on CUDA),
+    on the state slot another sequence has just left: its logits are the model's own for that
+    token, not a continuation of the slot's last owner."""
+    model = build(name)
+    families.check(model)
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, DTYPE) * 2, DEVICE, DTYPE, state_slots=1)
+    runner = ModelRunner(model, pool, cuda_graphs=False, paged=True, max_rows=2, packed=None)
+    runner.prepare()
+    before = pool.allocate(16)
+    runner.forward([Row(before, 6)], prompt_of(6, 7), [0])
+    runner.forward([Row(before, 1)], [11], [0])
+    kv.free(before)
+    cache = pool.allocate(4)
+    got = runner.forward([Row(cache, 1)], [42], [0])[0]
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([[42]], device=DEVICE)).logits[0, -1].float()
+    torch.testing.assert_close(got, alone, atol=1e-4, rtol=1e-4)
+
+
 def test_a_failed_step_leaves_every_state_as_it_was():
     model = build("qwen3_next")
     families.check(model)
