@@ -285,25 +285,33 @@ def layout(config: PretrainedConfig) -> Layout:
     windows = tuple(windows)
     if len(no_kv) == len(windows):  # no layer attends (Mamba: its config has no heads): no KV at all
         return Layout(windows, 0, 0, 0, None, sources, no_kv)
-    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    query_heads, heads, head_dim = attention_heads(text_config)
     if text_config.model_type == "jetmoe":
         # NOTE: JetMoE's attention hands its KV heads on `repeat`ed once per routed query expert
         # (its own cache keeps them once): the pool stores what attention gets, top_k copies
         heads *= text_config.num_experts_per_tok
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     key_dim = getattr(text_config, "qk_head_dim", None) or head_dim
     value_dim = getattr(text_config, "v_head_dim", None) or head_dim
     if text_config.model_type == "diffllama":  # both halves of its value heads side by side (server/engine/differential.py)
         value_dim *= 2
     if getattr(text_config, LATENT, None) == "latent":
         return Layout(windows, 1, text_config.qk_rope_head_dim, text_config.kv_lora_rank, rope_switch(text_config), sources, no_kv,
-                      latent=True, groups=text_config.num_attention_heads)
+                      latent=True, groups=query_heads)
     shards = getattr(text_config, SHARDS, 1)
     # one rank's KV heads: its share, or the one its query heads read where the heads are fewer
     # than the ranks (server/sharding.py)
     local = max(1, heads // shards)
-    groups = text_config.num_attention_heads // shards // local
+    groups = query_heads // shards // local
     return Layout(windows, local, key_dim, value_dim, rope_switch(text_config), sources, no_kv, groups=groups)
+
+
+def attention_heads(text_config: PretrainedConfig) -> tuple[int, int, int]:
+    """The text config's attention heads, its KV heads (as many as the heads where it names
+    none) and a head's width (`head_dim`, else hidden_size / heads): the one reading of them,
+    for the layout and for the tensor-parallel plan (server/sharding.py)."""
+    heads = getattr(text_config, "num_attention_heads", 0) or 0
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(text_config, "head_dim", None) or (text_config.hidden_size // heads if heads else 0)
 
 
 def _shared_layers(text_config: PretrainedConfig, layer_types: list[str]) -> tuple[list[str], tuple[int, ...] | None]:

@@ -58,7 +58,7 @@ def plan(config, ranks: int, *, vision: bool, quantized: bool):
         # every rank would compute every head, where each rank's pool keeps its share of them
         raise UnsupportedModel("tensor-parallel-plan", f"{kind}'s tensor-parallel plan does not split the attention heads over the ranks: "
                                "serve it with --tensor-parallel-size 1")
-    heads, kv_heads = _heads(text)
+    heads, kv_heads, _ = kv.attention_heads(text)
     if heads % ranks:
         raise UnsupportedModel("tensor-parallel-heads", f"{kind}'s {heads} attention heads do not split over {ranks} ranks: "
                                f"choose a --tensor-parallel-size that divides {heads}")
@@ -86,11 +86,10 @@ def keep_rank_kv_heads(model, ranks: int) -> None:
     rank's KV head, telling each attention module its query heads per KV head."""
     text = model.config.get_text_config(decoder=True)
     setattr(text, kv.SHARDS, ranks)
-    heads, kv_heads = _heads(text)
+    _, kv_heads, width = kv.attention_heads(text)
     if kv_heads % ranks == 0:
         return
     head = dist.get_rank() // (ranks // kv_heads)  # the KV head this rank's query heads read
-    width = getattr(text, "head_dim", None) or text.hidden_size // heads
     patterns = [re.compile(re.escape(rule).replace(r"\*", r"\d+") + "$") for rule in _kv_projections(text.base_model_tp_plan)]
     for name, module in model.named_modules():
         if any(p.search(name) for p in patterns):
@@ -189,12 +188,6 @@ def _gather(width: int):
         return every.unflatten(0, (ranks, -1)).movedim(0, -2).flatten(-2)[..., :width]
 
     return hook
-
-
-def _heads(text) -> tuple[int, int]:
-    """The text config's attention heads and KV heads (as many as the heads where it names none)."""
-    heads = getattr(text, "num_attention_heads", 0) or 0
-    return heads, getattr(text, "num_key_value_heads", None) or heads
 
 
 def _kv_projections(rules: dict[str, str]) -> list[str] | None:
