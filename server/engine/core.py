@@ -673,23 +673,29 @@ class Engine:
                 self._finish(seq, handles[seq], "error", error="internal")
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | None = None) -> list[tuple[Sequence, TokenInfo | None]]:
-        """`sampler.choose` for the rows; when it raises, each row is chosen alone and only
-        the ones that raise again get None.
+        """`sampler.choose` for the rows: None for a row that drew from no distribution; when
+        it raises, each row is chosen alone and only the ones that raise again get None.
 
         NOTE: a row retried alone sees its logits as the failed call left them: a constraint
         mask added twice allows the same tokens, but penalties applied before the failure
-        apply twice (no retry is exact for a row with penalties)."""
+        apply twice (no retry is exact for a row with penalties); a seeded row that drew
+        before the failure draws again."""
         try:
             if self._faults is not None:
                 self._faults.before_sampling(seqs)
-            return list(zip(seqs, sampler.choose(seqs, logits, chosen)))
+            tokens = sampler.choose(seqs, logits, chosen)
         except Exception:
             if len(seqs) == 1:
                 log.exception("choosing the token of %s failed", seqs[0].request_id)
                 self._fault("sampling")
                 return [(seqs[0], None)]
             log.warning("choosing the tokens of %d rows failed: choosing each alone", len(seqs), exc_info=True)
-        return [pair for i, seq in enumerate(seqs) for pair in self._choose([seq], logits[i : i + 1], None if chosen is None else chosen[i : i + 1])]
+            return [pair for i, seq in enumerate(seqs) for pair in self._choose([seq], logits[i : i + 1], None if chosen is None else chosen[i : i + 1])]
+        for seq, token in zip(seqs, tokens):
+            if token is None:
+                log.error("request %s drew its token from no distribution (NaN or inf in its logits)", seq.request_id)
+                self._fault("sampling")
+        return list(zip(seqs, tokens))
 
     def _verify(self, seq: Sequence, handle: RequestHandle, draft, logits: torch.Tensor) -> None:
         """Take a drafted row's tokens as `_take` would have taken them one step at a time: the

@@ -26,9 +26,9 @@ from server.engine.sampling import (
     apply_penalties,
     device_tensor,
     draw_ids,
+    checked,
     draw_rows,
     filtered_probs,
-    host_ids,
     logprob_infos,
     sample_rows,
     softmax_rows,
@@ -38,8 +38,10 @@ from server.engine.sequence import Sequence, TokenInfo
 # -- one step's rows ---------------------------------------------------------------------------
 
 
-def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | None = None) -> list[TokenInfo]:
-    """The next token of each sequence from its row of raw logits [R, vocab].
+def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | None = None) -> list[TokenInfo | None]:
+    """The next token of each sequence from its row of raw logits [R, vocab]; None for a row
+    that draws from no distribution (NaN or inf in its logits: `sampling.draw_ids`), which
+    fails alone while the others keep what they drew.
 
     `chosen` [R]: every row's token, already chosen on the device (`chosen_on_device`), taken
     as it is with one device-to-host copy for the step and nothing read from the logits.
@@ -47,7 +49,7 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
     Side effects: constraint masks are added to `logits` in place; penalty counts move forward.
     """
     if chosen is not None:
-        return [taken(seq, token_id, None) for seq, token_id in zip(seqs, host_ids(chosen))]
+        return [taken(seq, token_id, None) if token_id >= 0 else None for seq, token_id in zip(seqs, chosen.tolist())]
     asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
     logprobs = softmax_rows(logits[asked], log=True) if asked else None
     apply_constraints(seqs, logits)
@@ -68,8 +70,8 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
             token_ids[i] = token_id
     infos = {}
     if asked:
-        infos = dict(zip(asked, logprob_infos(logprobs, [token_ids[i] for i in asked], [seqs[i].params.top_logprobs for i in asked])))
-    return [taken(seq, token_id, infos.get(i)) for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
+        infos = dict(zip(asked, logprob_infos(logprobs, [max(token_ids[i], 0) for i in asked], [seqs[i].params.top_logprobs for i in asked])))
+    return [taken(seq, token_id, infos.get(i)) if token_id >= 0 else None for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
 
 
 def device_chooses(seq: Sequence) -> bool:
@@ -220,7 +222,7 @@ def verify(seq: Sequence, tokens: list[int], probs: torch.Tensor | None, logits:
             break
         x = processed(seq, logits[j])
         if j == k:
-            ok, token = False, sample_rows(x[None], [params], [seq.generator])[0]
+            ok, token = False, checked(sample_rows(x[None], [params], [seq.generator]))[0]
         elif params.greedy:
             ok, token = accept_greedy(x, tokens[j])
         else:

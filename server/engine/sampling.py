@@ -101,15 +101,17 @@ def apply_penalties(
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick the next token from processed logits [vocab]: argmax when greedy, else a seeded draw."""
-    return sample_rows(logits[None], [params], [generator])[0]
+    """Pick the next token from processed logits [vocab]: argmax when greedy, else a seeded
+    draw; ValueError where it draws from no distribution (`checked`)."""
+    return checked(sample_rows(logits[None], [params], [generator]))[0]
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of processed logits [rows, vocab]: argmax for greedy rows; for the
-    others temperature, top-k and top-p per row, vectorised, then a draw (`draw_rows`): a row
+    others temperature, top-k and top-p per row, vectorised, then a draw (`draw_ids`): a row
     with a generator from it (it draws the same whatever else is in the batch), the rows
-    without one all in one call."""
+    without one all in one call. -1 for a row that draws from no distribution: the caller
+    fails that row alone, and the others keep their draws (a seeded row draws once)."""
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -119,20 +121,19 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         probs = filtered_probs(logits[drawn], [params[i] for i in drawn])
-        for i, token in zip(drawn, draw_rows(probs, [generators[i] for i in drawn])):
+        for i, token in zip(drawn, draw_ids(probs, [generators[i] for i in drawn]).tolist()):
             tokens[i] = token
     return tokens
 
 
 def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
-    """`draw_ids`, on the host: only the drawn ids cross, in one copy (`host_ids`)."""
-    return host_ids(draw_ids(probs, generators))
+    """`draw_ids`, on the host: only the drawn ids cross, in one copy; ValueError where a row
+    drew from no distribution (`checked`)."""
+    return checked(draw_ids(probs, generators).tolist())
 
 
-def host_ids(ids: torch.Tensor) -> list[int]:
-    """Tokens chosen on the device, on the host. ValueError where a row drew from no
-    distribution (`draw_ids`' -1): the engine fails that row alone."""
-    tokens = ids.tolist()
+def checked(tokens: list[int]) -> list[int]:
+    """`tokens`, or ValueError where a row drew from no distribution (`draw_ids`' -1)."""
     if min(tokens, default=0) < 0:
         raise ValueError(f"rows {[i for i, t in enumerate(tokens) if t < 0]} drew from no distribution (NaN or inf in their logits)")
     return tokens
@@ -145,7 +146,7 @@ def draw_ids(probs: torch.Tensor, generators: list[torch.Generator | None]) -> t
     engine makes generators on the probabilities' device); the rows without one draw
     together, in one call, from the device's default generator. -1 for a row whose
     probabilities are no distribution (NaN from the model, or all 0): the caller fails it
-    (`host_ids`); nothing here reads the device or asserts on it."""
+    (`checked`, `sampler.choose`); nothing here reads the device or asserts on it."""
     shared = [i for i, g in enumerate(generators) if g is None]
     own = [i for i, g in enumerate(generators) if g is not None]
     every = len(shared) == len(generators)

@@ -221,18 +221,20 @@ class Overflows:
         self.hook.remove()
 
 
-def test_a_row_that_draws_from_nan_logits_fails_alone(smollm2):
+@pytest.mark.parametrize("chosen_on", ["device", "host"])
+def test_a_row_that_draws_from_nan_logits_fails_alone(smollm2, chosen_on):
     """A drawing row whose logits turn NaN (biased to write RARE, on which the model overflows)
-    draws -1 on the device; the step launched ahead from it runs on and drops it, and the row
+    draws -1; on the device, the step launched ahead from it runs on and drops it. The row
     fails alone with an error after the one token it wrote. The other rows (greedy, and draws
-    from their own seeds) give what they give without it, overlap on and off, and nothing stops
-    the engine."""
+    from their own seeds, each drawn once) give what they give without it, overlap on and off,
+    and nothing stops the engine. "host": a row asks for logprobs, so the step's tokens are
+    chosen on the host, all rows in one draw."""
     overflows = Overflows(smollm2.model, RARE)
     both = Engines(smollm2)
     try:
         def requests(poisoned: bool) -> list[GenerationRequest]:
             out = [GenerationRequest(f"s{i}", both.prompt(p), SamplingParams(temperature=0.9, seed=i, max_tokens=10)) for i, p in enumerate(PROMPTS)]
-            out.append(GenerationRequest("g", both.prompt(PROMPTS[0]), greedy(max_tokens=10)))
+            out.append(GenerationRequest("g", both.prompt(PROMPTS[0]), greedy(max_tokens=10, logprobs=chosen_on == "host")))
             if poisoned:
                 out.append(GenerationRequest("nan", both.prompt(PROMPTS[1]), SamplingParams(temperature=1.0, seed=9, max_tokens=10, logit_bias={RARE: 100.0})))
             return out
@@ -247,7 +249,7 @@ def test_a_row_that_draws_from_nan_logits_fails_alone(smollm2):
             assert all(RARE not in r[0] for r in others)
             assert bad[0] == [RARE] and bad[3] == "error"
             assert both.engines[overlap].dead is None
-        assert both.launched > 0, "no step was launched ahead"
+        assert (both.launched > 0) == (chosen_on == "device"), "a step was launched ahead where it could not be, or none where it could"
     finally:
         both.stop()
         overflows.remove()

@@ -184,8 +184,9 @@ def test_a_row_of_nan_logits_draws_minus_one_and_leaves_the_other_draws_alone():
     """A row whose logits are NaN (a model that overflowed on its input) draws -1 on the device,
     with nothing raised there: on CUDA `torch.multinomial`'s check of its input is a device-side
     assert, after which the process serves no request. The other rows, seeded and not (one
-    drawing in the same call as the NaN row), draw what they draw without it; on the host that
-    row is refused (`choose`, `draw_rows`), as is a row of no probability at all."""
+    drawing in the same call as the NaN row), draw what they draw without it. `choose` gives
+    that row None and the others their tokens, drawn once, whether the device chose them or the
+    host; `draw_rows` refuses it, as it does a row of no probability at all."""
     from server.engine import sampler
     from server.engine.sampling import draw_rows
     from server.engine.sequence import GenerationRequest, Sequence
@@ -204,8 +205,16 @@ def test_a_row_of_nan_logits_draws_minus_one_and_leaves_the_other_draws_alone():
     torch.manual_seed(3)
     dirty = sampler.chosen_on_device(rows(), poisoned, argmax)
     assert dirty.tolist() == clean[:1] + [-1] + clean[2:]
+    on_device = sampler.choose(rows(), poisoned.clone(), dirty)
+    torch.manual_seed(3)
+    on_host = sampler.choose(rows(), poisoned.clone())
+    torch.manual_seed(3)
+    clean_on_host = [info.token_id for info in sampler.choose(rows(), logits.clone())]
+    for got, want in ((on_device, clean), (on_host, clean_on_host)):
+        assert got[1] is None
+        assert [info.token_id for i, info in enumerate(got) if i != 1] == want[:1] + want[2:]
     with pytest.raises(ValueError, match=r"rows \[1\] drew from no distribution"):
-        sampler.choose(rows(), poisoned, dirty)
+        draw_rows(poisoned.softmax(-1), [None] * len(params))
     with pytest.raises(ValueError):
         draw_rows(torch.zeros(1, 8, device=DEVICE), [None])
 
