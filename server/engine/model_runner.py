@@ -183,9 +183,7 @@ class ModelRunner:
                     self._forward(inputs.ids, inputs.positions, step, None, self._compiled, shift=inputs.shift)
             except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named
                 log.debug("compiling the decode forward failed", exc_info=True)
-                if self.shards > 1:  # the other ranks may be inside a compiled collective: none can go on
-                    raise RuntimeError(f"compiling the decode forward failed on this tensor-parallel rank ({type(exc).__name__}: "
-                                       f"{exc}); serve with --compile off") from exc
+                self._end_the_rank("compiling the decode forward", "--compile", exc)
                 self._compiled = None
                 why = f"compiling the decode forward failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
             else:
@@ -193,6 +191,13 @@ class ModelRunner:
         if why is not None:
             self._fall_back("compile", f"{why}; decode steps run the eager forward")
         self.paths["compile"] = "decode" if self._compiled is not None else "eager"
+
+    def _end_the_rank(self, what: str, switch: str, exc: Exception) -> None:
+        """A warm-up (`what`) that failed on a tensor-parallel rank ends the rank, where one
+        rank alone would fall back to eager: the other ranks may be waiting inside the same
+        compiled or captured collective, so none can go on."""
+        if self.shards > 1:
+            raise RuntimeError(f"{what} failed on this tensor-parallel rank ({type(exc).__name__}: {exc}); serve with {switch} off") from exc
 
     def _decide_overlap(self) -> None:
         """Keep `overlap` only where a step launched ahead can be taken back: its rows' KV is
@@ -635,9 +640,7 @@ class ModelRunner:
                 self.graphs[(size, blocks)] = self._capture(size, blocks)
         except Exception as exc:
             log.debug("capturing CUDA graphs failed", exc_info=True)
-            if self.shards > 1:  # the other ranks may be inside a captured collective: none can go on
-                raise RuntimeError(f"capturing the decode graphs failed on this tensor-parallel rank ({type(exc).__name__}: {exc}); "
-                                   "serve with --cuda-graphs off") from exc
+            self._end_the_rank("capturing the decode graphs", "--cuda-graphs", exc)
             self._fall_back("cuda_graphs", f"capturing the decode graphs failed ({type(exc).__name__}: {exc}); "
                             "decode steps run eagerly, several times slower on a GPU")
             self.graphs.clear()

@@ -88,6 +88,27 @@ def test_features_that_keep_the_eager_forward_are_named():
     assert greedy_steps(runner, 2) == greedy_steps(runner_for(model, compile="off", exact=True), 2)
 
 
+def test_a_failed_compilation_falls_back_alone_and_ends_a_tensor_parallel_rank(monkeypatch):
+    """A compiled forward that fails at warm-up leaves the eager one, named, on a server of one
+    rank; on a tensor-parallel rank (its text config marked sharded) the runner raises instead,
+    as the other ranks may be waiting inside the same compiled collective."""
+    model = build("llama")
+
+    def broken(model):
+        def forward(*args, **kwargs):
+            raise RuntimeError("inductor ran out of registers")
+        return forward
+
+    monkeypatch.setattr(compiled, "decode_forward", broken)
+    alone = runner_for(model, compile="require")
+    assert alone.paths["compile"] == "eager"
+    assert "compiling the decode forward failed (RuntimeError: inductor ran out of registers)" in alone.fallbacks["compile"]
+    assert greedy_steps(alone, 2) == greedy_steps(runner_for(model, compile="off"), 2)
+    monkeypatch.setattr(model.config.get_text_config(decoder=True), kv.SHARDS, 2, raising=False)
+    with pytest.raises(RuntimeError, match=r"compiling the decode forward failed on this tensor-parallel rank .*serve with --compile off"):
+        ModelRunner(model, alone.pool, cuda_graphs=False, max_rows=2, compile="require").prepare()
+
+
 @pytest.mark.anyio
 async def test_a_server_with_a_required_compilation_answers_as_the_eager_one(tokenizer):
     """The official client on an app serving a tiny Llama with `compile="require"`: the engine
