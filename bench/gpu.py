@@ -29,6 +29,7 @@ from cache_manager.manager import CacheConfig, CacheManager
 from server.engine.core import Engine, EngineConfig
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest
+from server.startup import weights_bytes
 
 PROMPT_TOKENS = 16
 
@@ -51,7 +52,7 @@ def floor_tokens_per_s(model, device: torch.device) -> float | None:
     """One stream's bound: the weights read once per step at the measured copy bandwidth."""
     if device.type != "cuda":
         return None
-    return copy_bandwidth(device) / sum(p.numel() * p.element_size() for p in model.parameters())
+    return copy_bandwidth(device) / weights_bytes(model)
 
 
 def copy_bandwidth(device: torch.device) -> float:
