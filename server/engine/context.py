@@ -192,6 +192,16 @@ def entered(context: StepContext) -> Iterator[StepContext]:
             context.recurrent.finish(stored=finished)
 
 
+def step_forward(module: torch.nn.Module, make) -> bool:
+    """Give `module` the forward `make(module, original)`, which runs inside kvserve's steps
+    (once: a forward already replaced, by this patch or another, is kept); whether the forward
+    it has now is `make`'s."""
+    if "forward" not in vars(module):
+        module.forward = make(module, module.forward)
+        module.forward._kvserve_made_by = make
+    return getattr(module.forward, "_kvserve_made_by", None) is make
+
+
 def visible(keys: torch.Tensor, queries: torch.Tensor, window: int | None, reach: torch.Tensor | None = None) -> torch.Tensor:
     """Which keys each query sees, by position (broadcast): those at or before its own (or its
     `reach`: a picture that attends to itself whole, server/engine/vision.py) and, with a

@@ -27,11 +27,7 @@ def modules(model) -> list[torch.nn.Module]:
 def enable(model) -> int:
     """Switch every such module to the step's positions inside a kvserve step (once); returns
     how many run so (a module whose forward something else replaced first is left as it is)."""
-    found = modules(model)
-    for module in found:
-        if "forward" not in vars(module):
-            module.forward = _forward(module, module.forward)
-    return sum(getattr(m.forward, "_kvserve_temperature", False) for m in found)
+    return sum(context.step_forward(module, _forward) for module in modules(model))
 
 
 def scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -63,5 +59,4 @@ def _forward(module, original):
         out, weights = attend(module, query, key, value, attention_mask, dropout=0.0, scaling=module.scaling, **kwargs)
         return module.o_proj(out.reshape(*shape, -1).contiguous()), weights
 
-    forward._kvserve_temperature = True
     return forward
