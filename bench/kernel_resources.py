@@ -1,6 +1,6 @@
 """What the paged decode kernel asks of an H200 (issue 47), measured without one: its Triton
 kernels built ahead of time for sm_90 by Triton's own compiler and ptxas (both ship in the
-triton wheel), as `paged_kernel.paged_decode_triton` launches them (`launch_constants`), for
+triton wheel), as `paged_kernel.launches` makes them and Triton's JIT specialises them, for
 the attention shapes of the models kvserve serves. Per kernel: the shared memory a program
 takes (an H200 gives one block at most SHARED_LIMIT bytes: a kernel past it fails at its
 first launch), and ptxas's registers and spilled bytes per thread.
@@ -33,39 +33,42 @@ SHAPES = {
     "llama-3.1-70b": (8, 128, 128, torch.bfloat16, {}),
     "gemma-2-9b": (2, 256, 256, torch.bfloat16, dict(softcap=True)),
     "gpt-oss-20b": (8, 64, 64, torch.bfloat16, dict(sinks=True)),
+    "falcon-7b-mqa": (71, 64, 64, torch.bfloat16, {}),
     "deepseek-v2-lite-latent": (16, 64, 512, torch.bfloat16, dict(latent=True)),
     "deepseek-v3-latent": (128, 64, 512, torch.bfloat16, dict(latent=True)),
     "qwen2.5-32b-fp32": (5, 128, 128, torch.float32, {}),
     "deepseek-v3-latent-fp32": (128, 64, 512, torch.float32, dict(latent=True)),
 }
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_POINTERS = {"table_ptr": "*i64", "pos_ptr": "*i64", "slot_ptr": "*i64", "top_ptr": "*fp32", "total_ptr": "*fp32", "acc_ptr": "*fp32",
-             "sink_ptr": "*fp32"}
+BLOCKS = 64  # the bucket's blocks a row may hold, in the launch built (their number changes no constant)
 
 
-def build(kernel, dtype: torch.dtype, constants: dict) -> dict:
-    """One Triton kernel compiled for sm_90 with `constants` (its constexprs and launch
-    options): {"shared": bytes, "registers": per thread, "spilled": bytes stored per thread}.
-    Pointers are the model's dtype but for the int64 tables and positions and the float32
-    partial states; every other argument an int32 (a stride past 2**31 arrives as int64 and
-    only widens the address arithmetic)."""
+def build(launch) -> dict:
+    """One launch (`paged_kernel.Launch`) compiled for sm_90 as Triton's JIT would compile it on
+    the card: each argument specialised by Triton's own rule (a pointer or an integer that is a
+    multiple of 16 marked so, an integer 1 made a constant, a float left alone). Returns
+    {"shared": bytes, "registers": per thread, "spilled": bytes stored per thread}."""
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler.compiler import ASTSource
 
-    options = {k: constants[k] for k in ("num_warps", "num_stages") if k in constants}
-    constexprs = {k: v for k, v in constants.items() if k not in options}
-    signature, aligned = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = _POINTERS.get(name, "*" + _TYPES[dtype])
-            aligned[(i,)] = [["tt.divisibility", 16]]  # torch's allocations are
-        else:
-            signature[name] = "fp32" if name in ("scale", "softcap") else "i32"
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", ARCH, 32), options=options)
+    kernel = launch.kernel
+    options = {k: launch.constants[k] for k in ("num_warps", "num_stages") if k in launch.constants}
+    constexprs = {k: v for k, v in launch.constants.items() if k not in options}
+    signature, attrs = {}, {}
+    runtime = [name for name in kernel.arg_names if name not in constexprs]
+    for i, (name, value) in enumerate(zip(runtime, launch.args, strict=True)):
+        kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
+        if kind == "constexpr":
+            constexprs[name] = key
+            continue
+        signature[name] = kind
+        if key == "D":
+            attrs[(kernel.arg_names.index(name),)] = [["tt.divisibility", 16]]
+    signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", ARCH, 32), options=options)
     ptxas = get_ptxas(ARCH).path  # the one that built the kernel: the legacy ptxas reads older PTX only
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
         ptx.write(compiled.asm["ptx"])
@@ -77,14 +80,22 @@ def build(kernel, dtype: torch.dtype, constants: dict) -> dict:
 
 
 def measure(name: str) -> dict:
-    """Both kernels of a split decode step for SHAPES[name] (the superset of an unsplit one)."""
+    """Both kernels of a split decode step for SHAPES[name] (the superset of an unsplit one),
+    launched over one row of a pool of BLOCKS blocks, built but not run."""
+    from cache_manager.kv import BLOCK_SIZE
     from server.engine import paged_kernel
 
     groups, dk, dv, dtype, extras = SHAPES[name]
-    decode, merge = paged_kernel.launch_constants(groups, dk, dv, dtype, latent=extras.get("latent", False), split=True,
-                                                  softcap=extras.get("softcap", False), sinks=extras.get("sinks", False))
-    return {"heads_a_program": decode["BLOCK_M"], "decode": build(paged_kernel._decode, dtype, decode),
-            "merge": build(paged_kernel._merge_splits, dtype, merge)}
+    latent = extras.get("latent", False)
+    kv_heads = 1 if latent else 2
+    q = torch.zeros(1, kv_heads, groups, dk + dv if latent else dk, dtype=dtype)
+    keys = torch.zeros(kv_heads, (BLOCKS + 1) * BLOCK_SIZE, dk, dtype=dtype)
+    values = torch.zeros(kv_heads, (BLOCKS + 1) * BLOCK_SIZE, dv, dtype=dtype)
+    tables, positions = torch.zeros(1, BLOCKS, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    sinks = torch.zeros(kv_heads * groups) if extras.get("sinks") else None
+    _, (decode, merge) = paged_kernel.launches(q, keys, values, tables, positions, BLOCK_SIZE, 0.1, 50.0 if extras.get("softcap") else None,
+                                               sinks, splits=2)
+    return {"heads_a_program": decode.constants["BLOCK_M"], "decode": build(decode), "merge": build(merge)}
 
 
 def main() -> None:

@@ -18,19 +18,21 @@ pool. On CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1, tests)
 Triton kernels below; elsewhere `paged_decode_reference`, the eager formula in float32.
 
 A program is one (row, KV head) and one split of the row's context: its G query heads as the
-rows of one tile (at most MAX_HEADS of them; more heads make more programs), its keys in tiles
-of BLOCK_N positions (a table look-up per position, so any block size works), FlashAttention's
-online softmax in float32. Only the tiles holding keys the query can see are walked (from the
-window's start to the row's position): the cost follows the tokens a row holds, not the
-bucket's max_blocks. A long context is split over several programs each walking a range of tiles (flash-decoding), whose partial states
-(max, sum, weighted values) a second small kernel merges, then adds the sinks (gpt-oss: a
-logit per query head in the denominator, no value). The split count depends on the static
+rows of one tile (at most ACCUMULATOR / Dv of them; more heads make more programs), its keys
+in tiles of BLOCK_N positions (a table look-up per position, so any block size works),
+FlashAttention's online softmax in float32. Only the tiles holding keys the query can see are
+walked (from the window's start to the row's position): the cost follows the tokens a row
+holds, not the bucket's max_blocks. A long context is split over several programs each
+walking a range of tiles (flash-decoding), whose partial states (max, sum, weighted values) a
+second small kernel merges, then adds the sinks (gpt-oss: a logit per query head in the
+denominator, no value). The split count depends on the static
 shapes only (B, Hkv, max_blocks, `splits`), so a CUDA graph captured for a bucket replays
 the same launches whatever the positions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -51,12 +53,12 @@ INTERPRETED = TRITON and os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_N = 32  # key positions per step of a program's walk
 PARTITION = 512  # the fewest key positions a split walks (below that, merging costs more than it spreads)
 TARGET_PROGRAMS = 1024  # splits stop once a launch has this many programs (enough to fill a GPU)
-# the most query heads one program holds, by whether it computes in float32 (True) or 16-bit:
-# an MLA latent pool folds all of a model's heads onto its one KV head (DeepSeek-V3: 128), and a
-# program of 128 heads over a 512-wide latent asks more shared memory than an H200 has (sm_90
-# code built ahead of time: 385 KB in float32, 262 KB in bf16 with 8 warps, against 227 KB;
-# 184 KB in bf16 with 4, spilling 13 KB of registers a thread). More heads: more programs.
-MAX_HEADS = {True: 32, False: 64}
+# the most float32 accumulator elements one program holds (its query heads x the value width):
+# 64 registers a thread at 8 warps. An MLA latent pool folds all of a model's heads onto its one
+# KV head (DeepSeek-V3: 128 over a 512-wide latent); held at 64 heads a program, its accumulator
+# spilled 4 KB of registers a thread in bf16 (sm_90 code built ahead of time: bench.kernel_resources),
+# and at 128 it asked more shared memory than an H200 has. More heads: more programs.
+ACCUMULATOR = 16384
 
 _jit = triton.jit if TRITON else (lambda fn: fn)
 
@@ -225,8 +227,30 @@ def split_count(batch: int, kv_heads: int, max_blocks: int, block_size: int, par
 def paged_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                         block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
                         window: int | None = None, splits: int | None = None) -> torch.Tensor:
-    """`paged_decode` by the Triton kernels (one launch, or two when split). `splits`: how
-    many programs share a row's context (default `split_count`'s)."""
+    """`paged_decode` by the Triton kernels (one launch, or two when split: `launches`)."""
+    out, steps = launches(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, splits)
+    for step in steps:
+        step.kernel[step.grid](*step.args, **step.constants)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch: `kernel[grid](*args, **constants)`."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    constants: dict
+
+
+def launches(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+             block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+             window: int | None = None, splits: int | None = None) -> tuple[torch.Tensor, list[Launch]]:
+    """The output [B, Hkv, G, Dv] of `paged_decode` and the launches that fill it: `_decode`,
+    then `_merge_splits` where the context is split (`splits`: how many programs share a
+    row's context, default `split_count`'s). bench/kernel_resources.py builds these same
+    launches ahead of time for an H200."""
     b, kv_heads, groups, _ = q.shape
     dk, dv = keys.shape[-1], values.shape[-1]
     latent = _latent(q, keys, values)
@@ -234,7 +258,7 @@ def paged_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     q, keys, values, tables = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, keys, values, tables))
     out = torch.empty(b, kv_heads, groups, dv, device=q.device, dtype=q.dtype)
     if b == 0:
-        return out
+        return out, []
     splits = splits or split_count(b, kv_heads, max_blocks, block_size)
     tiles = triton.cdiv(max_blocks * block_size, BLOCK_N)
     tiles_per_split = triton.cdiv(tiles, splits)
@@ -250,27 +274,31 @@ def paged_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         top = total = acc = out  # unused
     sink = sinks.to(device=q.device, dtype=torch.float32).reshape(kv_heads, groups).contiguous() if sinks is not None else out
     window = window or 0
-    _decode[(b * kv_heads, splits, head_tiles)](
-        q, keys, values, tables, positions, out, top, total, acc, sink,
-        kv_heads, groups, block_size, max_blocks * block_size, tiles_per_split, window, float(scale), float(softcap or 1.0),
-        *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], tables.stride(0), positions.stride(0), *out.stride()[:3], **decode)
+    steps = [Launch(_decode, (b * kv_heads, splits, head_tiles),
+                    (q, keys, values, tables, positions, out, top, total, acc, sink,
+                     kv_heads, groups, block_size, max_blocks * block_size, tiles_per_split, window, float(scale), float(softcap or 1.0),
+                     *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], tables.stride(0), positions.stride(0), *out.stride()[:3]),
+                    decode)]
     if split:
-        _merge_splits[(b * kv_heads, head_tiles)](positions, out, top, total, acc, sink, kv_heads, groups, splits, max_blocks * block_size,
-                                                  tiles_per_split, window, positions.stride(0), *out.stride()[:3], **merge)
-    return out
+        steps.append(Launch(_merge_splits, (b * kv_heads, head_tiles),
+                            (positions, out, top, total, acc, sink, kv_heads, groups, splits, max_blocks * block_size,
+                             tiles_per_split, window, positions.stride(0), *out.stride()[:3]), merge))
+    return out, steps
 
 
 def launch_constants(groups: int, dk: int, dv: int, dtype: torch.dtype, *, latent: bool, split: bool, softcap: bool,
                      sinks: bool) -> tuple[dict, dict]:
     """The compile-time constants and launch options of `_decode` and of `_merge_splits` for G
-    query heads over keys dk and values dv wide in `dtype`: what `paged_decode_triton` launches
-    (bench/kernel_resources.py builds the same ahead of time for an H200)."""
+    query heads over keys dk and values dv wide in `dtype` (`launches`)."""
     ieee = dtype == torch.float32
-    block_m = min(max(16, triton.next_power_of_2(groups)), MAX_HEADS[ieee])  # at least tl.dot's smallest tile
     dk_p2, dv_p2 = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
+    # at least tl.dot's smallest tile, at most an accumulator of ACCUMULATOR elements
+    block_m = max(16, min(triton.next_power_of_2(groups), ACCUMULATOR // dv_p2))
     # NOTE: float32's IEEE dots run on the FMA units, not tensor cores: with 4 warps their tiles
-    # spill registers (sm_90 code built ahead of time), with 8 they fit.
-    merge = dict(DV=dv, DV_P2=dv_p2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SINKS=sinks, num_warps=8 if ieee else 4)
+    # spill registers (sm_90 code built ahead of time), with 8 they fit; so does an accumulator
+    # past 64 registers a thread at 4 warps
+    warps = 8 if ieee or block_m * dv_p2 > ACCUMULATOR // 2 else 4
+    merge = dict(DV=dv, DV_P2=dv_p2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SINKS=sinks, num_warps=warps)
     decode = dict(merge, DK=dk, DK_P2=dk_p2, SPLIT=split, SOFTCAP=softcap, IEEE=ieee, UPCAST=INTERPRETED and dtype == torch.bfloat16,
                   LATENT=latent, num_stages=2)
     return decode, merge
