@@ -24,9 +24,9 @@ import torch
 from server.engine.sampling import (
     apply_logit_bias,
     apply_penalties,
+    checked,
     device_tensor,
     draw_ids,
-    checked,
     draw_rows,
     filtered_probs,
     logprob_infos,
@@ -69,7 +69,7 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
         for i, token_id in zip(free, drawn):
             token_ids[i] = token_id
     infos = {}
-    if asked:
+    if asked:  # (a row that drew from no distribution: read at token 0, then dropped)
         infos = dict(zip(asked, logprob_infos(logprobs, [max(token_ids[i], 0) for i in asked], [seqs[i].params.top_logprobs for i in asked])))
     return [taken(seq, token_id, infos.get(i)) if token_id >= 0 else None for i, (seq, token_id) in enumerate(zip(seqs, token_ids))]
 
