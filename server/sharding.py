@@ -86,7 +86,7 @@ def keep_rank_kv_heads(model, ranks: int) -> None:
     rank's KV head, telling each attention module its query heads per KV head."""
     text = model.config.get_text_config(decoder=True)
     setattr(text, kv.SHARDS, ranks)
-    _, kv_heads, width = kv.attention_heads(text)
+    heads, kv_heads, width = kv.attention_heads(text)
     if kv_heads % ranks == 0:
         return
     head = dist.get_rank() // (ranks // kv_heads)  # the KV head this rank's query heads read
