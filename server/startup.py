@@ -461,6 +461,8 @@ def close(ctx: ServingContext, grace_s: float) -> None:
     # NOTE: with tensor parallel writing the sessions gathers every rank's KV: only while the
     # ranks are in step (the engine thread ended cleanly) and before they are told to stop
     in_step = ended and ctx.engine.dead is None
+    if ended:  # no step runs any more: the graphs and buffers go, as the pool's storage does below
+        ctx.engine.runner.release()
     try:
         ctx.cache_manager.close(timeout_s=max(5.0, grace_s), release=ended, persist=in_step or ctx.engine.runner.lockstep is None)
     except lockstep.RankLost as exc:

@@ -598,6 +598,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def release(self) -> None:
+        """Drop the decode graphs, the compiled forward and the buffers they read and write (at
+        shutdown, once no step runs; with the pool's storage: `kv.Pool.release`), so that a model
+        started next in the same process measures its own budget. A step after it runs eagerly."""
+        self.graphs.clear()
+        self.use_graphs = False
+        self._graph_pool = self._logits = self._greedy = self._compiled = self._meta = None
+        self._views_by_bucket.clear()
+        self.release_memory()
+
     def release_memory(self) -> None:
         """After an out-of-memory step: hand the allocator's cached blocks back (CUDA), so the
         smaller retry has them."""

@@ -109,6 +109,22 @@ def test_a_failed_compilation_falls_back_alone_and_ends_a_tensor_parallel_rank(m
         ModelRunner(model, alone.pool, cuda_graphs=False, max_rows=2, compile="require").prepare()
 
 
+def test_a_released_runner_holds_no_step_buffers_and_still_decodes():
+    """At shutdown (`startup.close`) the runner drops its decode buffer, graphs and compiled
+    forward as the pool drops its storage: nothing it held keeps device memory from a model
+    started next in the same process. A step after that runs eagerly, with the same tokens."""
+    import gc
+    import weakref
+
+    runner = runner_for(build("llama"), compile="off", paged=True)
+    before = greedy_steps(runner, 3)
+    buffer = weakref.ref(runner._meta.untyped_storage())
+    runner.release()
+    gc.collect()
+    assert buffer() is None and not runner.graphs and runner._compiled is None
+    assert greedy_steps(runner, 3) == before
+
+
 @pytest.mark.anyio
 async def test_a_server_with_a_required_compilation_answers_as_the_eager_one(tokenizer):
     """The official client on an app serving a tiny Llama with `compile="require"`: the engine
