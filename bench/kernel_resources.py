@@ -58,7 +58,7 @@ def build(launch) -> dict:
     constexprs = {k: v for k, v in launch.constants.items() if k not in options}
     signature, attrs = {}, {}
     runtime = [name for name in kernel.arg_names if name not in constexprs]
-    for i, (name, value) in enumerate(zip(runtime, launch.args, strict=True)):
+    for name, value in zip(runtime, launch.args, strict=True):
         kind, key = native_specialize_impl(BaseBackend, value, False, True, True)
         if kind == "constexpr":
             constexprs[name] = key

@@ -18,16 +18,16 @@ pool. On CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1, tests)
 Triton kernels below; elsewhere `paged_decode_reference`, the eager formula in float32.
 
 A program is one (row, KV head) and one split of the row's context: its G query heads as the
-rows of one tile (at most ACCUMULATOR / Dv of them; more heads make more programs), its keys
-in tiles of BLOCK_N positions (a table look-up per position, so any block size works),
-FlashAttention's online softmax in float32. Only the tiles holding keys the query can see are
-walked (from the window's start to the row's position): the cost follows the tokens a row
-holds, not the bucket's max_blocks. A long context is split over several programs each
+rows of one tile (`launch_constants`: at most ACCUMULATOR / Dv of them, more make more
+programs), its keys in tiles of BLOCK_N positions (a table look-up per position, so any block
+size works), FlashAttention's online softmax in float32. Only the tiles holding keys the query
+can see are walked (from the window's start to the row's position): the cost follows the tokens
+a row holds, not the bucket's max_blocks. A long context is split over several programs each
 walking a range of tiles (flash-decoding), whose partial states (max, sum, weighted values) a
 second small kernel merges, then adds the sinks (gpt-oss: a logit per query head in the
-denominator, no value). The split count depends on the static
-shapes only (B, Hkv, max_blocks, `splits`), so a CUDA graph captured for a bucket replays
-the same launches whatever the positions.
+denominator, no value). The split count depends on the static shapes only (B, Hkv, max_blocks,
+`splits`), so a CUDA graph captured for a bucket replays the same launches whatever the
+positions.
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ TARGET_PROGRAMS = 1024  # splits stop once a launch has this many programs (enou
 # spilled 4 KB of registers a thread in bf16 (sm_90 code built ahead of time: bench.kernel_resources),
 # and at 128 it asked more shared memory than an H200 has. More heads: more programs.
 ACCUMULATOR = 16384
+# ... and in float32 at most this many heads: its IEEE dots run on the FMA units, whose tiles
+# spill past it (16 KB a thread at 128 heads of width 128)
+IEEE_HEADS = 32
 
 _jit = triton.jit if TRITON else (lambda fn: fn)
 
@@ -293,7 +296,7 @@ def launch_constants(groups: int, dk: int, dv: int, dtype: torch.dtype, *, laten
     ieee = dtype == torch.float32
     dk_p2, dv_p2 = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
     # at least tl.dot's smallest tile, at most an accumulator of ACCUMULATOR elements
-    block_m = max(16, min(triton.next_power_of_2(groups), ACCUMULATOR // dv_p2))
+    block_m = max(16, min(triton.next_power_of_2(groups), ACCUMULATOR // dv_p2, IEEE_HEADS if ieee else ACCUMULATOR))
     # NOTE: float32's IEEE dots run on the FMA units, not tensor cores: with 4 warps their tiles
     # spill registers (sm_90 code built ahead of time), with 8 they fit; so does an accumulator
     # past 64 registers a thread at 4 warps
