@@ -295,8 +295,9 @@ def launch_constants(groups: int, dk: int, dv: int, dtype: torch.dtype, *, laten
     query heads over keys dk and values dv wide in `dtype` (`launches`)."""
     ieee = dtype == torch.float32
     dk_p2, dv_p2 = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
-    # at least tl.dot's smallest tile, at most an accumulator of ACCUMULATOR elements
-    block_m = max(16, min(triton.next_power_of_2(groups), ACCUMULATOR // dv_p2, IEEE_HEADS if ieee else ACCUMULATOR))
+    # at most an accumulator of ACCUMULATOR elements (and IEEE_HEADS in float32), at least tl.dot's smallest tile
+    heads = min(triton.next_power_of_2(groups), ACCUMULATOR // dv_p2)
+    block_m = max(16, min(heads, IEEE_HEADS) if ieee else heads)
     # NOTE: float32's IEEE dots run on the FMA units, not tensor cores: with 4 warps their tiles
     # spill registers (sm_90 code built ahead of time), with 8 they fit; so does an accumulator
     # past 64 registers a thread at 4 warps
