@@ -15,12 +15,12 @@ collections first, as a server's is. Three ways in the same run:
 
 * now: greedy rows take the device's argmax (`StepOutput.greedy`, one copy of R ids) and the
   next step is launched from it before this one is postprocessed (the overlap, on CUDA by
-  default); each row's text comes from the Rust tokenizer's decode (`detokenizer.decoder`);
+  default); each row's text comes from tokenizers' `DecodeStream` (server/engine/detokenizer.py);
 * through the sampler: the same rows sample from the [R, vocab] logits (today's path for rows
   with logprobs, bias, penalties or a grammar; on a GPU it also waits for the step's kernels),
   one step after the other;
-* before: through the sampler, and transformers' `tokenizer.decode` for each piece of text
-  (the way both went before issue 47).
+* before: through the sampler, and transformers' `tokenizer.decode` twice for each token's
+  text (the way both went before issue 47).
 """
 
 from __future__ import annotations
@@ -112,9 +112,10 @@ def measure(tokenizer, rows: int, steps: int, way: str) -> tuple[float, float, E
     engine.step = timed
     loop = asyncio.new_event_loop()
     engine.start()
-    original = detokenizer.decoder
-    if way == "before":
+    original = detokenizer.decoder, detokenizer._rust
+    if way == "before":  # transformers' decode, twice a token, in TextStream's Python window
         detokenizer.decoder = lambda tok: (lambda ids: tok.decode(ids, skip_special_tokens=True))
+        detokenizer._rust = lambda tok: None
     try:
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
         for i in range(rows):
@@ -124,7 +125,7 @@ def measure(tokenizer, rows: int, steps: int, way: str) -> tuple[float, float, E
     finally:
         engine.stop()
         loop.close()
-        detokenizer.decoder = original
+        detokenizer.decoder, detokenizer._rust = original
     timed = times[steps // 4 :]
     return statistics.median(timed), statistics.fmean(timed), engine
 

@@ -571,15 +571,16 @@ class Engine:
         rows = [ScheduledRow(plan.rows[i].seq, 1) for i in pick]
         for row in rows:
             row.completes = True  # its pending token is the one this step samples
+        ahead = Plan(rows)
         try:
-            launched = self.runner.run_ahead(Plan(rows), chosen, pick)
+            launched = self.runner.run_ahead(ahead, chosen, pick)
         except Exception:  # noqa: BLE001 - the step runs again, scheduled as usual, with the fault handling
             log.warning("a decode step launched ahead failed: it runs again after this one", exc_info=True)
             self.runner.release_memory()
             return None
         for row in rows:
             row.seq.ahead = 1  # until the step lands (`_land`): its rows computed one token more than waiting steps would have
-        return Ahead(Plan(rows), launched, [len(row.seq.all_ids) + 1 for row in rows]), tokens
+        return Ahead(ahead, launched, [len(row.seq.all_ids) + 1 for row in rows]), tokens
 
     def _settle(self, ahead: Ahead) -> Ahead | None:
         """After the previous step's postprocess: the rows of the step launched ahead that

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -30,6 +32,15 @@ def decoder(tokenizer) -> Callable[[list[int]], str]:
     (Rust) tokenizer whose decode transformers does not post-process, the Rust decode itself:
     the same text without transformers' per-call conversions, which cost about 5x the decode
     at every token of every row."""
+    backend = _rust(tokenizer)
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _rust(tokenizer) -> Tokenizer | None:
+    """The Rust tokenizer whose decode is `tokenizer.decode`'s text (`decoder`); None where
+    transformers' decode is its own."""
     backend = getattr(tokenizer, "_tokenizer", None)
     plain = (
         isinstance(tokenizer, TokenizersBackend)
@@ -38,9 +49,7 @@ def decoder(tokenizer) -> Callable[[list[int]], str]:
         and backend is not None
         and not _cleans_up(tokenizer, backend)
     )
-    if plain:
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return backend if plain else None
 
 
 def _cleans_up(tokenizer, backend) -> bool:
@@ -64,9 +73,13 @@ class TextStream:
     # NOTE: decoding a short window (prefix_offset..) instead of all tokens keeps each push
     # O(window); the window starts a few tokens back so that tokenizers whose pieces depend on
     # their left neighbour (leading-space handling) still decode the new piece correctly.
+    # tokenizers' `DecodeStream` moves the same window in Rust, with one call a token instead
+    # of two decodes (`_rust`): 0.7 us a token instead of 2.5 at every row of every step.
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
         self._decode = decoder(tokenizer)
+        self._rust = _rust(tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=True) if self._rust is not None else None
         self._stops = tuple(s for s in stops if s)
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -77,6 +90,21 @@ class TextStream:
         self.matched: str | None = None  # the stop string that ended the text
 
     def _decode_new(self) -> str:
+        """The text the newest token adds, once it decodes to whole characters ("" until then)."""
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._rust, self._ids[-1])
+            except Exception:  # noqa: BLE001 - see the note
+                # NOTE: DecodeStream refuses a window whose text does not start with the text
+                # of its first tokens (a decoder that rewrites across tokens: `Replace`); the
+                # window below takes the text past the prefix's length, as it always did. Its
+                # offsets are the stream's until here; the stream is not used again.
+                self._stream = None
+            else:
+                if piece is None:
+                    return ""
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                return piece
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

@@ -19,6 +19,8 @@ Each step's inputs reach the device in one host-to-device copy.
 
 from __future__ import annotations
 
+import bisect
+import functools
 import logging
 import struct
 import time
@@ -45,16 +47,28 @@ BIAS_SLOTS = 8  # logit bias entries a decode row's inputs carry (a row with mor
 
 def bucket(n: int, buckets=BUCKETS) -> int:
     """The smallest bucket >= n (n itself past the last)."""
-    return next((b for b in buckets if b >= n), n)
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else n
 
 
 def block_bucket(n: int, largest: int) -> int:
     """The power of two >= n blocks a decode graph reads (at least MIN_GRAPH_BLOCKS), capped
     at `largest`."""
-    b = MIN_GRAPH_BLOCKS
-    while b < n:
-        b *= 2
-    return min(b, largest)
+    return min(max(MIN_GRAPH_BLOCKS, 1 << (n - 1).bit_length()), largest)
+
+
+def _inference(method: Callable) -> Callable:
+    """`torch.inference_mode()` as a decorator, at no cost where it is on already (the engine's
+    thread runs in it: `Engine._loop`); torch's own decorator costs 1.7 us a call."""
+
+    @functools.wraps(method)
+    def inside(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+
+    return inside
 
 
 @dataclass(slots=True)
@@ -79,7 +93,7 @@ class StepOutput:
 class DecodeInputs:
     """A decode step's inputs: views of one device buffer (`buffer`, which `ModelRunner._write`
     fills with one copy) that a captured graph reads at each replay. `ids` and `positions`
-    [1, size]; `slots` [size] (where each row's key and value go); `tables` [size, blocks];
+    [1, size] (`tokens`: `ids`' one row); `slots` [size] (where each row's key and value go); `tables` [size, blocks];
     `states` [size], a hybrid's state slots; `shift` [1, size], the rows' rope shifts where
     pictures move positions (`ModelRunner._shifts`); `adapters` [size], the rows' LoRA adapter
     slots where adapters are served; the rows' logit bias, token ids and float32 values [size,
@@ -87,6 +101,7 @@ class DecodeInputs:
 
     buffer: torch.Tensor
     ids: torch.Tensor
+    tokens: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
     tables: torch.Tensor
@@ -269,7 +284,7 @@ class ModelRunner:
         return Row(row.seq.cache, n, shift=vision.shift(images, first), grid=vision.rope_positions(images, first, n),
                    reach=vision.reach(images, first, n))
 
-    @torch.inference_mode()
+    @_inference
     def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int]) -> StepOutput:
         """`run` for decode rows whose pending token is still on the device, launched before
         the host has read it (the engine's overlap): row i's token is `ids[pick[i]]` (`ids`:
@@ -302,7 +317,7 @@ class ModelRunner:
         `prepare` captures them)."""
         return self._step(rows, token_ids, logits_rows, logits_counts, long_rows, adapter_rows).logits
 
-    @torch.inference_mode()
+    @_inference
     def _step(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None,
               long_rows: list[bool] | None, adapter_rows: list[int] | None, biases: list[dict[int, float]] | None = None,
               media: list[list[tuple[int, torch.Tensor]]] | None = None) -> StepOutput:
@@ -404,13 +419,13 @@ class ModelRunner:
         `device_ids[token_ids[i]]`."""
         n = len(rows)
         size = bucket(n)
-        blocks = block_bucket(max(kv.blocks_for(r.kv.length + 1, self.pool.block_size) for r in rows), self.max_blocks)
+        blocks = block_bucket(kv.blocks_for(max(r.kv.length for r in rows) + 1, self.pool.block_size), self.max_blocks)
         if size > self.max_rows:
             size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
         fits = biases is None or all(len(b) <= BIAS_SLOTS for b in biases)
         inputs = self._write(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
         if device_ids is not None:  # the tokens where the buffer's one host copy put their indices
-            ids = inputs.ids[0, :n]
+            ids = inputs.tokens if n == size else inputs.tokens[:n]
             # NOTE: the indices rise, so taking every row of `device_ids` is taking them in order.
             # A row that drew from no distribution (-1: `sampling.draw_ids`) fails when its token
             # reaches the host; until then it computes token 0's step, which `_settle` drops
@@ -496,7 +511,7 @@ class ModelRunner:
         bias_t = meta[at : at + size * BIAS_SLOTS].view(size, BIAS_SLOTS)
         # NOTE: a view, not a kernel: the low 32 bits of each long (little-endian) as float32
         values_t = meta[at + size * BIAS_SLOTS : at + 2 * size * BIAS_SLOTS].view(torch.int32)[0::2].view(size, BIAS_SLOTS).view(torch.float32)
-        return DecodeInputs(meta, ids[None], pos[None], slots_t, tables_t, states_t, shift_t, adapters_t, bias_t, values_t)
+        return DecodeInputs(meta, ids[None], ids, pos[None], slots_t, tables_t, states_t, shift_t, adapters_t, bias_t, values_t)
 
     def _decode_context(self, inputs: DecodeInputs, adapters: bool) -> StepContext:
         """A decode step's context over its inputs: its batch, the recurrent layers' rows, the

@@ -60,3 +60,44 @@ def test_the_rust_decode_gives_transformers_text(tokenizer):
     cases += [ids[:i] for i in range(len(ids))]
     for case in cases:
         assert fast(case) == tokenizer.decode(case, skip_special_tokens=True), case
+
+
+def _deltas(stream: TextStream, ids: list[int]) -> list[str]:
+    return [stream.push(token).text for token in ids] + [stream.flush()]
+
+
+def _window(tokenizer) -> TextStream:
+    """A TextStream that moves its window in Python (two decodes a token), as it did before
+    tokenizers' DecodeStream."""
+    stream = TextStream(tokenizer)
+    stream._stream = None
+    return stream
+
+
+def test_the_rust_stream_gives_the_windows_deltas(tokenizer):
+    """For SmolLM2's tokenizer TextStream moves its window with tokenizers' DecodeStream; each
+    token's delta is the Python window's: text, special tokens, characters cut in half (emoji,
+    CJK), and random ids."""
+    assert TextStream(tokenizer)._stream is not None
+    ids = tokenizer.encode("Hello , world ! <|im_end|> héllo 日本語 🙂🚀\n\n  x", add_special_tokens=False) + [0, 1, 2]
+    gen = torch.Generator().manual_seed(0)
+    cases = [ids, *(torch.randint(0, len(tokenizer), (n,), generator=gen).tolist() for n in (1, 7, 300))]
+    for case in cases:
+        assert _deltas(TextStream(tokenizer), case) == _deltas(_window(tokenizer), case), case
+
+
+def test_a_decoder_that_rewrites_across_tokens_falls_back_to_the_window():
+    """A decoder whose text for more tokens does not start with its text for fewer (here "a",
+    then "ab" -> "X") makes DecodeStream raise: the stream goes on with the Python window and
+    its deltas are the window's."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    rust = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    rust.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=rust, clean_up_tokenization_spaces=False)
+    stream = TextStream(tokenizer)
+    assert stream._stream is not None
+    ids = [0, 1, 2, 0, 1, 0, 2]
+    assert _deltas(stream, ids) == _deltas(_window(tokenizer), ids)
+    assert stream._stream is None  # it fell back
