@@ -5,13 +5,17 @@ One `Matcher` per sequence (n > 1 gives each choice its own), made by
 computation may run in the shared worker thread, and every state change waits for it first.
 
 Shapes: logits [vocab_size] float (a row of the engine's [batch, vocab_size] logits is fine);
-the mask is kept as an additive bias [vocab_size] float32 of 0 (allowed) / -inf (disallowed),
-so applying it is one vectorised add (a few µs on 49k tokens; masked_fill with a random mask
-is ~20x slower). No torch.compile kernel, so the first request does not stall.
+the mask is kept as llguidance's bitmask, int32 words [n_words] (bit i allows token i), and
+becomes an additive bias [vocab_size] float32 of 0 (allowed) / -inf (disallowed) only on the
+logits' device (`additive_masks`): a step's masks cross to a GPU as 1/32 of the floats' bytes
+(Qwen's 152k vocabulary: 19 KB a row, not 608 KB), and the worker thread that fills them does
+no per-token work. Applying a mask is one add (masked_fill with a random mask is ~20x slower
+on CPU). No torch.compile kernel, so the first request does not stall.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -21,16 +25,22 @@ import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher
 
-_LUT = np.array([-np.inf, 0.0], dtype=np.float32)  # bit -> additive bias
 _executor: ThreadPoolExecutor | None = None
 _ll_executor: LLExecutor | None = None
 _executor_lock = threading.Lock()
 
 
-def _allowed_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
-    """llguidance's mask words [..., n_words] (int32, bit i of the mask = token i allowed) as
-    one uint8 0/1 per token [..., vocab_size]."""
-    return np.unpackbits(words.view(np.uint8), axis=-1, count=vocab_size, bitorder="little")
+def additive_masks(words: np.ndarray, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """llguidance's mask words [R, n_words] (int32, bit i of a row = token i allowed) as
+    additive masks [R, vocab_size] float32 on `device`: 0 where a token is allowed, -inf
+    elsewhere. The words cross in one copy that does not wait (pinned, on CUDA) and are
+    unpacked there, in a few kernels."""
+    device = torch.device(device)
+    host = torch.from_numpy(np.ascontiguousarray(words, dtype=np.int32))
+    packed = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((packed[:, :, None] >> shifts) & 1).view(packed.shape[0], -1)[:, :vocab_size].bool()
+    return torch.full(allowed.shape, -math.inf, dtype=torch.float32, device=device).masked_fill_(allowed, 0.0)
 
 
 def _mask_executor() -> ThreadPoolExecutor:
@@ -93,7 +103,7 @@ def _compute_draft_masks(items: list[tuple["Matcher", list[int]]]) -> None:
     for m, d in items:
         m._draft_words = words[row : row + len(d) + 1]
         m._words[:] = m._draft_words[0]
-        m._bias_from_words()
+        m._mask_ready = True
         m.last_mask_s = (time.perf_counter() - t0) / len(words)
         row += len(d) + 1
 
@@ -107,7 +117,7 @@ def _compute_masks(matchers: list["Matcher"]) -> None:
     )
     for m, row in zip(matchers, words):
         m._words[:] = row
-        m._bias_from_words()
+        m._mask_ready = True
         m.last_mask_s = (time.perf_counter() - t0) / len(matchers)
 
 
@@ -139,7 +149,6 @@ class Matcher:
         # NOTE: llguidance's vocabulary may be wider than the logits (tokens the model cannot emit).
         n_words = (max(vocab_size, ll_vocab_size or 0) + 31) // 32
         self._words = np.zeros(n_words, dtype=np.int32)
-        self._bias: torch.Tensor | None = None
         self._pending: Future | None = None
         self._mask_ready = False
         # True per accepted token that llguidance recorded (EOS after a stop is not recorded).
@@ -160,49 +169,44 @@ class Matcher:
         if not self._mask_ready:
             self._compute_mask()
 
-    def next_mask(self) -> torch.Tensor:
-        """The additive mask [vocab_size] float32 on the CPU of the current state (0 where a
-        token is allowed, -inf elsewhere); the engine applies a step's masks as one tensor."""
+    def next_words(self) -> np.ndarray:
+        """The mask words [n_words] int32 of the current state (bit i allows token i): the
+        matcher's own buffer, which its next mask overwrites. The engine applies a step's masks
+        at once (server/engine/sampler.py `apply_constraints`)."""
         self.fill_next_mask()
-        return self._bias
+        return self._words
+
+    def next_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The additive mask [vocab_size] float32 on `device` of the current state (0 where a
+        token is allowed, -inf elsewhere)."""
+        return additive_masks(self.next_words()[None], self.vocab_size, device)[0]
 
     def apply_mask(self, logits: torch.Tensor) -> None:
         """Set the logits of disallowed tokens to -inf, in place (allowed ones are untouched)."""
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits width {logits.shape[-1]} != vocab_size {self.vocab_size}")
-        bias = self.next_mask()
-        if logits.device != bias.device or logits.dtype != bias.dtype:
-            bias = bias.to(device=logits.device, dtype=logits.dtype, non_blocking=True)
-        logits.add_(bias)
+        logits.add_(self.next_mask(logits.device).to(logits.dtype))
 
-    def draft_masks(self) -> torch.Tensor:
-        """The additive masks [k + 1, vocab_size] float32 that `start_draft_masks` computed for
-        this matcher's draft (row i: after the draft's first i tokens); waits for the worker."""
+    def draft_masks(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The additive masks [k + 1, vocab_size] float32 on `device` that `start_draft_masks`
+        computed for this matcher's draft (row i: after the draft's first i tokens); waits for
+        the worker."""
         self._wait()
         if self._draft_words is None:
             raise RuntimeError("no draft masks were started")
-        bits = _allowed_bits(self._draft_words, self.vocab_size)
-        self._draft_words = None
-        return torch.from_numpy(_LUT[bits])
+        words, self._draft_words = self._draft_words, None
+        return additive_masks(words, self.vocab_size, device)
 
     def allowed_tokens(self) -> torch.Tensor:
         """Bool [vocab_size]: which tokens the grammar allows next (debugging and tests)."""
-        self.fill_next_mask()
-        return self._bias == 0
+        return self.next_mask() == 0
 
     def _compute_mask(self) -> None:
         t0 = time.perf_counter()
         # NOTE: llguidance writes the bitmask straight into our buffer and drops the GIL meanwhile.
         self._ll.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
-        self._bias_from_words()
-        self.last_mask_s = time.perf_counter() - t0
-
-    def _bias_from_words(self) -> None:
-        bits = _allowed_bits(self._words, self.vocab_size)
-        if self._bias is None:
-            self._bias = torch.empty(self.vocab_size, dtype=torch.float32)
-        np.take(_LUT, bits, out=self._bias.numpy())
         self._mask_ready = True
+        self.last_mask_s = time.perf_counter() - t0
 
     def _wait(self) -> None:
         """Wait for an in-flight mask: llguidance state must not be read while it is computed."""

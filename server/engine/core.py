@@ -30,6 +30,7 @@ from server import memory
 from server.engine import faults, families, lora, sampler, vision
 from server.engine.lockstep import STATS_S, Figures, Leader, RankLost
 from server.engine.model_runner import ModelRunner, StepOutput
+from server.engine.sampling import take_rows
 from server.engine.scheduler import Plan, ScheduledRow, Scheduler
 from server.engine.sequence import GenerationRequest, RequestOutput, Sequence, Status, TokenInfo
 from server.engine.speculative import NoSpeculation, SpeculativeConfig, Speculator
@@ -533,6 +534,8 @@ class Engine:
             return
         ahead, tokens = launched
         try:
+            # NOTE: on CUDA the step launched ahead is overwriting `out.logits` (every graph's
+            # shared output): postprocess takes the chosen tokens and reads no logit
             self._postprocess(plan, out.logits, tokens())
         finally:  # a row postprocess did not reach has not appended its token: `_settle` undoes its step
             self._ahead = self._settle(ahead)
@@ -659,7 +662,7 @@ class Engine:
         if not completed:
             return
         if drafted:
-            logits, chosen = logits[plain], None
+            logits, chosen = take_rows(logits, plain), None
         for seq, token in self._choose(completed, logits, chosen):
             if token is None:
                 self._finish(seq, handles[seq], "error", error="internal")

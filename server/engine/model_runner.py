@@ -599,7 +599,7 @@ class ModelRunner:
             return lambda: host
         host = ids.to("cpu", non_blocking=True)  # into pinned memory
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(ids.device))  # the copy's stream, whatever device is current
 
         def wait() -> torch.Tensor:
             copied.synchronize()

@@ -17,9 +17,10 @@ Shapes: `logits` is float32 [rows, vocab] (one row per sequence) for `choose`, [
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
+
+from grammars.matcher import additive_masks
 
 from server.engine.sampling import (
     apply_logit_bias,
@@ -32,6 +33,7 @@ from server.engine.sampling import (
     logprob_infos,
     sample_rows,
     softmax_rows,
+    take_rows,
 )
 from server.engine.sequence import Sequence, TokenInfo
 
@@ -51,7 +53,7 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
     if chosen is not None:
         return [taken(seq, token_id, None) if token_id >= 0 else None for seq, token_id in zip(seqs, chosen.tolist())]
     asked = [i for i, s in enumerate(seqs) if s.params.logprobs]
-    logprobs = softmax_rows(logits[asked], log=True) if asked else None
+    logprobs = softmax_rows(take_rows(logits, asked), log=True) if asked else None
     apply_constraints(seqs, logits)
     logits = apply_logit_bias(logits, [s.params.logit_bias for s in seqs])
     for i, seq in enumerate(seqs):
@@ -64,8 +66,7 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
     token_ids = [forced_marker(s) for s in seqs]
     free = [i for i, token_id in enumerate(token_ids) if token_id is None]
     if free:
-        rows = logits if len(free) == len(seqs) else logits[free]
-        drawn = sample_rows(rows, [seqs[i].params for i in free], [_draws_from(seqs[i]) for i in free])
+        drawn = sample_rows(take_rows(logits, free), [seqs[i].params for i in free], [_draws_from(seqs[i]) for i in free])
         for i, token_id in zip(free, drawn):
             token_ids[i] = token_id
     infos = {}
@@ -95,14 +96,12 @@ def chosen_on_device(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.T
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if not drawn:
         return greedy
-    every = len(drawn) == len(seqs)
-    rows = None if every else device_tensor(drawn, torch.long, logits.device)
-    biased = apply_logit_bias(logits if every else logits[rows], [seqs[i].params.logit_bias for i in drawn])
+    biased = apply_logit_bias(take_rows(logits, drawn), [seqs[i].params.logit_bias for i in drawn])
     probs = filtered_probs(biased, [seqs[i].params for i in drawn])
     ids = draw_ids(probs, [_draws_from(seqs[i]) for i in drawn])
-    if every:
+    if len(drawn) == len(seqs):
         return ids
-    return greedy.index_copy(0, rows, ids)
+    return greedy.index_copy(0, device_tensor(drawn, torch.long, logits.device), ids)
 
 
 def _draws_from(seq: Sequence) -> torch.Generator | None:
@@ -118,18 +117,23 @@ def _bans(seq: Sequence) -> bool:
     return reasoning is not None and reasoning.thinking and bool(reasoning.spec.banned_ids)
 
 
-def constraint(seq: Sequence, vocab: int) -> torch.Tensor | None:
-    """The additive mask [vocab] float32 on the CPU of what the sequence may write next (0
-    allowed, -inf not), None when anything goes: its grammar's once it answers; while a
-    thinking model thinks, the tokens its spec bans (a tool format's call markers)."""
+def constraint(seq: Sequence, vocab: int) -> np.ndarray | None:
+    """What the sequence may write next, as mask words [ceil(vocab / 32)] int32 on the host
+    (bit i allows token i: grammars/matcher.py `additive_masks`), None when anything goes: its
+    grammar's once it answers; while a thinking model thinks, all but the tokens its spec bans
+    (a tool format's call markers)."""
+    n_words = -(-vocab // 32)
     grammar = seq.grammar
     if grammar is not None:
-        return grammar.next_mask()
+        if grammar.vocab_size != vocab:
+            raise ValueError(f"logits width {vocab} != vocab_size {grammar.vocab_size}")
+        return grammar.next_words()[:n_words]
     if _bans(seq):
-        if seq.banned_mask is None:
-            seq.banned_mask = torch.zeros(vocab, dtype=torch.float32)
-            seq.banned_mask[[t for t in seq.reasoning.spec.banned_ids if t < vocab]] = -math.inf
-        return seq.banned_mask
+        if seq.banned_words is None:
+            allowed = np.ones(n_words * 32, dtype=bool)
+            allowed[[t for t in seq.reasoning.spec.banned_ids if t < vocab]] = False
+            seq.banned_words = np.packbits(allowed, bitorder="little").view(np.int32)
+        return seq.banned_words
     return None
 
 
@@ -148,22 +152,18 @@ def forced_marker(seq: Sequence) -> int | None:
 
 def apply_constraints(seqs: list[Sequence], logits: torch.Tensor) -> None:
     """Add each row's constraint mask to its logits [R, vocab] in place (rows without one are
-    left alone): the masks stacked on the host, one copy to the device, one add."""
-    masks = [constraint(s, logits.shape[-1]) for s in seqs]
-    rows = [i for i, m in enumerate(masks) if m is not None]
+    left alone): the masks' words stacked on the host, one copy to the device that does not
+    wait, unpacked there (`additive_masks`), one add."""
+    vocab = logits.shape[-1]
+    words = [constraint(s, vocab) for s in seqs]
+    rows = [i for i, w in enumerate(words) if w is not None]
     if not rows:
         return
-    width = masks[rows[0]].shape[-1]
-    if logits.shape[-1] != width:
-        raise ValueError(f"logits width {logits.shape[-1]} != vocab_size {width}")
-    stacked = torch.stack([masks[i] for i in rows])
-    if logits.device.type == "cuda":
-        stacked = stacked.pin_memory()
-    stacked = stacked.to(logits.device, logits.dtype, non_blocking=True)
+    masks = additive_masks(np.stack([words[i] for i in rows]), vocab, logits.device).to(logits.dtype)
     if len(rows) == len(seqs):
-        logits.add_(stacked)
+        logits.add_(masks)
     else:
-        logits[rows] += stacked
+        logits.index_add_(0, device_tensor(rows, torch.long, logits.device), masks)
 
 
 def processed(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:
@@ -212,9 +212,9 @@ def verify(seq: Sequence, tokens: list[int], probs: torch.Tensor | None, logits:
     logprobs = softmax_rows(logits, log=True) if params.logprobs else None
     grammar = seq.grammar
     if grammar is not None:
-        logits.add_(grammar.draft_masks().to(logits.device))
-    elif (mask := constraint(seq, logits.shape[-1])) is not None:
-        logits.add_(mask.to(logits.device, logits.dtype))
+        logits.add_(grammar.draft_masks(logits.device).to(logits.dtype))
+    elif (words := constraint(seq, logits.shape[-1])) is not None:
+        logits.add_(additive_masks(words[None], logits.shape[-1], logits.device).to(logits.dtype))
     out: list[TokenInfo] = []
     accepted = 0
     for j in range(k + 1):

@@ -75,6 +75,15 @@ def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> tor
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
+def take_rows(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`tensor`'s rows `rows` (a host list, in its order), without waiting for the device
+    (indexing a CUDA tensor with a list copies it from pageable memory, which waits for every
+    kernel queued before it); `tensor` itself where `rows` is each of its rows in order."""
+    if rows == list(range(tensor.shape[0])):
+        return tensor
+    return tensor[device_tensor(rows, torch.long, tensor.device)]
+
+
 def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
     """Logits [rows, vocab] with each row's bias (token id -> added value) added: a new tensor,
     or `logits` itself when no row has one. One host-to-device copy and one add for all rows."""
@@ -115,12 +124,12 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
-        picked = torch.argmax(logits[greedy], dim=-1).tolist()
+        picked = torch.argmax(take_rows(logits, greedy), dim=-1).tolist()
         for i, token in zip(greedy, picked):
             tokens[i] = token
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
-        probs = filtered_probs(logits[drawn], [params[i] for i in drawn])
+        probs = filtered_probs(take_rows(logits, drawn), [params[i] for i in drawn])
         for i, token in zip(drawn, draw_ids(probs, [generators[i] for i in drawn]).tolist()):
             tokens[i] = token
     return tokens
@@ -149,8 +158,7 @@ def draw_ids(probs: torch.Tensor, generators: list[torch.Generator | None]) -> t
     (`checked`, `sampler.choose`); nothing here reads the device or asserts on it."""
     shared = [i for i, g in enumerate(generators) if g is None]
     own = [i for i, g in enumerate(generators) if g is not None]
-    every = len(shared) == len(generators)
-    picked: list[torch.Tensor] = [_race(probs if every else probs[device_tensor(shared, torch.long, probs.device)])] if shared else []
+    picked: list[torch.Tensor] = [_race(take_rows(probs, shared))] if shared else []
     picked += [_race(probs[i : i + 1].to(generators[i].device), generators[i]).to(probs.device) for i in own]
     drawn = torch.cat(picked)
     if shared and own:  # back in row order: row i's draw is at its place in shared + own
@@ -236,7 +244,7 @@ def logprob_infos(logprobs: torch.Tensor, token_ids: list[int], ks: list[int]) -
     `ks[i]` most likely (token id, logprob) pairs, most likely first (ties: lower id first); one device-to-host copy
     for all rows."""
     rows = logprobs.shape[0]
-    ids = torch.tensor(token_ids, device=logprobs.device)[:, None]
+    ids = device_tensor(token_ids, torch.long, logprobs.device)[:, None]
     chosen = logprobs.gather(1, ids).double()
     k = max(ks, default=0)
     # NOTE: a stable sort, not topk: equal logprobs come in token id order whatever the row

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from cache_manager import kv
@@ -128,7 +129,7 @@ class Sequence:
         # a thinking model: its reasoning phase, and the reasoning's own text (no stop strings)
         self.reasoning = Reasoning(request.reasoning, open=self.matcher is not None) if request.reasoning else None
         self.reasoning_text = TextStream(tokenizer) if request.reasoning else None
-        self.banned_mask: torch.Tensor | None = None  # sampler.constraint's, made once
+        self.banned_words: np.ndarray | None = None  # sampler.constraint's, made once
         self._held: list[TokenInfo] = []  # generated tokens whose side (reasoning or answer) is not known yet
         self.generator = make_generator(request.params.seed, device)  # where the logits are
         self.counts: torch.Tensor | None = None  # token counts, only when penalties are on

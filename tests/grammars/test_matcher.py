@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from grammars import GrammarCompiler, GrammarSpec, tool_call_spec
-from grammars.matcher import start_draft_masks
+from grammars.matcher import additive_masks, start_draft_masks
 from tests.device import DEVICE
 
 from .conftest import EOS, VOCAB_SIZE
@@ -211,3 +212,56 @@ def test_draft_prefix_checks_and_rolls_back_and_draft_masks_follow_the_draft(com
         assert torch.equal(masks[i] == 0, m.allowed_tokens()), i
         assert m.accept(token)
     assert torch.equal(masks[-1] == 0, m.allowed_tokens())
+
+
+def test_additive_masks_unpack_llguidance_words_on_the_logits_device():
+    """Mask words [R, n_words] (bit i of a row allows token i, as llguidance writes them)
+    become 0 / -inf a token on the device, cut to the vocabulary (here not a multiple of 32,
+    and words wider than it): numpy's own unpacking of the same bytes says which."""
+    words = np.random.default_rng(0).integers(-(2**31), 2**31, size=(3, 10), dtype=np.int64).astype(np.int32)
+    vocab = 9 * 32 - 5
+    masks = additive_masks(words, vocab, DEVICE)
+    assert masks.device == torch.device(DEVICE) and masks.dtype == torch.float32 and masks.shape == (3, vocab)
+    bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
+    assert torch.equal(masks.cpu(), torch.from_numpy(np.where(bits == 1, 0.0, -np.inf).astype(np.float32)))
+
+
+def test_a_steps_constraints_mask_their_rows_alone(compiler, walk, tokenizer):
+    """`sampler.apply_constraints` over a step of three rows: a grammar row, a row with no
+    constraint, a thinking row whose spec bans tokens. Each constrained row gets exactly its
+    own mask added (the grammar's allowed tokens and the row's other logits untouched, -inf
+    elsewhere), and the free row keeps its logits bit for bit."""
+    from server.engine import sampler
+    from server.engine.reasoning import ReasoningSpec
+    from server.engine.sampling import SamplingParams
+    from server.engine.sequence import GenerationRequest, Sequence
+
+    grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(PERSON)))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    think = ReasoningSpec(tuple(tokenizer.encode("<think>")), tuple(tokenizer.encode("</think>")), inside=True, banned_ids=frozenset({5, 77}))
+    seqs = [Sequence(GenerationRequest("g", [1], params, grammar=grammar), tokenizer, DEVICE),
+            Sequence(GenerationRequest("f", [1], params), tokenizer, DEVICE),
+            Sequence(GenerationRequest("t", [1], params, reasoning=think), tokenizer, DEVICE)]
+    walk(seqs[0].matcher, '{"name":"')
+    allowed = seqs[0].matcher.allowed_tokens().to(DEVICE)
+    logits = torch.randn(3, VOCAB_SIZE, device=DEVICE)
+    before = logits.clone()
+    sampler.apply_constraints(seqs, logits)
+    assert torch.equal(torch.isfinite(logits[0]), allowed) and torch.equal(logits[0][allowed], before[0][allowed])
+    assert torch.equal(logits[1], before[1])
+    banned = torch.zeros(VOCAB_SIZE, dtype=torch.bool, device=DEVICE)
+    banned[[5, 77]] = True
+    assert torch.equal(torch.isinf(logits[2]), banned) and torch.equal(logits[2][~banned], before[2][~banned])
+
+
+def test_bench_masks_ways_give_the_same_logits():
+    """bench.masks times the engine's way (words unpacked on the device) against the way
+    before (float masks built on the host): the two add the same masks, bit for bit."""
+    from bench import masks as bench_masks
+
+    words = np.random.default_rng(1).integers(-(2**31), 2**31, size=(3, 40), dtype=np.int64).astype(np.int32)
+    before = torch.randn(3, 1250, device=DEVICE)
+    now = before.clone()
+    bench_masks.floats(words, before)
+    bench_masks.now(words, now)
+    assert torch.equal(before, now) and torch.isinf(now).any() and torch.isfinite(now).any()
