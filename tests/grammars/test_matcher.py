@@ -221,7 +221,7 @@ def test_additive_masks_unpack_llguidance_words_on_the_logits_device():
     words = np.random.default_rng(0).integers(-(2**31), 2**31, size=(3, 10), dtype=np.int64).astype(np.int32)
     vocab = 9 * 32 - 5
     masks = additive_masks(words, vocab, DEVICE)
-    assert masks.device == torch.device(DEVICE) and masks.dtype == torch.float32 and masks.shape == (3, vocab)
+    assert masks.device.type == torch.device(DEVICE).type and masks.dtype == torch.float32 and masks.shape == (3, vocab)
     bits = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
     assert torch.equal(masks.cpu(), torch.from_numpy(np.where(bits == 1, 0.0, -np.inf).astype(np.float32)))
 
