@@ -93,11 +93,11 @@ class StepOutput:
 class DecodeInputs:
     """A decode step's inputs: views of one device buffer (`buffer`, which `ModelRunner._write`
     fills with one copy) that a captured graph reads at each replay. `ids` and `positions`
-    [1, size] (`tokens`: `ids`' one row); `slots` [size] (where each row's key and value go); `tables` [size, blocks];
-    `states` [size], a hybrid's state slots; `shift` [1, size], the rows' rope shifts where
-    pictures move positions (`ModelRunner._shifts`); `adapters` [size], the rows' LoRA adapter
-    slots where adapters are served; the rows' logit bias, token ids and float32 values [size,
-    BIAS_SLOTS]. None: the model has no such input."""
+    [1, size] (`tokens`: `ids`' one row); `slots` [size] (where each row's key and value go);
+    `tables` [size, blocks]; `states` [size], a hybrid's state slots; `shift` [1, size], the
+    rows' rope shifts where pictures move positions (`ModelRunner._shifts`); `adapters` [size],
+    the rows' LoRA adapter slots where adapters are served; the rows' logit bias, token ids and
+    float32 values [size, BIAS_SLOTS]. None: the model has no such input."""
 
     buffer: torch.Tensor
     ids: torch.Tensor

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from grammars.matcher import additive_masks
-
 from server.engine.sampling import (
     apply_logit_bias,
     apply_penalties,
