@@ -81,10 +81,11 @@ class TextStream:
         self._rust = _rust(tokenizer)
         self._stream = DecodeStream(skip_special_tokens=True) if self._rust is not None else None
         self._stops = tuple(s for s in stops if s)
+        self._reach = max(map(len, self._stops), default=1) - 1  # sent characters a stop string may still start in
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._text = ""  # all decoded text so far
+        self._text = ""  # the decoded text not sent yet, after the last `_reach` characters sent
         self._sent = 0  # how much of _text has been handed out
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
@@ -118,7 +119,7 @@ class TextStream:
         self._ids.append(token_id)
         self._text += self._decode_new()
         if self._stops:
-            search_from = max(0, self._sent - max(len(s) for s in self._stops) + 1)
+            search_from = max(0, self._sent - self._reach)
             hits = [(i, s) for s in self._stops if (i := self._text.find(s, search_from)) >= 0]
             if hits:
                 end, self.matched = min(hits)
@@ -129,6 +130,10 @@ class TextStream:
         safe = len(self._text) - _held_back(self._text, self._stops)
         out = self._text[self._sent : safe]
         self._sent = max(self._sent, safe)
+        # NOTE: `+=` above copies the whole text kept, at every token: what no stop string can
+        # start in any more goes (a 32k-token answer cost 3.5 us a token, 2.4 at its start)
+        if (drop := self._sent - self._reach) > 0:
+            self._text, self._sent = self._text[drop:], self._sent - drop
         return Delta(out)
 
     def flush(self) -> str:

@@ -101,3 +101,20 @@ def test_a_decoder_that_rewrites_across_tokens_falls_back_to_the_window():
     ids = [0, 1, 2, 0, 1, 0, 2]
     assert _deltas(stream, ids) == _deltas(_window(tokenizer), ids)
     assert stream._stream is None  # it fell back
+
+
+def test_a_long_text_keeps_only_what_a_stop_string_may_start_in(tokenizer):
+    """Over a long text the stream keeps the text not sent yet and the last characters sent
+    that a stop string may still start in, not all it decoded; its deltas still make the whole
+    text, and a stop string that starts in text sent tokens ago still matches."""
+    text = "def f(n):\n    return n + 1  # héllo 日本語\n" * 200
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for stops in [(), ("</answer>", "STOP")]:
+        stream = TextStream(tokenizer, stops)
+        deltas = []
+        for token in ids:
+            deltas.append(stream.push(token).text)
+            assert len(stream._text) <= 40, stops
+        assert "".join(deltas) + stream.flush() == text, stops
+    deltas, stopped = _stream_all(tokenizer, text + "the end</answer> never sent", stops=("</answer>",))
+    assert stopped and "".join(deltas) == text + "the end"
