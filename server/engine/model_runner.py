@@ -419,9 +419,10 @@ class ModelRunner:
         `device_ids[token_ids[i]]`."""
         n = len(rows)
         size = bucket(n)
-        blocks = block_bucket(kv.blocks_for(max(r.kv.length for r in rows) + 1, self.pool.block_size), self.max_blocks)
+        longest = kv.blocks_for(max(r.kv.length for r in rows) + 1, self.pool.block_size)
+        blocks = block_bucket(longest, self.max_blocks)
         if size > self.max_rows:
-            size, blocks = n, kv.blocks_for(max(r.kv.length + 1 for r in rows), self.pool.block_size)
+            size, blocks = n, longest
         fits = biases is None or all(len(b) <= BIAS_SLOTS for b in biases)
         inputs = self._write(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
         if device_ids is not None:  # the tokens where the buffer's one host copy put their indices
@@ -617,11 +618,17 @@ class ModelRunner:
         """Drop the decode graphs, the compiled forward and the buffers they read and write (at
         shutdown, once no step runs; with the pool's storage: `kv.Pool.release`), so that a model
         started next in the same process measures its own budget. A step after it runs eagerly."""
-        self.graphs.clear()
-        self.use_graphs = False
-        self._graph_pool = self._logits = self._greedy = self._compiled = self._meta = None
+        self._drop_graphs()
+        self._compiled = self._meta = None
         self._views_by_bucket.clear()
         self.release_memory()
+
+    def _drop_graphs(self) -> None:
+        """No decode graphs from here on (their memory pool and shared outputs go with them):
+        decode steps run without them."""
+        self.graphs.clear()
+        self.use_graphs = False
+        self._graph_pool = self._logits = self._greedy = None
 
     def release_memory(self) -> None:
         """After an out-of-memory step: hand the allocator's cached blocks back (CUDA), so the
@@ -668,9 +675,7 @@ class ModelRunner:
             self._end_the_rank("capturing the decode graphs", "--cuda-graphs", exc)
             self._fall_back("cuda_graphs", f"capturing the decode graphs failed ({type(exc).__name__}: {exc}); "
                             "decode steps run eagerly, several times slower on a GPU")
-            self.graphs.clear()
-            self.use_graphs = False
-            self._graph_pool = self._logits = self._greedy = None
+            self._drop_graphs()
             return
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]

@@ -95,12 +95,14 @@ def chosen_on_device(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.T
     drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if not drawn:
         return greedy
-    biased = apply_logit_bias(take_rows(logits, drawn), [seqs[i].params.logit_bias for i in drawn])
+    every = len(drawn) == len(seqs)
+    rows = None if every else device_tensor(drawn, torch.long, logits.device)  # one copy, for the rows' logits and their draws
+    biased = apply_logit_bias(logits if every else logits[rows], [seqs[i].params.logit_bias for i in drawn])
     probs = filtered_probs(biased, [seqs[i].params for i in drawn])
     ids = draw_ids(probs, [_draws_from(seqs[i]) for i in drawn])
-    if len(drawn) == len(seqs):
+    if every:
         return ids
-    return greedy.index_copy(0, device_tensor(drawn, torch.long, logits.device), ids)
+    return greedy.index_copy(0, rows, ids)
 
 
 def _draws_from(seq: Sequence) -> torch.Generator | None:
