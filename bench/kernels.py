@@ -223,17 +223,18 @@ _CALL = re.compile(r"^\s+(?:\w+ = )?(?:extern_kernels\.(\w+)\(|torch\.ops\.\w+\.
 
 @dataclass(slots=True)
 class CompiledCounts:
-    """The kernels of one compiled decode step (`count_compiled_steps`): per layer, fixed (the rest
-    of the forward) and the compilations and graph breaks its warm-up made."""
+    """The kernels of one compiled step (`count_compiled_steps`): per layer, fixed (the rest of
+    the forward) and the compilations and graph breaks its warm-up made. `step`: "1" and "2+"
+    (decode rows), "mixed" (more than decode rows)."""
 
-    rows: int
+    step: str
     per_layer: Counter
     fixed: Counter
     compilations: int
     graph_breaks: int
 
     def as_dict(self) -> dict:
-        return {"rows": self.rows, "per_layer": split(self.per_layer)._asdict(), "fixed": split(self.fixed)._asdict(),
+        return {"step": self.step, "per_layer": split(self.per_layer)._asdict(), "fixed": split(self.fixed)._asdict(),
                 "compilations": self.compilations, "graph_breaks": self.graph_breaks, "layer_ops": dict(self.per_layer)}
 
 
@@ -250,11 +251,14 @@ def kernel_calls(code: str) -> list[str]:
 
 
 def count_compiled_steps(layers: int, device: torch.device | str = "cpu") -> list[CompiledCounts]:
-    """The decode forward compiled (server/engine/compiled.py) on the model of `build(layers)`, its
-    kernels read from the code inductor generates at warm-up: for one row and for more (dynamic
-    in the rows: one graph for every bucket above 1, counted as 2 rows). Per layer: the calls
-    from one layer's attention to the next (the code is unrolled, so every such period is the
-    same; at least 3 layers). The compilations and graph breaks are the warm-up's (both graphs).
+    """The forward compiled (server/engine/compiled.py) on the model of `build(layers)`, its
+    kernels read from the code inductor generates at warm-up: decode steps of one row and of
+    more (dynamic in the rows: one graph for every bucket above 1, counted as 2 rows), and the
+    steps of more than decode rows ("mixed"), whose attention is the one opaque op
+    `step_attention`, counted once (inside it the step's batches run their kernels as eagerly).
+    Per layer: the calls from one layer's attention to the next (the code is unrolled, so every
+    such period is the same; at least 3 layers). The compilations and graph breaks are the
+    warm-up's (all three graphs).
 
     NOTE: on CPU the fused kernels are inductor's C++ ones; its fusion decisions follow the same
     scheduler as on CUDA, so the count is a proxy for Triton's, not the same number."""
@@ -272,20 +276,20 @@ def count_compiled_steps(layers: int, device: torch.device | str = "cpu") -> lis
         _, codes = run_and_get_code(runner.prepare)
     finally:
         pool.release()
-    if runner.paths.get("compile") != "decode":
-        raise RuntimeError(f"the decode forward did not compile: {runner.fallbacks.get('compile')}")
+    if runner.paths.get("compile") != "decode+mixed":
+        raise RuntimeError(f"the forward did not compile: {runner.fallbacks.get('compile')}")
     made, broke = compiled.compilations() - before, compiled.graph_breaks() - breaks
     out = []
-    for rows, code in ((1, codes[0]), (2, codes[-1])):
+    for step, code in zip(("1", "2+", "mixed"), codes, strict=True):
         calls = kernel_calls(code)
-        starts = [i for i, name in enumerate(calls) if kind(name) == "attention"]
+        starts = [i for i, name in enumerate(calls) if kind(name) == "attention" or name == "step_attention"]
         periods = {tuple(calls[a:b]) for a, b in zip(starts, starts[1:])}
         if len(starts) != layers or len(periods) != 1:
             raise RuntimeError(f"the compiled layers are not alike: {len(starts)} attention calls, {len(periods)} periods")
         per_layer = Counter(periods.pop())
         fixed = Counter(calls)
         fixed.subtract({name: n * layers for name, n in per_layer.items()})
-        out.append(CompiledCounts(rows, per_layer, +fixed, made, broke))
+        out.append(CompiledCounts(step, per_layer, +fixed, made, broke))
     return out
 
 
@@ -347,15 +351,17 @@ def table(pairs: list[tuple[Counts, Counts]]) -> str:
 
 def compiled_table(compiled: list[CompiledCounts], theirs: Counts, layers: int) -> str:
     """The compiled step's counts beside transformers' (its per-layer and fixed counts at `layers`)."""
-    lines = ["", f"Compiled (inductor, its generated code on CPU; one graph for 1 row, one for every other bucket), at {layers} layers:", "",
-             "| rows | non-GEMM / layer | GEMM / layer | fixed | model total | vs transformers | compilations | graph breaks |",
+    lines = ["", f"Compiled (inductor, its generated code on CPU; one graph for 1 row, one for every other bucket, one for the steps of "
+             f"more than decode rows, whose opaque attention op counts once), at {layers} layers:", "",
+             "| step | non-GEMM / layer | GEMM / layer | fixed | model total | vs transformers | compilations | graph breaks |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in compiled:
         layer, fixed = split(c.per_layer), split(c.fixed)
         total = (layer.non_gemm + layer.gemm) * layers + fixed.non_gemm + fixed.gemm
-        lines.append(f"| {c.rows if c.rows == 1 else '2+'} | {layer.non_gemm} | {layer.gemm} | {fixed.non_gemm} + {fixed.gemm} | {total:,} | "
+        lines.append(f"| {c.step} | {layer.non_gemm} | {layer.gemm} | {fixed.non_gemm} + {fixed.gemm} | {total:,} | "
                      f"{_ratio(total, theirs.total)} | {c.compilations} | {c.graph_breaks} |")
-    lines.append("\nOne compiled layer: " + ", ".join(f"{n} {k}" for n, k in compiled[-1].per_layer.most_common()))
+    for c in compiled[1:]:
+        lines.append(f"\nOne compiled layer ({c.step}): " + ", ".join(f"{n} {k}" for n, k in c.per_layer.most_common()))
     return "\n".join(lines)
 
 

@@ -375,7 +375,7 @@ def report_paths(ctx: ServingContext, metrics: Metrics, settings: Settings) -> N
         paths["tensor_parallel"] = f"{group.rank.world} ranks over {group.backend}"
     metrics.engine_paths.info({**paths, "fallbacks": ",".join(sorted(runner.fallbacks))})
     ctx.engine_paths = {**paths, "fallbacks": dict(runner.fallbacks)}
-    if settings.compile == "require" and paths.get("compile") != "decode":
+    if settings.compile == "require" and paths.get("compile") not in ("decode", "decode+mixed"):
         why = runner.fallbacks.get("compile", "")
         raise exits.StartupError(exits.REQUIRED_PATH, f"--compile=require, but the decode forward is not compiled: {why}")
     if settings.cuda_graphs == "require" and paths.get("cuda_graphs") != "captured":

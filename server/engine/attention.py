@@ -103,7 +103,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         chunks = [row for row in rows if mla.decompresses(module, row.n)]
         rows = [row for row in rows if not mla.decompresses(module, row.n)] if chunks else rows
     out = None
-    if rows or step.batches:
+    if step.opaque or rows or step.batches:
         absorbed = _attend_step(step, layer, mla.absorb(module, query, step.exact), key, value, scaling, softcap, s_aux, rows)
         out = mla.expand(module, absorbed, step.exact)
     if chunks:
@@ -127,22 +127,18 @@ def _attend_step(step: StepContext, layer: int, query, key, value, scaling, soft
     """`_attention`'s body: the step's queries [1, H, N, Dk] over the keys and values of its
     batches and of `rows` (the step's, or some of them), the new ones [1, Hkv, N, Dk / Dv]
     stored first -> [1, N, H, Dv] (the tokens of the step's other rows left unset)."""
-    heads, kv_heads, head_dim, value_dim = query.shape[1], key.shape[1], query.shape[3], value.shape[3]
+    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
     groups = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     sinks = None if s_aux is None else s_aux.float().view(kv_heads, groups, 1)  # [Hkv, groups, 1]
+    if step.opaque:
+        return torch.ops.kvserve.step_attention(query, key, value, layer, scale, softcap, sinks)
     attend = exact.attend if step.exact else _attend
     batches = step.batches
     if not rows and len(batches) == 1 and batches[0].tokens is None and batches[0].size == query.shape[2]:
         # decode rows alone (what a CUDA graph replays): their output is the layer's, no copy
         return _attend_batch(batches[0], layer, query[0], key[0], value[0], groups, scale, softcap, sinks, attend)[None]
-    out = query.new_empty(1, query.shape[2], heads, value_dim)
-    for batch in batches:
-        o = _attend_batch(batch, layer, query[0], key[0], value[0], groups, scale, softcap, sinks, attend)
-        if batch.tokens is None:
-            out[0, : batch.size] = o
-        else:
-            out[0].index_copy_(0, batch.targets, o if batch.real is None else o[batch.real])
+    out = _attend_batches(batches, layer, query, key, value, groups, scale, softcap, sinks, attend)
     if step.exact and rows:
         _attend_exact(step, layer, query, key, value, out, groups, scale, softcap, sinks)
         return out
@@ -155,6 +151,41 @@ def _attend_step(step: StepContext, layer: int, query, key, value, scaling, soft
         o = _attend(q, k_row, v_row, mask, scale, softcap, _sink_rows(sinks, row.n))
         out[:, lo:hi] = o.reshape(1, heads, row.n, -1).transpose(1, 2)
     return out
+
+
+def _attend_batches(batches: list[Batch], layer: int, query, key, value, groups: int, scale, softcap, sinks, attend) -> torch.Tensor:
+    """The paged path's batches of a step: query [1, H, N, Dk], key/value [1, Hkv, N, Dk/Dv]
+    -> [1, N, H, Dv], their tokens' outputs (the tokens of no batch left unset)."""
+    out = query.new_empty(1, query.shape[2], query.shape[1], value.shape[3])
+    for batch in batches:
+        o = _attend_batch(batch, layer, query[0], key[0], value[0], groups, scale, softcap, sinks, attend)
+        if batch.tokens is None:
+            out[0, : batch.size] = o
+        else:
+            out[0].index_copy_(0, batch.targets, o if batch.real is None else o[batch.real])
+    return out
+
+
+@torch.library.custom_op("kvserve::step_attention", mutates_args=())
+def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                   softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One layer's attention over the batches of the step running on this thread
+    (`_attend_batches`, stores included): query [1, H, N, Dk], key/value [1, Hkv, N, Dk/Dv],
+    `sinks` [Hkv, groups, 1] -> [1, N, H, Dv].
+
+    An opaque op that reads its batches from the step's context (`StepContext.opaque`): a
+    compiled forward over steps of prefill chunks, forced or drafted tokens beside decode rows
+    (server/engine/compiled.py) then holds no batch, so one graph serves every mix of rows and
+    widths. The pool's writes are hidden from the compiler, which is sound because within the
+    step nothing else in the graph reads or writes the pool (no other op may be reordered
+    against them)."""
+    groups = query.shape[1] // key.shape[1]
+    return _attend_batches(context.current().batches, layer, query, key, value, groups, scale, softcap, sinks, _attend)
+
+
+@step_attention.register_fake
+def _(query, key, value, layer, scale, softcap, sinks):
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[3])
 
 
 def _refuse_unknown(step: StepContext, layer: int, kwargs: dict, attention_mask=None) -> None:

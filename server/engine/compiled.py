@@ -1,6 +1,7 @@
-"""A compiled decode forward: the model's forward for the paged path's decode steps (decode rows
-alone, padded to a bucket) through `torch.compile` (inductor), compiled at warm-up and, on CUDA,
-captured inside the model runner's own graphs.
+"""A compiled forward: the model's forward for the paged path's decode steps (decode rows alone,
+padded to a bucket) through `torch.compile` (inductor), compiled at warm-up and, on CUDA,
+captured inside the model runner's own graphs; and on the paged path, the same forward for the
+steps of more than decode rows, without a graph.
 
 What makes one graph of the whole forward possible:
 * The step reaches the layer patches through its context (server/engine/context.py), which
@@ -17,8 +18,16 @@ What makes one graph of the whole forward possible:
 
 Features whose patches keep per-step Python state the compiled graph would freeze (LoRA
 slots, a hybrid's deferred state writes, LongRoPE's switch, exact mode's own kernels, a probe's
-observer) keep the eager forward, named by `why_eager`. Prefill and mixed steps stay eager: their
-shapes vary with every prompt.
+observer) keep the eager forward, named by `why_eager`.
+
+Steps of more than decode rows (a prefill chunk beside decode rows, tokens a grammar forced,
+drafted tokens to verify) have shapes that vary with every step, and batches of several kinds
+and widths (server/engine/attention.py). On the paged path they run the compiled forward too,
+with the step's context marked `opaque`: each layer then attends every batch in one opaque op
+(`torch.ops.kvserve.step_attention`) that reads them from the context, so the graph holds no
+batch, and one compilation (three in all) serves every mix. There the step's tokens and kept
+logits are never one or none (`ModelRunner._step` pads what is kept), so dynamo does not
+specialise on them. The row path (CPU's default) keeps its eager prefill.
 
 Inductor's cache lives under kvserve's cache dir (`use_cache_dir`), so a restart loads the
 compiled kernels instead of compiling again.

@@ -140,7 +140,10 @@ class StepContext:
     for M-RoPE's 3-D ones), which Llama 4's query temperature reads (server/engine/temperature.py).
     `memo`: what a patch
     computes once per step and reuses in every layer (masks, a shared product), keyed by its
-    owner; it starts empty each time the context is entered.
+    owner; it starts empty each time the context is entered. `opaque`: each layer attends
+    the step's batches in one opaque op (`attention.step_attention`): a compiled step of more
+    than decode rows, whose graph then depends on no batch (server/engine/compiled.py). `pool`:
+    the KV pool the step's rows live in.
     """
 
     rows: list[Row] = field(default_factory=list)
@@ -153,11 +156,8 @@ class StepContext:
     deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
     positions: torch.Tensor | None = None
     memo: dict = field(default_factory=dict)
-
-    @property
-    def pool(self) -> kv.Pool:
-        """The KV pool the step's rows live in."""
-        return self.batches[0].pool if self.batches else self.rows[0].kv.pool
+    opaque: bool = False
+    pool: kv.Pool | None = None
 
 
 def current() -> StepContext | None:

@@ -196,6 +196,8 @@ class ModelRunner:
                 for size in (1, 2):
                     inputs, step = self._padding_step(size, block_bucket(1, self.max_blocks))
                     self._forward(inputs.ids, inputs.positions, step, None, self._compiled, shift=inputs.shift)
+                if self.paged:
+                    self._forward(*self._padding_chunk(), self._compiled)
             except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named
                 log.debug("compiling the decode forward failed", exc_info=True)
                 self._end_the_rank("compiling the decode forward", "--compile", exc)
@@ -205,7 +207,8 @@ class ModelRunner:
                 log.info("compiled the decode forward in %.1f s (%d graphs)", time.perf_counter() - t0, compiled.compilations() - before)
         if why is not None:
             self._fall_back("compile", f"{why}; decode steps run the eager forward")
-        self.paths["compile"] = "decode" if self._compiled is not None else "eager"
+        # on the paged path the steps of more than decode rows run it too (`_padding_chunk`)
+        self.paths["compile"] = ("decode+mixed" if self.paged else "decode") if self._compiled is not None else "eager"
 
     def _end_the_rank(self, what: str, switch: str, exc: Exception) -> None:
         """A warm-up (`what`) that failed on a tensor-parallel rank ends the rank, where one
@@ -244,7 +247,8 @@ class ModelRunner:
     def _context(self, rows: list[Row], batches: list[Batch], *, long_tokens: torch.Tensor | None = None,
                  adapters: torch.Tensor | None = None, states: StepRows | None = None) -> StepContext:
         """A step's context (server/engine/context.py) with this runner's modes."""
-        return StepContext(rows, batches, self.exact, long_tokens, adapters, states, self.observe)
+        pool = batches[0].pool if batches else rows[0].kv.pool if rows else self.pool  # rows' caches may be in pools of their own
+        return StepContext(rows, batches, self.exact, long_tokens, adapters, states, self.observe, pool=pool)
 
     # -- a step ------------------------------------------------------------------------------
 
@@ -361,6 +365,11 @@ class ModelRunner:
             if adapter_rows is not None:
                 flat_adapters += [adapter_rows[i]] * row.n
         keep = [starts[i] + rows[i].n - c + j for i, c in zip(logits_rows, counts) for j in range(c)]
+        kept = len(keep)
+        # a compiled step beside the decode steps' graphs: the paged path's batches alone
+        opaque = self._compiled is not None and self.paged and media is None and not grids and len(flat_ids) > 1
+        if opaque:  # one graph: no 0- or 1-sized input for dynamo to specialise on (the extra logits are dropped)
+            keep += [keep[-1] if keep else 0] * max(0, 2 - kept)
         pictured = [starts[i] + offset + j for i, pieces in enumerate(media or ()) for offset, f in pieces for j in range(f.shape[1])]
         groups = [[rows[i] for i in singles]] if singles else []
         if self.paged and others:  # multi-token rows: one padded batch per width bucket
@@ -387,10 +396,11 @@ class ModelRunner:
             embeds = self.encoder.embed(t["ids"][None], t["pictured"], features)
             step.deepstack = self.encoder.deepstack(len(flat_ids), t["pictured"], features)
         pos = t["grid"].view(3, 1, -1) if grids else t["positions"][None]
-        logits = self._forward(t["ids"][None], pos, step, t["keep"], embeds=embeds)
+        step.opaque = opaque
+        logits = self._forward(t["ids"][None], pos, step, t["keep"], self._compiled if opaque else None, embeds=embeds)
         for row in rows:
             row.kv.length += row.n
-        return StepOutput(logits)
+        return StepOutput(logits if kept == len(keep) else logits[:kept])
 
     def _state_inputs(self, segments: list[tuple[int, int, int | None, bool]]):
         """A hybrid's recurrent layers' view of the step (`recurrent.step_inputs`): its host
@@ -526,6 +536,19 @@ class ModelRunner:
         and graph capture)."""
         inputs = self._write([], [], size, blocks)
         return inputs, self._decode_context(inputs, adapters=True)
+
+    def _padding_chunk(self) -> tuple[torch.Tensor, torch.Tensor, StepContext, torch.Tensor]:
+        """The ids, positions, context and kept positions of a step of two padding tokens in
+        one row, through the paged path's batches in one opaque op (`StepContext.opaque`): the
+        compiled forward's warm-up for steps of more than decode rows. It writes the trash
+        block only."""
+        cache = kv.SequenceKV(self.pool)
+        cache._set_blocks([self.pool.trash_block])
+        lists, build = self._batch_inputs([Row(cache, 2)])
+        step = self._context([], [build(_to_device(lists, self.device))])
+        step.opaque = True
+        zeros = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        return zeros, step.batches[0].positions[None], step, torch.ones(2, dtype=torch.long, device=self.device)
 
     def _paged_inputs(self, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
         """Positions and slots [size * width] and block tables [size, blocks], flat, of

@@ -91,11 +91,17 @@ def mixed_requests(b: Bench, compiler) -> list[GenerationRequest]:
     return reqs
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
-def test_concurrent_mixed_requests_equal_each_run_alone(bench, compiler, paged):
+@pytest.mark.parametrize("paged, fast", [(False, False), (True, False), (True, True)], ids=["rows", "paged", "paged-compiled"])
+def test_concurrent_mixed_requests_equal_each_run_alone(bench, compiler, paged, fast):
     """`paged`: the attention path CUDA takes (decode rows bucket-padded from the persistent
-    buffers, multi-token rows in padded batches), run eagerly on this device."""
-    b = bench(max_batch_tokens=128, paged=paged)  # the long prompt prefills in chunks beside decoding rows
+    buffers, multi-token rows in padded batches), run eagerly on this device; `fast`: as a GPU
+    serves, the forward compiled (decode steps, and the steps of prefill chunks, forced tokens
+    and decode rows together) and each decode step launched before the last one's tokens reach
+    the host."""
+    fast_kw = {"compile": "require", "overlap": True} if fast else {}
+    b = bench(max_batch_tokens=128, paged=paged, **fast_kw)  # the long prompt prefills in chunks beside decoding rows
+    if fast:
+        assert b.engine.runner.paths["compile"] == "decode+mixed" and b.engine.runner.paths["overlap"] == "on"
 
     async def go():
         for i in range(4):  # first turns, so the batched second turns reuse their sessions

@@ -1,6 +1,7 @@
-"""The compiled decode forward (server/engine/compiled.py): inductor compiles the paged path's
-decode steps in one graph without a break, twice at most (one row; any other bucket), and gives
-the eager forward's greedy tokens; features that keep the eager forward say so by name."""
+"""The compiled forward (server/engine/compiled.py): inductor compiles the paged path's decode
+steps in one graph without a break, twice at most (one row; any other bucket), and the steps of
+more than decode rows once more; both give the eager forward's greedy tokens; features that keep
+the eager forward say so by name."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from bench import architectures
 from cache_manager import kv
-from server.engine import compiled, mla
+from server.engine import attention, compiled, context, mla
 from server.engine.context import Row
 from server.engine.model_runner import ModelRunner
 from tests.device import DEVICE, DTYPE
@@ -46,6 +47,45 @@ def greedy_steps(runner: ModelRunner, rows: int) -> list[list[int]]:
             kv.free(cache)
 
 
+def staggered_steps(runner: ModelRunner) -> list[list[int]]:
+    """Steps of more than decode rows, each row's argmax fed back: row r's prompt arrives at
+    step 2r beside the others' decode rows, in two chunks where it is long (the first keeps no
+    logits); at step 5 row 0's token comes with two more (as a grammar forces them), and at step
+    8 every row's does (no decode row at all)."""
+    vocab, pool = runner.model.config.vocab_size, runner.pool
+    prompts = [prompt(r, vocab) for r in range(len(ROW_COUNTS))]
+    caches = [pool.allocate(len(p) + 3 * STEPS) for p in prompts]
+    pending: dict[int, list[int]] = {}  # row -> its tokens in the next step
+    out = []
+    try:
+        for step in range(STEPS + 2 * len(prompts)):
+            rows, ids, keep, whose = [], [], [], []
+            for r, p in enumerate(prompts):
+                first_chunk = step == 2 * r and len(p) > 6
+                if first_chunk:
+                    tokens = p[:6]
+                elif step == 2 * r:
+                    tokens = p
+                elif step == 2 * r + 1 and len(p) > 6:
+                    tokens = p[6:]
+                elif r in pending:
+                    tokens = pending[r] + ([(r + 5) % vocab, 7] if (step, r) == (5, 0) or step == 8 else [])
+                else:
+                    continue
+                if not first_chunk:
+                    keep.append(len(rows))
+                    whose.append(r)
+                rows.append(Row(caches[r], len(tokens)))
+                ids += tokens
+            chosen = runner.forward(rows, ids, keep).argmax(-1).tolist()
+            pending.update((r, [c]) for r, c in zip(whose, chosen))
+            out.append(chosen)
+        return out
+    finally:
+        for cache in caches:
+            kv.free(cache)
+
+
 def runner_for(model, *, compile: str, paged: bool | None = None, kv_dtype: str = "auto", **kwargs) -> ModelRunner:
     pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, DTYPE, kv_dtype) * max(ROW_COUNTS), DEVICE, DTYPE, kv_dtype=kv_dtype)
     runner = ModelRunner(model, pool, cuda_graphs=False, paged=paged, max_rows=max(ROW_COUNTS), merge=True, compile=compile, **kwargs)
@@ -55,28 +95,36 @@ def runner_for(model, *, compile: str, paged: bool | None = None, kv_dtype: str 
 
 @pytest.mark.parametrize("family, packed, kv_dtype", [("qwen2", True, "fp8"), ("gemma2", None, "auto"), ("deepseek_v3", None, "auto")],
                          ids=["qwen2-packed-fp8", "gemma2-dense", "deepseek_v3-mla-latent"])
-def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family, packed, kv_dtype):
+def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family, packed, kv_dtype, monkeypatch):
     """qwen2: biased q/k/v merged, a sliding-window layer, the CPU's packed linear layers, fp8
     KV (the store writes scales too); gemma2: soft-capping, alternating windows, dense weights;
     deepseek_v3: MLA from its latent (server/engine/mla.py: the absorbing products inside the
-    graph). Against the same paged decode path run eagerly, and against the row path the CPU
-    serves by default."""
+    graph). On the paged path (a GPU's), where the prompts' and the staggered steps (prefill
+    chunks beside decode rows, forced tokens) run compiled too. Against the same paged path run
+    eagerly, and against the row path the CPU serves by default."""
     model = build(family)
     mla.configure(model)  # the latent where the model has MLA, as the server does
     torch._dynamo.reset()
     before, breaks = compiled.compilations(), compiled.graph_breaks()
-    fast = runner_for(model, compile="require", packed=packed, kv_dtype=kv_dtype)
-    assert fast.paths["compile"] == "decode", fast.fallbacks
-    # the warm-up compiled both graphs: the steps below add none, whatever their bucket
-    assert compiled.compilations() - before == 2
+    fast = runner_for(model, compile="require", paged=True, packed=packed, kv_dtype=kv_dtype)
+    assert fast.paths["compile"] == "decode+mixed", fast.fallbacks
+    # the warm-up compiled the three graphs: the steps below add none, whatever their rows
+    assert compiled.compilations() - before == 3
     got = {rows: greedy_steps(fast, rows) for rows in ROW_COUNTS}
-    assert compiled.compilations() - before == 2, "a recompilation during the steps"
+    opaque = []  # the layers' calls of the opaque op, which only the compiled steps make
+    attend = attention._attend_batches
+    monkeypatch.setattr(attention, "_attend_batches", lambda *a: opaque.append(context.current().opaque) or attend(*a))
+    staggered = staggered_steps(fast)
+    monkeypatch.undo()
+    assert opaque and all(opaque), "the staggered steps did not run the compiled forward"
+    assert compiled.compilations() - before == 3, "a recompilation during the steps"
     assert compiled.graph_breaks() == breaks
     for paged in (True, None):
         eager = runner_for(model, compile="off", paged=paged, packed=packed, kv_dtype=kv_dtype)
         assert eager.paths["compile"] == "off"
         for rows in ROW_COUNTS:
             assert greedy_steps(eager, rows) == got[rows], (paged, rows)
+        assert staggered_steps(eager) == staggered, paged
 
 
 def test_features_that_keep_the_eager_forward_are_named():
