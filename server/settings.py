@@ -267,7 +267,8 @@ class Settings(BaseSettings):
     compile: Literal["auto", "off", "require"] = Field(
         "auto",
         description="Compile the decode steps' forward with torch.compile (inductor) at start-up, "
-        "inside the CUDA graphs: auto = on CUDA (a failed compilation logs a WARNING and runs "
+        "inside the CUDA graphs (on CUDA the steps that carry prefill chunks, forced or drafted "
+        "tokens run it too, without a graph): auto = on CUDA (a failed compilation logs a WARNING and runs "
         "eagerly; on CPU, where it is not faster, off), require = compile on any device or refuse "
         "to start (exit status 8), off (--no-compile) = eager. With --tensor-parallel-size > 1 every "
         "rank compiles its shard, and a compilation that fails on any rank ends the start. Compiled "

@@ -146,6 +146,9 @@ class ModelRunner:
         # under "require"
         self.compile = compile == "require" or (compile == "auto" and self.device.type == "cuda")
         self._compiled: Callable[..., object] | None = None
+        # ... and where the steps of more than decode rows run it too (the paged path, once its
+        # warm-up compiled them: `_padding_chunk`)
+        self._compiled_mixed: Callable[..., object] | None = None
         # whether the engine may launch a decode step before the previous one's tokens reach the
         # host (`run_ahead`); None: on CUDA. `prepare` turns it off where a step cannot be undone.
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
@@ -196,8 +199,6 @@ class ModelRunner:
                 for size in (1, 2):
                     inputs, step = self._padding_step(size, block_bucket(1, self.max_blocks))
                     self._forward(inputs.ids, inputs.positions, step, None, self._compiled, shift=inputs.shift)
-                if self.paged:
-                    self._forward(*self._padding_chunk(), self._compiled)
             except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named
                 log.debug("compiling the decode forward failed", exc_info=True)
                 self._end_the_rank("compiling the decode forward", "--compile", exc)
@@ -207,8 +208,25 @@ class ModelRunner:
                 log.info("compiled the decode forward in %.1f s (%d graphs)", time.perf_counter() - t0, compiled.compilations() - before)
         if why is not None:
             self._fall_back("compile", f"{why}; decode steps run the eager forward")
-        # on the paged path the steps of more than decode rows run it too (`_padding_chunk`)
-        self.paths["compile"] = ("decode+mixed" if self.paged else "decode") if self._compiled is not None else "eager"
+        elif self.paged:
+            self._compile_mixed()
+        self.paths["compile"] = "eager" if self._compiled is None else "decode+mixed" if self._compiled_mixed is not None else "decode"
+
+    def _compile_mixed(self) -> None:
+        """Compile the steps of more than decode rows too (the paged path), warming them up on
+        two padding tokens (`_padding_chunk`); a failure logs a fallback and leaves them eager,
+        the decode steps compiled."""
+        t0, before = time.perf_counter(), compiled.compilations()
+        try:
+            self._forward(*self._padding_chunk(), self._compiled)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves these steps eager, named
+            log.debug("compiling the steps of more than decode rows failed", exc_info=True)
+            self._end_the_rank("compiling the steps of more than decode rows", "--compile", exc)
+            self._fall_back("compile_mixed", f"compiling the steps of more than decode rows failed ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}); they run the eager forward")
+            return
+        self._compiled_mixed = self._compiled
+        log.info("compiled the steps of more than decode rows in %.1f s (%d graphs)", time.perf_counter() - t0, compiled.compilations() - before)
 
     def _end_the_rank(self, what: str, switch: str, exc: Exception) -> None:
         """A warm-up (`what`) that failed on a tensor-parallel rank ends the rank, where one
@@ -367,7 +385,7 @@ class ModelRunner:
         keep = [starts[i] + rows[i].n - c + j for i, c in zip(logits_rows, counts) for j in range(c)]
         kept = len(keep)
         # a compiled step beside the decode steps' graphs: the paged path's batches alone
-        opaque = self._compiled is not None and self.paged and media is None and not grids and len(flat_ids) > 1
+        opaque = self._compiled_mixed is not None and media is None and not grids and len(flat_ids) > 1
         if opaque:  # one graph: no 0- or 1-sized input for dynamo to specialise on (the extra logits are dropped)
             keep += [keep[-1] if keep else 0] * max(0, 2 - kept)
         pictured = [starts[i] + offset + j for i, pieces in enumerate(media or ()) for offset, f in pieces for j in range(f.shape[1])]
@@ -397,7 +415,7 @@ class ModelRunner:
             step.deepstack = self.encoder.deepstack(len(flat_ids), t["pictured"], features)
         pos = t["grid"].view(3, 1, -1) if grids else t["positions"][None]
         step.opaque = opaque
-        logits = self._forward(t["ids"][None], pos, step, t["keep"], self._compiled if opaque else None, embeds=embeds)
+        logits = self._forward(t["ids"][None], pos, step, t["keep"], self._compiled_mixed if opaque else None, embeds=embeds)
         for row in rows:
             row.kv.length += row.n
         return StepOutput(logits if kept == len(keep) else logits[:kept])
@@ -642,7 +660,7 @@ class ModelRunner:
         shutdown, once no step runs; with the pool's storage: `kv.Pool.release`), so that a model
         started next in the same process measures its own budget. A step after it runs eagerly."""
         self._drop_graphs()
-        self._compiled = self._meta = None
+        self._compiled = self._compiled_mixed = self._meta = None
         self._views_by_bucket.clear()
         self.release_memory()
 

@@ -157,6 +157,23 @@ def test_a_failed_compilation_falls_back_alone_and_ends_a_tensor_parallel_rank(m
         ModelRunner(model, alone.pool, cuda_graphs=False, max_rows=2, compile="require").prepare()
 
 
+def test_a_failed_compilation_of_the_mixed_steps_leaves_them_eager_alone(monkeypatch):
+    """Where the steps of more than decode rows fail to compile, they run the eager forward,
+    named (`compile_mixed`), and the decode steps stay compiled."""
+    model = build("llama")
+
+    def broken(self):
+        raise RuntimeError("inductor ran out of registers")
+
+    monkeypatch.setattr(ModelRunner, "_padding_chunk", broken)
+    runner = runner_for(model, compile="require", paged=True)
+    assert runner.paths["compile"] == "decode" and runner._compiled_mixed is None
+    assert "compile" not in runner.fallbacks
+    assert "steps of more than decode rows failed (RuntimeError: inductor ran out of registers)" in runner.fallbacks["compile_mixed"]
+    eager = runner_for(model, compile="off", paged=True)
+    assert staggered_steps(runner) == staggered_steps(eager)
+
+
 def test_a_released_runner_holds_no_step_buffers_and_still_decodes():
     """At shutdown (`startup.close`) the runner drops its decode buffer, graphs and compiled
     forward as the pool drops its storage: nothing it held keeps device memory from a model
