@@ -7,8 +7,8 @@ step on a GPU.
 
 Both runners take the paged path (a GPU's) over one pool; the compiled one as a GPU serves
 (`--compile`: its steps of more than decode rows run the compiled forward, each layer's batches
-in the one opaque op `kvserve::step_attention`). R rows hold a PROMPT-token prompt; each timed
-step is then one of:
+in the one opaque op `kvserve::step_attention`). R rows hold a prompt of bench/kernels.py's
+PROMPT tokens; each timed step is then one of:
 
 * prefill beside decode: the R rows' next tokens and a new row's CHUNK-token prompt;
 * forced tokens: the R rows' next tokens, two of them with two more each (as a grammar forces
@@ -33,7 +33,6 @@ from cache_manager import kv
 from server.engine.context import Row
 from server.engine.model_runner import ModelRunner
 
-PROMPT = 8
 CHUNK = 16
 
 
@@ -50,10 +49,10 @@ def timed(runner: ModelRunner, tokens: list[list[int]], prompted: int, reps: int
     """The median seconds of one step of `tokens` (after a prompt in each of the first
     `prompted` rows) and its greedy tokens."""
     pool, vocab = runner.pool, runner.model.config.vocab_size
-    caches = [pool.allocate(PROMPT + CHUNK) for _ in tokens]
+    caches = [pool.allocate(kernels.PROMPT + CHUNK) for _ in tokens]
     try:
-        prompts = [(5 * r + t) % (vocab - 3) + 3 for r in range(prompted) for t in range(PROMPT)]
-        runner.forward([Row(c, PROMPT) for c in caches[:prompted]], prompts, list(range(prompted)))
+        prompts = [t for r in range(prompted) for t in kernels._prompt(r, vocab)]
+        runner.forward([Row(c, kernels.PROMPT) for c in caches[:prompted]], prompts, list(range(prompted)))
         times, chosen = [], []
         for _ in range(reps):
             start = time.perf_counter()
@@ -61,7 +60,7 @@ def timed(runner: ModelRunner, tokens: list[list[int]], prompted: int, reps: int
             chosen = logits.argmax(-1).tolist()
             times.append(time.perf_counter() - start)
             for i, cache in enumerate(caches):
-                kv.crop(cache, PROMPT if i < prompted else 0)
+                kv.crop(cache, kernels.PROMPT if i < prompted else 0)
         return statistics.median(times), chosen
     finally:
         for cache in caches:
@@ -77,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = kernels.build(args.layers)
-    pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + CHUNK, model.dtype) * (args.rows + 1), model.device, model.dtype)
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, kernels.PROMPT + CHUNK, model.dtype) * (args.rows + 1), model.device, model.dtype)
     eager = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=args.rows + 1, merge=True)
     fast = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=args.rows + 1, merge=True, compile="require")
     start = time.perf_counter()

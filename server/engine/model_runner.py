@@ -189,44 +189,45 @@ class ModelRunner:
     @torch.inference_mode()
     def _compile(self) -> None:
         """Compile the decode forward now (`compiled.decode_forward`), warming it up on padding
-        rows at one and two rows (the two compilations dynamo makes); a feature that keeps the
-        eager forward, or a failed compilation, logs a fallback and leaves the eager one."""
+        rows at one and two rows (the two compilations dynamo makes) and, on the paged path, on
+        a step of two padding tokens (`_padding_chunk`: the steps of more than decode rows, a
+        third); a feature that keeps the eager forward, or a failed compilation, logs a fallback
+        and leaves the eager one (a failure of the third alone: for those steps only)."""
         why = compiled.why_eager(self)
         if why is None:
-            t0, before = time.perf_counter(), compiled.compilations()
             self._compiled = compiled.decode_forward(self.model)
-            try:
+
+            def decode_steps() -> None:
                 for size in (1, 2):
                     inputs, step = self._padding_step(size, block_bucket(1, self.max_blocks))
                     self._forward(inputs.ids, inputs.positions, step, None, self._compiled, shift=inputs.shift)
-            except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named
-                log.debug("compiling the decode forward failed", exc_info=True)
-                self._end_the_rank("compiling the decode forward", "--compile", exc)
+
+            why = self._warm_up("the decode forward", decode_steps)
+            if why is not None:
                 self._compiled = None
-                why = f"compiling the decode forward failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-            else:
-                log.info("compiled the decode forward in %.1f s (%d graphs)", time.perf_counter() - t0, compiled.compilations() - before)
         if why is not None:
             self._fall_back("compile", f"{why}; decode steps run the eager forward")
-        elif self.paged:
-            self._compile_mixed()
+        elif self.paged:  # the steps of more than decode rows too, or they stay eager alone
+            failed = self._warm_up("the steps of more than decode rows", lambda: self._forward(*self._padding_chunk(), self._compiled))
+            if failed is None:
+                self._compiled_mixed = self._compiled
+            else:
+                self._fall_back("compile_mixed", f"{failed}; they run the eager forward")
         self.paths["compile"] = "eager" if self._compiled is None else "decode+mixed" if self._compiled_mixed is not None else "decode"
 
-    def _compile_mixed(self) -> None:
-        """Compile the steps of more than decode rows too (the paged path), warming them up on
-        two padding tokens (`_padding_chunk`); a failure logs a fallback and leaves them eager,
-        the decode steps compiled."""
+    def _warm_up(self, what: str, run: Callable[[], None]) -> str | None:
+        """Compile `what` by running it once (`run`, on padding): None where it compiled (logged
+        with its time and graphs), else why not. A failure on a tensor-parallel rank ends the
+        rank (`_end_the_rank`)."""
         t0, before = time.perf_counter(), compiled.compilations()
         try:
-            self._forward(*self._padding_chunk(), self._compiled)
-        except Exception as exc:  # noqa: BLE001 - any failure leaves these steps eager, named
-            log.debug("compiling the steps of more than decode rows failed", exc_info=True)
-            self._end_the_rank("compiling the steps of more than decode rows", "--compile", exc)
-            self._fall_back("compile_mixed", f"compiling the steps of more than decode rows failed ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0] if str(exc) else ''}); they run the eager forward")
-            return
-        self._compiled_mixed = self._compiled
-        log.info("compiled the steps of more than decode rows in %.1f s (%d graphs)", time.perf_counter() - t0, compiled.compilations() - before)
+            run()
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the eager forward, named by the caller
+            log.debug("compiling %s failed", what, exc_info=True)
+            self._end_the_rank(f"compiling {what}", "--compile", exc)
+            return f"compiling {what} failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        log.info("compiled %s in %.1f s (%d graphs)", what, time.perf_counter() - t0, compiled.compilations() - before)
+        return None
 
     def _end_the_rank(self, what: str, switch: str, exc: Exception) -> None:
         """A warm-up (`what`) that failed on a tensor-parallel rank ends the rank, where one
