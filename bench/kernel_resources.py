@@ -1,9 +1,11 @@
-"""What the paged decode kernel asks of an H200 (issue 47), measured without one: its Triton
+"""What the paged attention kernel asks of an H200 (issue 47), measured without one: its Triton
 kernels built ahead of time for sm_90 by Triton's own compiler and ptxas (both ship in the
 triton wheel), as `paged_kernel.launches` makes them and Triton's JIT specialises them, for
-the attention shapes of the models kvserve serves. Per kernel: the shared memory a program
-takes (an H200 gives one block at most SHARED_LIMIT bytes: a kernel past it fails at its
-first launch), and ptxas's registers and spilled bytes per thread.
+the attention shapes of the models kvserve serves, over decode rows (one query a row) and
+over rows of a CHUNK-token chunk (prefill chunks, forced and drafted tokens: as many query rows
+a program as its tile holds). Per kernel: the shared memory a program takes (an H200 gives one
+block at most SHARED_LIMIT bytes: a kernel past it fails at its first launch), and ptxas's
+registers and spilled bytes per thread.
 
     .venv/bin/python -m bench.kernel_resources [--shapes NAME ...] [--json]
 
@@ -40,6 +42,7 @@ SHAPES = {
     "deepseek-v3-latent-fp32": (128, 64, 512, torch.float32, dict(latent=True)),
 }
 BLOCKS = 64  # the bucket's blocks a row may hold, in the launch built (their number changes no constant)
+CHUNK = 64  # a multi-token row's tokens: every shape's tile of query rows as full as it gets
 
 
 def build(launch) -> dict:
@@ -79,23 +82,23 @@ def build(launch) -> dict:
     return {"shared": compiled.metadata.shared, "registers": int(registers[1]) if registers else None, "spilled": int(spilled[1]) if spilled else 0}
 
 
-def measure(name: str) -> dict:
-    """Both kernels of a split decode step for SHAPES[name] (the superset of an unsplit one),
-    launched over one row of a pool of BLOCKS blocks, built but not run."""
+def measure(name: str, width: int = 1) -> dict:
+    """Both kernels of a split step for SHAPES[name] (the superset of an unsplit one), launched
+    over one row of `width` tokens in a pool of BLOCKS blocks, built but not run."""
     from cache_manager.kv import BLOCK_SIZE
     from server.engine import paged_kernel
 
     groups, dk, dv, dtype, extras = SHAPES[name]
     latent = extras.get("latent", False)
     kv_heads = 1 if latent else 2
-    q = torch.zeros(1, kv_heads, groups, dk + dv if latent else dk, dtype=dtype)
+    q = torch.zeros(1, kv_heads, groups * width, dk + dv if latent else dk, dtype=dtype)
     keys = torch.zeros(kv_heads, (BLOCKS + 1) * BLOCK_SIZE, dk, dtype=dtype)
     values = torch.zeros(kv_heads, (BLOCKS + 1) * BLOCK_SIZE, dv, dtype=dtype)
-    tables, positions = torch.zeros(1, BLOCKS, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    tables, positions = torch.zeros(1, BLOCKS, dtype=torch.long), torch.zeros(1, width, dtype=torch.long)
     sinks = torch.zeros(kv_heads * groups) if extras.get("sinks") else None
-    _, (decode, merge) = paged_kernel.launches(q, keys, values, tables, positions, BLOCK_SIZE, 0.1, 50.0 if extras.get("softcap") else None,
+    _, (attend, merge) = paged_kernel.launches(q, keys, values, tables, positions, BLOCK_SIZE, 0.1, 50.0 if extras.get("softcap") else None,
                                                sinks, splits=2)
-    return {"heads_a_program": decode.constants["BLOCK_M"], "decode": build(decode), "merge": build(merge)}
+    return {"rows_a_program": attend.constants["BLOCK_M"], "attention": build(attend), "merge": build(merge)}
 
 
 def main() -> None:
@@ -105,17 +108,18 @@ def main() -> None:
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("bench.kernel_resources builds the kernels for a GPU: run it without TRITON_INTERPRET=1")
-    figures = {name: measure(name) for name in args.shapes}
+    figures = {name: {"decode": measure(name), "chunk": measure(name, CHUNK)} for name in args.shapes}
     if args.json:
         print(json.dumps(figures))
         return
-    print(f"sm_{ARCH} (H100/H200), shared memory limit {SHARED_LIMIT // 1024} KB a block")
-    print(f"{'shape':26} {'heads/prog':>10} {'kernel':>7} {'shared KB':>9} {'fits':>5} {'regs':>5} {'spilled B':>9}")
-    for name, got in figures.items():
-        for kernel in ("decode", "merge"):
-            k = got[kernel]
-            print(f"{name:26} {got['heads_a_program']:>10} {kernel:>7} {k['shared'] / 1024:>9.1f} {'yes' if k['shared'] <= SHARED_LIMIT else 'NO':>5} "
-                  f"{k['registers']:>5} {k['spilled']:>9}")
+    print(f"sm_{ARCH} (H100/H200), shared memory limit {SHARED_LIMIT // 1024} KB a block; chunks of {CHUNK} tokens")
+    print(f"{'shape':26} {'rows':>6} {'rows/prog':>9} {'kernel':>9} {'shared KB':>9} {'fits':>5} {'regs':>5} {'spilled B':>9}")
+    for name, both in figures.items():
+        for rows, got in both.items():
+            for kernel in ("attention", "merge"):
+                k = got[kernel]
+                print(f"{name:26} {rows:>6} {got['rows_a_program']:>9} {kernel:>9} {k['shared'] / 1024:>9.1f} "
+                      f"{'yes' if k['shared'] <= SHARED_LIMIT else 'NO':>5} {k['registers']:>5} {k['spilled']:>9}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ GEMM_PREFIXES = ("_weight_int",)  # _weight_int4pack_mm, _weight_int8pack_mm, ..
 # step (CUDA graph capture fails on them, and an eager step waits on each)
 SYNC = frozenset({"_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_consecutive", "masked_select",
                   "equal", "is_nonzero", "_assert_async", "item"})
-ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "paged_decode")  # one fused kernel, never decomposed
+ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "paged_attention")  # one fused kernel, never decomposed
 ONE_KERNEL = (*ATTENTION, "store_kv")  # ops counted as the one kernel they launch on CUDA, not by what runs in them here
 
 
@@ -199,9 +199,9 @@ def count_decode_step(model, rows: int) -> Counts:
     module docstring). Switches `model` to kvserve's attention (`attention.enable`)."""
     dtype, vocab = model.dtype, model.config.vocab_size
     pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + 1, dtype) * rows, model.device, dtype)
-    # NOTE: decode_kernel as on CUDA (server/engine/paged_kernel.py): one op a layer; on CPU it
+    # NOTE: attention_kernel as on CUDA (server/engine/paged_kernel.py): one op a layer; on CPU it
     # runs the reference (or Triton's interpreter), but counts as the one kernel CUDA launches
-    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=rows, decode_kernel=True, merge=True)
+    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=rows, attention_kernel=True, merge=True)
     caches = [pool.allocate(PROMPT + 1) for _ in range(rows)]
     try:
         prompts = [t for r in range(rows) for t in _prompt(r, vocab)]
@@ -215,9 +215,31 @@ def count_decode_step(model, rows: int) -> Counts:
     return counter.counts(rows)
 
 
+def count_mixed_step(model, kernel: bool = True) -> Counts:
+    """A step of more than decode rows through the model runner's paged path, eagerly: two
+    decode rows (each holding a prompt) beside a new row's PROMPT-token prompt, as a compiled
+    forward's opaque `step_attention` runs its batches. `kernel`: every batch attends through
+    the paged attention kernel (a GPU's way); otherwise the multi-token batch gathers its
+    bucket and masks it."""
+    dtype, vocab = model.dtype, model.config.vocab_size
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + 1, dtype) * 3, model.device, dtype)
+    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=3, attention_kernel=kernel, merge=True)
+    caches = [pool.allocate(PROMPT + 1) for _ in range(3)]
+    try:
+        prompts = [_prompt(r, vocab) for r in range(3)]
+        next_ids = runner.forward([Row(c, PROMPT) for c in caches[:2]], prompts[0] + prompts[1], [0, 1]).argmax(-1).tolist()
+        with count_kernels(model, model.model.layers) as counter:
+            runner.forward([Row(caches[0], 1), Row(caches[1], 1), Row(caches[2], PROMPT)], next_ids + prompts[2], [0, 1, 2])
+    finally:
+        for cache in caches:
+            kv.free(cache)
+        pool.release()
+    return counter.counts(3)
+
+
 # a kvserve op's kernels, as the eager counter counts them inside it (plain KV: the K and V store
 # kernel, the paged decode kernel)
-INSIDE = {"decode_attention": Counter({"store_kv": 1, "paged_decode": 1})}
+INSIDE = {"decode_attention": Counter({"store_kv": 1, "paged_attention": 1})}
 _CALL = re.compile(r"^\s+(?:\w+ = )?(?:extern_kernels\.(\w+)\(|torch\.ops\.\w+\.(\w+)\.\w+\(|(cpp_fused_\w+|triton_\w+)(?:\.run)?\()", re.M)
 
 
@@ -269,7 +291,7 @@ def count_compiled_steps(layers: int, device: torch.device | str = "cpu") -> lis
     torch._dynamo.reset()
     model = build(layers, device)
     pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + 1, model.dtype) * 2, model.device, model.dtype)
-    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2, decode_kernel=True, merge=True,
+    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2, attention_kernel=True, merge=True,
                          compile="require")
     before, breaks = compiled.compilations(), compiled.graph_breaks()
     try:
@@ -365,6 +387,18 @@ def compiled_table(compiled: list[CompiledCounts], theirs: Counts, layers: int) 
     return "\n".join(lines)
 
 
+def mixed_table(through: Counts, gathered: Counts) -> str:
+    """A step of more than decode rows, eagerly (`count_mixed_step`): through the paged attention
+    kernel beside the gathered way."""
+    lines = ["", "A step of more than decode rows (2 decode rows beside a new row's prompt), eagerly, as inside the compiled "
+             "forward's opaque attention op:", "",
+             "| batches attend | non-GEMM / layer | GEMM / layer | fixed | around | model total |", "|---|---:|---:|---:|---:|---:|"]
+    for label, c in (("through the paged attention kernel", through), ("gathered, masked", gathered)):
+        layer, fixed, around = c.per_layer, split(c.fixed), split(c.around)
+        lines.append(f"| {label} | {layer.non_gemm} | {layer.gemm} | {fixed.non_gemm} + {fixed.gemm} | {sum(around)} | {c.total:,} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=LAYERS)
@@ -375,12 +409,15 @@ def main() -> None:
     # NOTE: transformers first: kvserve's runner merges the model's projections (server/engine/merged.py)
     theirs = [count_transformers_step(model, rows) for rows in args.rows]
     pairs = list(zip([count_decode_step(model, rows) for rows in args.rows], theirs))
+    mixed = count_mixed_step(model), count_mixed_step(model, kernel=False)
     compiled = count_compiled_steps(max(args.layers, 3))
     if args.json:
         print(json.dumps({**{str(o.rows): {"kvserve": o.as_dict(), "transformers": t.as_dict()} for o, t in pairs},
+                          "mixed": {"kernel": mixed[0].as_dict(), "gathered": mixed[1].as_dict()},
                           "compiled": [c.as_dict() for c in compiled]}, indent=2))
     else:
         print(table(pairs))
+        print(mixed_table(*mixed))
         print(compiled_table(compiled, pairs[0][1], args.layers))
 
 

@@ -63,7 +63,7 @@ class Metrics:
         build.info({"version": __version__, "python": platform.python_version(), **{p: _version(p) for p in ("torch", "transformers")}})
         self.engine_paths = Info(
             "kvserve_engine_paths",
-            "How each fast path runs (attention, decode_attention, merged, compile, cuda_graphs, overlap, cpu_linear, exact, "
+            "How each fast path runs (attention, paged_attention, merged, compile, cuda_graphs, overlap, cpu_linear, exact, "
             "speculative; experts, lora, recurrent where the model has them) and "
             "`fallbacks`: the paths running slower than asked (none: \"\").",
             registry=r,

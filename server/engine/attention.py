@@ -14,10 +14,11 @@ layer with query [1, H, N, D] and the new keys/values [1, Hkv, N, D]. The step's
   write the pool's trash block only, so padding never touches a slot a sequence reads. Fixed
   shapes for a given (B, max_blocks): the runner replays a decode batch from a CUDA graph. On
   CPU only when asked for (tests), since it gathers what the row path reads in place. Where
-  Triton runs (`Batch.kernel`), decode rows skip the gather: the paged decode kernel
-  (server/engine/paged_kernel.py) reads the pool in place through the block tables. A decode
-  batch's store and read are one opaque op, `torch.ops.kvserve.decode_attention`, which the
-  compiled decode forward (server/engine/compiled.py) calls as it is.
+  Triton runs (`Batch.kernel`), every batch skips the gather and the masks: the paged attention
+  kernel (server/engine/paged_kernel.py) reads the pool in place through the block tables,
+  each query masked to what it sees. A decode batch's store and read are one opaque op,
+  `torch.ops.kvserve.decode_attention`, which the compiled decode forward
+  (server/engine/compiled.py) calls as it is.
 * `Row`s, the row path (every row on CPU): any number of tokens, one attention call per row
   over a view of the row's own keys (a gather when its blocks are not consecutive), with a
   causal mask.
@@ -237,17 +238,30 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, groups: int, scal
             batch.tables, batch.positions, batch.token_slots, batch.masks.get(window), pool.format.name, pool.block_size,
             scale, softcap, None if sinks is None else sinks.view(kv_heads, groups), window, batch.kernel)
         return o.view(b, heads, value_dim)
-    pool.store(layer, batch.slots, k_new, v_new)
+    if batch.kernel and attend is _attend:  # multi-token rows: stored, then read in place by the kernel
+        paged_kernel.store_kv(k_new, v_new, pool.keys[layer], pool.values[layer], batch.slots)
+        o = paged_kernel.paged_attention(q, pool.keys[layer], pool.values[layer], batch.tables, batch.positions.view(b, t), pool.block_size,
+                                         scale, softcap, None if sinks is None else sinks.view(kv_heads, groups), window,
+                                         None if batch.reach is None else batch.reach.view(b, t))
+    else:
+        o = _attend_gathered(batch, layer, q, k_new, v_new, scale, softcap, sinks, attend)
+    # [B, Hkv, groups * T, Dv] -> [B * T, H, Dv]
+    return o.view(b, kv_heads, groups, t, value_dim).permute(0, 3, 1, 2, 4).reshape(b * t, heads, value_dim)
+
+
+def _attend_gathered(batch: Batch, layer: int, q, k_new, v_new, scale, softcap, sinks, attend) -> torch.Tensor:
+    """A multi-token batch's queries q [B, Hkv, groups * T, Dk] over their rows' keys gathered
+    from the pool by block table (the new ones [Hkv, B * T, Dk / Dv] stored first), under the
+    batch's masks -> [B, Hkv, groups * T, Dv]."""
+    b, t, window = batch.size, batch.width, batch.pool.layout.windows[layer]
+    batch.pool.store(layer, batch.slots, k_new, v_new)
     # [Hkv, B, L, D] -> [B, Hkv, L, D]
     k_rows, v_rows = (x.transpose(0, 1) for x in batch.pool.gather(layer, batch.token_slots))
     extra = {} if sinks is None else {"sinks": _sink_rows(sinks, t)}
     if attend is exact.attend:  # where the mask comes from: the kernel skips what a whole tile cannot see
-        o = attend(q, mla.meet(q, k_rows, v_rows), v_rows, batch.masks[window], scale, softcap, positions=batch.positions.view(b, t),
-                   window=window, **extra)
-    else:
-        o = attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, **extra)
-    # [B, Hkv, groups * T, Dv] -> [B * T, H, Dv]
-    return o.view(b, kv_heads, groups, t, value_dim).permute(0, 3, 1, 2, 4).reshape(b * t, heads, value_dim)
+        return attend(q, mla.meet(q, k_rows, v_rows), v_rows, batch.masks[window], scale, softcap, positions=batch.positions.view(b, t),
+                      window=window, **extra)
+    return attend(q, k_rows, v_rows, batch.masks[window], scale, softcap, **extra)
 
 
 def _write_and_read(row: Row, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, span: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -459,7 +473,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         kv.put_vectors(fmt, keys, key_scales, slots, key)
         kv.put_vectors(fmt, values, value_scales, slots, value)
     if kernel:
-        return paged_kernel.paged_decode(query, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
+        return paged_kernel.paged_attention(query, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
     # [Hkv, B, L, D] -> [B, Hkv, L, D]
     k_rows = kv.read_vectors(fmt, keys, key_scales, token_slots, query.dtype).transpose(0, 1)
     v_rows = kv.read_vectors(fmt, values, value_scales, token_slots, query.dtype).transpose(0, 1)

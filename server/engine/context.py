@@ -57,17 +57,18 @@ class Batch:
     `positions` [B * T] (each token's position; a padding token repeats its row's last one).
     `tokens` [B * T]: each token's index in the step's flattened batch (padding tokens: any);
     None for decode rows (T = 1), which come first in the flattened batch. `real` [R]: which of
-    the B * T are real tokens (None: all). `prepare` derives the gather index and the masks; in a
-    CUDA graph these are persistent buffers, refilled before each replay. `kernel`: decode rows
-    attend through the paged decode kernel (server/engine/paged_kernel.py), which reads the pool
-    in place by block table: no gather index, no masks."""
+    the B * T are real tokens (None: all). `reach` [B * T]: the last position each token sees
+    (None: its own). `prepare` derives the gather index and the masks; in a CUDA graph these
+    are persistent buffers, refilled before each replay. `kernel`: the rows attend through the
+    paged attention kernel (server/engine/paged_kernel.py), which reads the pool in place by
+    block table: no gather index, no masks."""
 
     def __init__(self, pool: kv.Pool, slots: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                  width: int = 1, tokens: torch.Tensor | None = None, real: torch.Tensor | None = None, kernel: bool = False,
                  reach: torch.Tensor | None = None) -> None:
         self.pool, self.slots, self.tables, self.positions = pool, slots, tables, positions
         self.width, self.tokens, self.real, self.reach = width, tokens, real, reach
-        self.kernel = kernel and width == 1
+        self.kernel = kernel
         self.token_slots: torch.Tensor | None = None
         self.targets: torch.Tensor | None = None  # tokens[real]: where the real outputs go
         self.masks: dict[int | None, torch.Tensor] = {}
@@ -78,8 +79,10 @@ class Batch:
 
     def prepare(self, dtype: torch.dtype, groups: int) -> None:
         """The gather index [B, L] and one additive mask [B, 1, groups * T, L] per window:
-        what a query sees (`visible`). Device ops only:
-        this runs inside graph capture. Nothing for the kernel's decode rows."""
+        what a query sees (`visible`), and where the real tokens' outputs go. Device ops only:
+        this runs inside graph capture. No index and no masks for the kernel's rows."""
+        if self.tokens is not None:
+            self.targets = self.tokens if self.real is None else self.tokens[self.real]
         if self.kernel:
             return
         bs = self.pool.block_size
@@ -94,8 +97,6 @@ class Batch:
             # a KV head's query heads side by side, as `_attend_batch` folds them (one query
             # per row: the same mask for each, broadcast)
             self.masks[window] = (mask.repeat(1, groups, 1) if self.width > 1 else mask)[:, None]
-        if self.tokens is not None:
-            self.targets = self.tokens if self.real is None else self.tokens[self.real]
 
 
 @dataclass

@@ -117,7 +117,7 @@ class ModelRunner:
 
     def __init__(self, model, pool: kv.Pool, *, max_context: int | None = None, packed: bool | None = True, cuda_graphs: bool = True,
                  max_rows: int = 64, paged: bool | None = None, exact: bool = False, adapters: lora.Adapters | None = None,
-                 decode_kernel: bool | None = None, merge: bool = False, compile: str = "off", overlap: bool | None = None,
+                 attention_kernel: bool | None = None, merge: bool = False, compile: str = "off", overlap: bool | None = None,
                  encoder: vision.Encoder | None = None, lockstep: lockstep.Leader | None = None) -> None:
         self.model = model
         # a tensor-parallel model's shard (server/sharding.py: local weights, its collectives in
@@ -134,13 +134,14 @@ class ModelRunner:
         self.merge = merge
         self.exact = exact  # exact mode (server/engine/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
-        # decode rows read the pool in place (server/engine/paged_kernel.py) rather than gathered:
-        # by default on CUDA where Triton runs, over plain storage, outside exact mode (its own kernel)
-        if decode_kernel is None:
-            decode_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not pool.format.quantized and not exact
-        elif decode_kernel and pool.format.quantized:  # it would read the codes as numbers, without their scales
-            raise ValueError(f"the paged decode kernel reads plain KV storage, not a {pool.format.name} pool")
-        self.decode_kernel = self.paged and decode_kernel
+        # the paged path's rows (decode rows, prefill chunks, forced and drafted tokens) read the pool
+        # in place (server/engine/paged_kernel.py) rather than gathered: by default on CUDA where
+        # Triton runs, over plain storage, outside exact mode (its own kernel)
+        if attention_kernel is None:
+            attention_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not pool.format.quantized and not exact
+        elif attention_kernel and pool.format.quantized:  # it would read the codes as numbers, without their scales
+            raise ValueError(f"the paged attention kernel reads plain KV storage, not a {pool.format.name} pool")
+        self.attention_kernel = self.paged and attention_kernel
         # whether `prepare` compiles the decode steps' forward (server/engine/compiled.py): `compile`
         # "require" on any device, "auto" on CUDA, "off" never; the app refuses to start without it
         # under "require"
@@ -546,7 +547,7 @@ class ModelRunner:
     def _decode_context(self, inputs: DecodeInputs, adapters: bool) -> StepContext:
         """A decode step's context over its inputs: its batch, the recurrent layers' rows, the
         rows' adapter slots where `adapters` (some row has one, or a graph is captured)."""
-        batch = Batch(self.pool, inputs.slots, inputs.tables, inputs.positions[0], kernel=self.decode_kernel)
+        batch = Batch(self.pool, inputs.slots, inputs.tables, inputs.positions[0], kernel=self.attention_kernel)
         states = recurrent.decode_rows(self.pool.states, inputs.states) if inputs.states is not None else None
         return self._context([], [batch], adapters=inputs.adapters if adapters else None, states=states)
 
@@ -598,7 +599,7 @@ class ModelRunner:
         positions, slots, tables = self._paged_inputs([r.kv for r in rows], counts, size, width, blocks)
         lists = {"positions": positions, "slots": slots, "tables": tables}
         if width == 1 and all(r.offset == i for i, r in enumerate(rows)):
-            return lists, lambda t: Batch(self.pool, t["slots"], t["tables"].view(size, blocks), t["positions"], kernel=self.decode_kernel)
+            return lists, lambda t: Batch(self.pool, t["slots"], t["tables"].view(size, blocks), t["positions"], kernel=self.attention_kernel)
         lists["tokens"] = [r.offset + min(t, r.n - 1) for r in rows for t in range(width)]
         lists["real"] = [i * width + t for i, r in enumerate(rows) for t in range(r.n)]
         every = len(lists["real"]) == len(lists["tokens"])
@@ -606,7 +607,7 @@ class ModelRunner:
             lists["reach"] = [r.reach[min(t, r.n - 1)] if r.reach is not None else p
                               for r, chunk in zip(rows, _chunks(positions, width)) for t, p in enumerate(chunk)]
         return lists, lambda t: Batch(self.pool, t["slots"], t["tables"].view(size, blocks), t["positions"], width, t["tokens"],
-                                      None if every else t["real"], reach=t.get("reach"))
+                                      None if every else t["real"], self.attention_kernel, t.get("reach"))
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, step: StepContext, keep: torch.Tensor | None,
                  model: Callable[..., object] | None = None, embeds: torch.Tensor | None = None,
@@ -753,8 +754,8 @@ class ModelRunner:
 
 def _attention(runner: ModelRunner) -> dict[str, str]:
     attention.enable(runner.model)
-    decode = "kernel" if runner.decode_kernel else "gather" if runner.paged else "n/a"
-    return {"attention": "paged" if runner.paged else "rows", "decode_attention": decode}
+    paged = "kernel" if runner.attention_kernel else "gather" if runner.paged else "n/a"
+    return {"attention": "paged" if runner.paged else "rows", "paged_attention": paged}
 
 
 def _differential(runner: ModelRunner) -> dict[str, str]:

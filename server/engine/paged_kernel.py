@@ -1,33 +1,36 @@
-"""Paged decode attention: one query token per row attends its keys where the KV pool holds
-them, through the row's block table, instead of gathering the whole bucket first.
+"""Paged attention: each row's queries attend its keys where the KV pool holds them, through
+the row's block table, instead of gathering the whole bucket first. Decode rows (one query
+each) and multi-token rows (prefill chunks, forced and drafted tokens: T queries each, padded
+alike) run the same kernels.
 
-Shapes (decode; a KV head's G query heads folded, as server/engine/attention.py folds them):
-q [B, Hkv, G, Dk]; the pool's keys [Hkv, S, Dk] and values [Hkv, S, Dv] of one layer (plain
-storage; S = (num_blocks + 1) * block_size slots); tables [B, max_blocks]; positions [B] ->
-out [B, Hkv, G, Dv] in q's dtype. Position p of row b lives at slot tables[b, p // block_size]
-* block_size + p % block_size; a query at position `pos` sees keys 0..pos, or with `window`
-those after pos - window (transformers' sliding rule), or with a negative one those of its own
-chunk of -window positions (Llama 4's chunked attention: `kv.Layout`). Over an MLA latent pool
-(one KV head: the rotary key as the key, the latent as the value) the absorbed query is
-[Dv | Dk] wide and meets both (`mla.meet`): the kernel reads each position's latent once, as
-key and as value.
+Shapes (a KV head's G query heads folded with a row's T tokens, as server/engine/attention.py
+folds them: query row g * T + t is head g at token t): q [B, Hkv, G * T, Dk]; the pool's keys
+[Hkv, S, Dk] and values [Hkv, S, Dv] of one layer (plain storage; S = (num_blocks + 1) *
+block_size slots); tables [B, max_blocks]; positions [B] (T = 1) or [B, T] -> out [B, Hkv,
+G * T, Dv] in q's dtype. Position p of row b lives at slot tables[b, p // block_size] *
+block_size + p % block_size; a query at position `pos` sees keys 0..pos (or 0..its reach: a
+picture that attends to itself whole), or with `window` those after pos - window
+(transformers' sliding rule), or with a negative one those of its own chunk of -window
+positions (Llama 4's chunked attention: `kv.Layout`). Over an MLA latent pool (one KV head:
+the rotary key as the key, the latent as the value) the absorbed query is [Dv | Dk] wide and
+meets both (`mla.meet`): the kernel reads each position's latent once, as key and as value.
 
-`torch.ops.kvserve.paged_decode` is an opaque custom op (a fake implementation gives
+`torch.ops.kvserve.paged_attention` is an opaque custom op (a fake implementation gives
 torch.compile its shape), so a compiled model calls it as it is, never specialising on the
 pool. On CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1, tests), it runs the
-Triton kernels below; elsewhere `paged_decode_reference`, the eager formula in float32.
+Triton kernels below; elsewhere `paged_attention_reference`, the eager formula in float32.
 
-A program is one (row, KV head) and one split of the row's context: its G query heads as the
-rows of one tile (`launch_constants`: at most ACCUMULATOR / Dv of them, more make more
-programs), its keys in tiles of BLOCK_N positions (a table look-up per position, so any block
-size works), FlashAttention's online softmax in float32. Only the tiles holding keys the query
-can see are walked (from the window's start to the row's position): the cost follows the tokens
-a row holds, not the bucket's max_blocks. A long context is split over several programs each
-walking a range of tiles (flash-decoding), whose partial states (max, sum, weighted values) a
-second small kernel merges, then adds the sinks (gpt-oss: a logit per query head in the
-denominator, no value). The split count depends on the static shapes only (B, Hkv, max_blocks,
-`splits`), so a CUDA graph captured for a bucket replays the same launches whatever the
-positions.
+A program is one (row, KV head), one tile of its query rows (`launch_constants`: at most
+ACCUMULATOR / Dv of them, more make more programs) and one split of the row's context: its
+keys in tiles of BLOCK_N positions (a table look-up per position, so any block size works),
+FlashAttention's online softmax in float32. Only the tiles holding keys some query of the
+tile can see are walked (from the earliest window's start to the latest position), each
+query masked to its own: the cost follows the tokens a row holds, not the bucket's
+max_blocks. A long context is split over several programs each walking a range of tiles
+(flash-decoding), whose partial states (max, sum, weighted values) a second small kernel
+merges, then adds the sinks (gpt-oss: a logit per query head in the denominator, no value).
+The split count depends on the static shapes only (B, Hkv, G * T, max_blocks, `splits`), so a
+CUDA graph captured for a bucket replays the same launches whatever the positions.
 """
 
 from __future__ import annotations
@@ -67,30 +70,29 @@ _jit = triton.jit if TRITON else (lambda fn: fn)
 
 
 @_jit
-def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr,
-            heads, groups, block_size, max_tokens, tiles_per_split, window, scale, softcap,
-            q_b, q_h, q_g, k_h, k_s, v_h, v_s, t_b, p_b, o_b, o_h, o_g,
-            DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, IEEE: tl.constexpr,
-            UPCAST: tl.constexpr, LATENT: tl.constexpr):
-    """Program (row x KV head, split, tile of BLOCK_M query heads): the visible key tiles of the
-    split's range. SPLIT: its state goes to the partial buffers [B * Hkv, splits, query heads
-    padded to whole tiles(, DV_P2)] for `_merge_splits`;
+def _attention(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, reach_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr,
+               heads, groups, width, block_size, max_tokens, tiles_per_split, window, scale, softcap,
+               q_b, q_h, q_m, k_h, k_s, v_h, v_s, t_b, p_b, p_t, r_b, r_t, o_b, o_h, o_m,
+               DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, IEEE: tl.constexpr,
+               UPCAST: tl.constexpr, LATENT: tl.constexpr):
+    """Program (row x KV head, split, tile of BLOCK_M query rows): the key tiles of the split's
+    range that some query of the tile sees. SPLIT: its state goes to the partial buffers
+    [B * Hkv, splits, query rows padded to whole tiles(, DV_P2)] for `_merge_splits`;
     otherwise (one split) it adds the sinks and writes the output. LATENT: an MLA latent pool
     (`mla.meet`): the query is [DV | DK] wide and meets each position's value (the latent) and
     key (the rotary key) side by side, so a tile's values are read once for both products."""
     row = tl.program_id(0).to(tl.int64)
     b, h = row // heads, row % heads
     split = tl.program_id(1).to(tl.int64)
-    pos = tl.load(pos_ptr + b * p_b).to(tl.int64)
-    first, last = _visible(pos, max_tokens, window)
-    lo = tl.maximum(first // BLOCK_N, split * tiles_per_split)
-    hi = tl.minimum(last // BLOCK_N + 1, (split + 1) * tiles_per_split)
-    g = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    live = g < groups
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = m < groups * width
+    first, last = _visible(pos_ptr + b * p_b, reach_ptr + b * r_b, m % width, p_t, r_t, live, max_tokens, window)
+    lo = tl.maximum(tl.min(first, 0) // BLOCK_N, split * tiles_per_split)
+    hi = tl.minimum(tl.max(last, 0) // BLOCK_N + 1, (split + 1) * tiles_per_split)
     dk = tl.arange(0, DK_P2)
     dv = tl.arange(0, DV_P2)
-    q_base = q_ptr + b * q_b + h * q_h + g[:, None] * q_g
+    q_base = q_ptr + b * q_b + h * q_h + m[:, None] * q_m
     if LATENT:
         q_latent = tl.load(q_base + dv[None, :], mask=live[:, None] & (dv[None, :] < DV), other=0.0)
         q = tl.load(q_base + DV + dk[None, :], mask=live[:, None] & (dk[None, :] < DK), other=0.0)
@@ -102,11 +104,11 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
     acc = tl.zeros([BLOCK_M, DV_P2], tl.float32)
     for tile in range(lo, hi):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        seen = (keys >= first) & (keys <= last)
-        block = tl.load(table_ptr + b * t_b + keys // block_size, mask=seen, other=0).to(tl.int64)
+        read = (keys >= tl.min(first, 0)) & (keys <= tl.max(last, 0))  # seen by some query of the tile
+        block = tl.load(table_ptr + b * t_b + keys // block_size, mask=read, other=0).to(tl.int64)
         slot = block * block_size + keys % block_size
-        kt = tl.load(k_base + slot[None, :] * k_s + dk[:, None], mask=seen[None, :] & (dk[:, None] < DK), other=0.0).to(q.dtype)
-        v_ptrs, v_mask = v_base + slot[:, None] * v_s + dv[None, :], seen[:, None] & (dv[None, :] < DV)
+        kt = tl.load(k_base + slot[None, :] * k_s + dk[:, None], mask=read[None, :] & (dk[:, None] < DK), other=0.0).to(q.dtype)
+        v_ptrs, v_mask = v_base + slot[:, None] * v_s + dv[None, :], read[:, None] & (dv[None, :] < DV)
         if LATENT:  # the latent is a key too: read before the scores, once
             v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(q.dtype)
             scores = (_dot(q_latent, tl.trans(v), IEEE, UPCAST) + _dot(q, kt, IEEE, UPCAST)) * scale
@@ -116,7 +118,8 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
             e = tl.exp(-2.0 * tl.abs(scores / softcap))
             t = (1.0 - e) / (1.0 + e)
             scores = softcap * tl.where(scores < 0, -t, t)
-        scores = tl.where(seen[None, :], scores, float("-inf"))
+        seen = (keys[None, :] >= first[:, None]) & (keys[None, :] <= last[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # nothing seen yet: weights 0, not NaN
         rescale = tl.exp(top - shift)
@@ -127,32 +130,33 @@ def _decode(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, top_ptr, total_ptr
         acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, IEEE, UPCAST)
         top = new_top
     if SPLIT:
-        part = (row * tl.num_programs(1) + split) * (tl.num_programs(2) * BLOCK_M) + g
+        part = (row * tl.num_programs(1) + split) * (tl.num_programs(2) * BLOCK_M) + m
         tl.store(top_ptr + part, top)
         tl.store(total_ptr + part, total)
         tl.store(acc_ptr + part[:, None] * DV_P2 + dv[None, :], acc)
     else:
-        _finish(out_ptr + b * o_b + h * o_h, sink_ptr + h * groups, g, dv, live, top, total, acc, o_g, DV, SINKS)
+        _finish(out_ptr + b * o_b + h * o_h, sink_ptr + h * groups, m, m // width, dv, live, top, total, acc, o_m, DV, SINKS)
 
 
 @_jit
-def _merge_splits(pos_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr, heads, groups, splits, max_tokens,
-                  tiles_per_split, window, p_b, o_b, o_h, o_g,
+def _merge_splits(pos_ptr, reach_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr, heads, groups, width, splits, max_tokens,
+                  tiles_per_split, window, p_b, p_t, r_b, r_t, o_b, o_h, o_m,
                   DV: tl.constexpr, DV_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINKS: tl.constexpr):
-    """Program (row x KV head, tile of BLOCK_M query heads): the states of the splits that saw
-    keys, merged, then the sinks and the output. The others were never walked: their buffers
-    are not read."""
+    """Program (row x KV head, tile of BLOCK_M query rows): the states of the splits that some
+    query of the tile saw keys in, merged, then the sinks and the output. The others were never
+    walked: their buffers are not read (a query that saw nothing in a walked split left a state
+    of no weight there)."""
     row = tl.program_id(0).to(tl.int64)
     b, h = row // heads, row % heads
-    pos = tl.load(pos_ptr + b * p_b).to(tl.int64)
-    first, last = _visible(pos, max_tokens, window)
-    g = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = m < groups * width
+    first, last = _visible(pos_ptr + b * p_b, reach_ptr + b * r_b, m % width, p_t, r_t, live, max_tokens, window)
     dv = tl.arange(0, DV_P2)
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_P2], tl.float32)
-    for split in range(first // BLOCK_N // tiles_per_split, last // BLOCK_N // tiles_per_split + 1):
-        part = (row * splits + split) * (tl.num_programs(1) * BLOCK_M) + g
+    for split in range(tl.min(first, 0) // BLOCK_N // tiles_per_split, tl.max(last, 0) // BLOCK_N // tiles_per_split + 1):
+        part = (row * splits + split) * (tl.num_programs(1) * BLOCK_M) + m
         s_top = tl.load(top_ptr + part)
         new_top = tl.maximum(top, s_top)
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)
@@ -160,7 +164,7 @@ def _merge_splits(pos_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr, heads
         total = total * mine + tl.load(total_ptr + part) * theirs
         acc = acc * mine[:, None] + tl.load(acc_ptr + part[:, None] * DV_P2 + dv[None, :]) * theirs[:, None]
         top = new_top
-    _finish(out_ptr + b * o_b + h * o_h, sink_ptr + h * groups, g, dv, g < groups, top, total, acc, o_g, DV, SINKS)
+    _finish(out_ptr + b * o_b + h * o_h, sink_ptr + h * groups, m, m // width, dv, live, top, total, acc, o_m, DV, SINKS)
 
 
 @_jit
@@ -177,29 +181,34 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @_jit
-def _visible(pos, max_tokens, window):
-    """The first and last key position a query at `pos` sees (window 0: none; > 0 sliding,
-    < 0 chunked: `context.first_visible`); the last within the bucket, so a bad position never
-    reads past its table."""
-    last = tl.minimum(pos, max_tokens - 1)
+def _visible(pos_base, reach_base, token, p_t, r_t, live, max_tokens, window):
+    """The first and last key position each query row sees (its token's `token` of the row's
+    positions at `pos_base`, seeing up to its reach at `reach_base`; window 0: none; > 0
+    sliding, < 0 chunked: `context.first_visible`); the last within the bucket, so a bad
+    position never reads past its table. A row past the tile's live ones sees nothing (first
+    past last)."""
+    pos = tl.load(pos_base + token * p_t, mask=live, other=0).to(tl.int64)
+    reach = tl.load(reach_base + token * r_t, mask=live, other=0).to(tl.int64)
+    last = tl.minimum(reach, max_tokens - 1)
     chunk = tl.maximum(-window, 1)
     first = tl.where(window > 0, tl.maximum(pos - window + 1, 0), tl.where(window < 0, pos - pos % chunk, 0))
-    return first, last
+    return tl.where(live, first, max_tokens), tl.where(live, last, -1)
 
 
 @_jit
-def _finish(out_base, sink_base, g, dv, live, top, total, acc, o_g, DV: tl.constexpr, SINKS: tl.constexpr):
-    """The output: the weighted values over the sum of weights, with each query head's sink
-    logit in the sum (SINKS; the max taken with it, so no weight overflows)."""
+def _finish(out_base, sink_base, m, head, dv, live, top, total, acc, o_m, DV: tl.constexpr, SINKS: tl.constexpr):
+    """The output of query rows `m`: the weighted values over the sum of weights, with the sink
+    logit of each row's query `head` in the sum (SINKS; the max taken with it, so no weight
+    overflows)."""
     if SINKS:
-        sink = tl.load(sink_base + g, mask=live, other=0.0).to(tl.float32)
+        sink = tl.load(sink_base + head, mask=live, other=0.0).to(tl.float32)
         new_top = tl.maximum(top, sink)
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)
         mine = tl.exp(top - shift)
         total = total * mine + tl.exp(sink - shift)
         acc = acc * mine[:, None]
     out = acc / tl.where(live & (total > 0), total, 1.0)[:, None]
-    tl.store(out_base + g[:, None] * o_g + dv[None, :], out.to(out_base.dtype.element_ty), mask=live[:, None] & (dv[None, :] < DV))
+    tl.store(out_base + m[:, None] * o_m + dv[None, :], out.to(out_base.dtype.element_ty), mask=live[:, None] & (dv[None, :] < DV))
 
 
 @_jit
@@ -217,21 +226,22 @@ def _store(key_ptr, value_ptr, keys_ptr, values_ptr, slot_ptr, kn_h, kn_b, vn_h,
     tl.store(values_ptr + h * v_h + slot * v_s + dv, value, mask=dv < DV)
 
 
-def split_count(batch: int, kv_heads: int, max_blocks: int, block_size: int, partition: int = PARTITION) -> int:
+def split_count(batch: int, kv_heads: int, max_blocks: int, block_size: int, partition: int = PARTITION, row_tiles: int = 1) -> int:
     """How many programs share a row's context: one per `partition` key positions of the
-    bucket, fewer where the rows alone make TARGET_PROGRAMS programs. Static shapes only (a
-    CUDA graph's launch grid must not depend on the positions)."""
+    bucket, fewer where the rows alone (B x Hkv x `row_tiles`, the tiles of a KV head's query
+    rows) make TARGET_PROGRAMS programs. Static shapes only (a CUDA graph's launch grid must
+    not depend on the positions)."""
     tiles = triton.cdiv(max_blocks * block_size, BLOCK_N)
     by_length = triton.cdiv(tiles * BLOCK_N, max(partition, BLOCK_N))
-    by_fill = triton.cdiv(TARGET_PROGRAMS, batch * kv_heads)
+    by_fill = triton.cdiv(TARGET_PROGRAMS, batch * kv_heads * row_tiles)
     return max(1, min(by_length, by_fill, tiles))
 
 
-def paged_decode_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
-                        block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                        window: int | None = None, splits: int | None = None) -> torch.Tensor:
-    """`paged_decode` by the Triton kernels (one launch, or two when split: `launches`)."""
-    out, steps = launches(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, splits)
+def paged_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                           block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                           window: int | None = None, reach: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """`paged_attention` by the Triton kernels (one launch, or two when split: `launches`)."""
+    out, steps = launches(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach, splits)
     for step in steps:
         step.kernel[step.grid](*step.args, **step.constants)
     return out
@@ -249,83 +259,93 @@ class Launch:
 
 def launches(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
              block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-             window: int | None = None, splits: int | None = None) -> tuple[torch.Tensor, list[Launch]]:
-    """The output [B, Hkv, G, Dv] of `paged_decode` and the launches that fill it: `_decode`,
-    then `_merge_splits` where the context is split (`splits`: how many programs share a
-    row's context, default `split_count`'s). bench/kernel_resources.py builds these same
+             window: int | None = None, reach: torch.Tensor | None = None, splits: int | None = None) -> tuple[torch.Tensor, list[Launch]]:
+    """The output [B, Hkv, G * T, Dv] of `paged_attention` and the launches that fill it:
+    `_attention`, then `_merge_splits` where the context is split (`splits`: how many programs
+    share a row's context, default `split_count`'s). bench/kernel_resources.py builds these same
     launches ahead of time for an H200."""
-    b, kv_heads, groups, _ = q.shape
+    b, kv_heads, rows, _ = q.shape
+    width = 1 if positions.dim() == 1 else positions.shape[1]
+    groups = rows // width
     dk, dv = keys.shape[-1], values.shape[-1]
     latent = _latent(q, keys, values)
     max_blocks = tables.shape[1]
+    reach = positions if reach is None else reach
     q, keys, values, tables = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, keys, values, tables))
-    out = torch.empty(b, kv_heads, groups, dv, device=q.device, dtype=q.dtype)
+    out = torch.empty(b, kv_heads, rows, dv, device=q.device, dtype=q.dtype)
     if b == 0:
         return out, []
-    splits = splits or split_count(b, kv_heads, max_blocks, block_size)
+    attend, merge = launch_constants(rows, dk, dv, q.dtype, latent=latent, split=False, softcap=softcap is not None, sinks=sinks is not None)
+    row_tiles = triton.cdiv(rows, attend["BLOCK_M"])
+    splits = splits or split_count(b, kv_heads, max_blocks, block_size, row_tiles=row_tiles)
     tiles = triton.cdiv(max_blocks * block_size, BLOCK_N)
     tiles_per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, tiles_per_split)  # none left empty by the rounding
-    split = splits > 1
-    decode, merge = launch_constants(groups, dk, dv, q.dtype, latent=latent, split=split, softcap=softcap is not None, sinks=sinks is not None)
-    head_tiles = triton.cdiv(groups, decode["BLOCK_M"])
+    attend["SPLIT"] = split = splits > 1
     if split:
-        top = torch.empty(b * kv_heads * splits * head_tiles * decode["BLOCK_M"], device=q.device, dtype=torch.float32)
+        top = torch.empty(b * kv_heads * splits * row_tiles * attend["BLOCK_M"], device=q.device, dtype=torch.float32)
         total = torch.empty_like(top)
-        acc = torch.empty(top.shape[0], decode["DV_P2"], device=q.device, dtype=torch.float32)
+        acc = torch.empty(top.shape[0], attend["DV_P2"], device=q.device, dtype=torch.float32)
     else:
         top = total = acc = out  # unused
     sink = sinks.to(device=q.device, dtype=torch.float32).reshape(kv_heads, groups).contiguous() if sinks is not None else out
     window = window or 0
-    steps = [Launch(_decode, (b * kv_heads, splits, head_tiles),
-                    (q, keys, values, tables, positions, out, top, total, acc, sink,
-                     kv_heads, groups, block_size, max_blocks * block_size, tiles_per_split, window, float(scale), float(softcap or 1.0),
-                     *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], tables.stride(0), positions.stride(0), *out.stride()[:3]),
-                    decode)]
+    # positions and reach [B] (one token a row: its stride 0) or [B, T]
+    where = (positions, reach, *(s for x in (positions, reach) for s in (x.stride(0), x.stride(1) if x.dim() > 1 else 0)))
+    steps = [Launch(_attention, (b * kv_heads, splits, row_tiles),
+                    (q, keys, values, tables, positions, reach, out, top, total, acc, sink,
+                     kv_heads, groups, width, block_size, max_blocks * block_size, tiles_per_split, window, float(scale), float(softcap or 1.0),
+                     *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], tables.stride(0), *where[2:], *out.stride()[:3]),
+                    attend)]
     if split:
-        steps.append(Launch(_merge_splits, (b * kv_heads, head_tiles),
-                            (positions, out, top, total, acc, sink, kv_heads, groups, splits, max_blocks * block_size,
-                             tiles_per_split, window, positions.stride(0), *out.stride()[:3]), merge))
+        steps.append(Launch(_merge_splits, (b * kv_heads, row_tiles),
+                            (*where[:2], out, top, total, acc, sink, kv_heads, groups, width, splits, max_blocks * block_size,
+                             tiles_per_split, window, *where[2:], *out.stride()[:3]), merge))
     return out, steps
 
 
-def launch_constants(groups: int, dk: int, dv: int, dtype: torch.dtype, *, latent: bool, split: bool, softcap: bool,
+def launch_constants(rows: int, dk: int, dv: int, dtype: torch.dtype, *, latent: bool, split: bool, softcap: bool,
                      sinks: bool) -> tuple[dict, dict]:
-    """The compile-time constants and launch options of `_decode` and of `_merge_splits` for G
-    query heads over keys dk and values dv wide in `dtype` (`launches`)."""
+    """The compile-time constants and launch options of `_attention` and of `_merge_splits` for
+    a KV head's `rows` query rows (its G query heads x the row's T tokens) over keys dk and
+    values dv wide in `dtype` (`launches`)."""
     ieee = dtype == torch.float32
     dk_p2, dv_p2 = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
     # at most an accumulator of ACCUMULATOR elements (and IEEE_HEADS in float32), at least tl.dot's smallest tile
-    heads = min(triton.next_power_of_2(groups), ACCUMULATOR // dv_p2)
+    heads = min(triton.next_power_of_2(rows), ACCUMULATOR // dv_p2)
     block_m = max(16, min(heads, IEEE_HEADS) if ieee else heads)
     # NOTE: float32's IEEE dots run on the FMA units, not tensor cores: with 4 warps their tiles
     # spill registers (sm_90 code built ahead of time), with 8 they fit; so does an accumulator
     # past 64 registers a thread at 4 warps
     warps = 8 if ieee or block_m * dv_p2 > ACCUMULATOR // 2 else 4
     merge = dict(DV=dv, DV_P2=dv_p2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SINKS=sinks, num_warps=warps)
-    decode = dict(merge, DK=dk, DK_P2=dk_p2, SPLIT=split, SOFTCAP=softcap, IEEE=ieee, UPCAST=INTERPRETED and dtype == torch.bfloat16,
+    attend = dict(merge, DK=dk, DK_P2=dk_p2, SPLIT=split, SOFTCAP=softcap, IEEE=ieee, UPCAST=INTERPRETED and dtype == torch.bfloat16,
                   LATENT=latent, num_stages=2)
-    return decode, merge
+    return attend, merge
 
 
-def paged_decode_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
-                           block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                           window: int | None = None) -> torch.Tensor:
-    """`paged_decode` as the eager formula in float32 over keys and values gathered by the
+def paged_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                              block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                              window: int | None = None, reach: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_attention` as the eager formula in float32 over keys and values gathered by the
     tables (the bucket's every position, masked)."""
-    b, kv_heads, groups, _ = q.shape
+    b, kv_heads, rows, _ = q.shape
+    width = 1 if positions.dim() == 1 else positions.shape[1]
+    groups = rows // width
     offsets = torch.arange(block_size, device=tables.device)
     slots = (tables[:, :, None] * block_size + offsets).flatten(1)  # [B, L]
     k_rows, v_rows = (x[:, slots].transpose(0, 1).float() for x in (keys, values))  # [B, Hkv, L, D]
     if _latent(q, keys, values):
         k_rows = torch.cat([v_rows, k_rows], dim=-1)
-    scores = torch.matmul(q.float(), k_rows.transpose(-2, -1)) * scale  # [B, Hkv, G, L]
+    scores = torch.matmul(q.float(), k_rows.transpose(-2, -1)) * scale  # [B, Hkv, G * T, L]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    allowed = context.visible(torch.arange(slots.shape[1], device=q.device)[None, :], positions[:, None], window)
-    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    # query row g * T + t: token t's position, for each of the G heads
+    per_row = [None if x is None else x.view(b, width).repeat(1, groups)[:, :, None] for x in (positions, reach)]
+    allowed = context.visible(torch.arange(slots.shape[1], device=q.device)[None, None, :], per_row[0], window, per_row[1])
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     if sinks is not None:
-        sink = sinks.float().reshape(1, kv_heads, groups, 1).expand(b, kv_heads, groups, 1)
+        sink = sinks.float().reshape(1, kv_heads, groups, 1).repeat_interleave(width, dim=2).expand(b, kv_heads, rows, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
@@ -372,17 +392,20 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values:
                           slots.stride(0), DK=dk, DV=dv, DK_P2=triton.next_power_of_2(dk), DV_P2=triton.next_power_of_2(dv))
 
 
-@torch.library.custom_op("kvserve::paged_decode", mutates_args=())
-def paged_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
-                 block_size: int, scale: float, softcap: float | None, sinks: torch.Tensor | None, window: int | None) -> torch.Tensor:
-    """q [B, Hkv, G, Dk] over one layer's pool keys [Hkv, S, Dk] / values [Hkv, S, Dv] through
-    `tables` [B, max_blocks] at `positions` [B] (see the module docstring) -> [B, Hkv, G, Dv] in
-    q's dtype. Padding rows (position 0, a table of trash blocks) give finite values."""
+@torch.library.custom_op("kvserve::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                    block_size: int, scale: float, softcap: float | None, sinks: torch.Tensor | None, window: int | None,
+                    reach: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hkv, G * T, Dk] over one layer's pool keys [Hkv, S, Dk] / values [Hkv, S, Dv]
+    through `tables` [B, max_blocks] at `positions` [B] (T = 1) or [B, T] (see the module
+    docstring; `reach` as positions: the last position each token sees, its own by default)
+    -> [B, Hkv, G * T, Dv] in q's dtype. Padding rows (position 0, a table of trash blocks)
+    give finite values."""
     if runs_triton(q.device):
-        return paged_decode_triton(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
-    return paged_decode_reference(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
+        return paged_attention_triton(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach)
+    return paged_attention_reference(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach)
 
 
-@paged_decode.register_fake
-def _(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window):
+@paged_attention.register_fake
+def _(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach=None):
     return q.new_empty(*q.shape[:-1], values.shape[-1])

@@ -93,20 +93,23 @@ def runner_for(model, *, compile: str, paged: bool | None = None, kv_dtype: str 
     return runner
 
 
-@pytest.mark.parametrize("family, packed, kv_dtype", [("qwen2", True, "fp8"), ("gemma2", None, "auto"), ("deepseek_v3", None, "auto")],
-                         ids=["qwen2-packed-fp8", "gemma2-dense", "deepseek_v3-mla-latent"])
-def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family, packed, kv_dtype, monkeypatch):
+@pytest.mark.parametrize("family, packed, kv_dtype, kernel", [("qwen2", True, "fp8", False), ("gemma2", None, "auto", True),
+                                                              ("deepseek_v3", None, "auto", False)],
+                         ids=["qwen2-packed-fp8", "gemma2-dense-kernel", "deepseek_v3-mla-latent"])
+def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family, packed, kv_dtype, kernel, monkeypatch):
     """qwen2: biased q/k/v merged, a sliding-window layer, the CPU's packed linear layers, fp8
-    KV (the store writes scales too); gemma2: soft-capping, alternating windows, dense weights;
-    deepseek_v3: MLA from its latent (server/engine/mla.py: the absorbing products inside the
-    graph). On the paged path (a GPU's), where the prompts' and the staggered steps (prefill
-    chunks beside decode rows, forced tokens) run compiled too. Against the same paged path run
-    eagerly, and against the row path the CPU serves by default."""
+    KV (the store writes scales too); gemma2: soft-capping, alternating windows, dense weights,
+    the paged attention kernel for every batch (`attention_kernel`, as on a GPU; on CPU under
+    Triton's interpreter); deepseek_v3: MLA from its latent (server/engine/mla.py: the absorbing
+    products inside the graph). On the paged path (a GPU's), where the prompts' and the
+    staggered steps (prefill chunks beside decode rows, forced tokens) run compiled too. Against
+    the same paged path run eagerly, and against the row path the CPU serves by default."""
     model = build(family)
     mla.configure(model)  # the latent where the model has MLA, as the server does
     torch._dynamo.reset()
     before, breaks = compiled.compilations(), compiled.graph_breaks()
-    fast = runner_for(model, compile="require", paged=True, packed=packed, kv_dtype=kv_dtype)
+    fast = runner_for(model, compile="require", paged=True, packed=packed, kv_dtype=kv_dtype, attention_kernel=kernel)
+    assert fast.paths["paged_attention"] == ("kernel" if kernel else "gather")
     assert fast.paths["compile"] == "decode+mixed", fast.fallbacks
     # the warm-up compiled the three graphs: the steps below add none, whatever their rows
     assert compiled.compilations() - before == 3
@@ -120,7 +123,7 @@ def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family,
     assert compiled.compilations() - before == 3, "a recompilation during the steps"
     assert compiled.graph_breaks() == breaks
     for paged in (True, None):
-        eager = runner_for(model, compile="off", paged=paged, packed=packed, kv_dtype=kv_dtype)
+        eager = runner_for(model, compile="off", paged=paged, packed=packed, kv_dtype=kv_dtype, attention_kernel=kernel)
         assert eager.paths["compile"] == "off"
         for rows in ROW_COUNTS:
             assert greedy_steps(eager, rows) == got[rows], (paged, rows)

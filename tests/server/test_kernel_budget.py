@@ -54,6 +54,22 @@ def test_the_kernels_of_a_decode_step_are_the_budget(counts, rows, part):
                     f'to these counts and say what lowered them in its "reason" (ops: {_ops(ops)}).')
 
 
+def test_the_kernels_of_a_mixed_step_are_the_budget():
+    """A step of more than decode rows, every batch through the paged attention kernel (a GPU's
+    way; what runs inside the compiled forward's opaque op): exactly its budget, per layer,
+    fixed and around, the same in every layer; fewer than the gathered way, in every part."""
+    model = kernels.build(LAYERS, DEVICE)
+    c, gathered = kernels.count_mixed_step(model), kernels.count_mixed_step(model, kernel=False)
+    budget = BUDGET["mixed"]
+    for part, ops in {"per_layer": c.layers[0], "fixed": c.fixed, "around": c.around}.items():
+        assert kernels.split(ops)._asdict() == budget[part], (f"the mixed step's {part}: {_ops(ops)}, the budget {budget[part]}: change "
+                                                             'the code or the budget in bench/kernel_budget.json, saying why in its "reason"')
+    assert all(layer == c.layers[0] for layer in c.layers)
+    assert c.layers[0]["paged_attention"] == 2 and "scaled_dot_product_attention" not in c.layers[0]
+    assert kernels.split(c.layers[0]).non_gemm < kernels.split(gathered.layers[0]).non_gemm
+    assert sum(c.around.values()) < sum(gathered.around.values())
+
+
 @pytest.fixture(scope="module")
 def compiled_counts() -> list[kernels.CompiledCounts]:
     return kernels.count_compiled_steps(3, DEVICE)

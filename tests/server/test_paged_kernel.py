@@ -26,13 +26,15 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 class Case:
-    """A random pool and a decode batch over it: `lengths[b]` tokens held by row b (its query
-    at position length - 1), None for a padding row (position 0, a table of trash blocks);
-    each row's blocks scattered over the pool's `num_blocks`, the trash block (the last) past
-    its end."""
+    """A random pool and a batch over it: `lengths[b]` tokens held by row b (its query at
+    position length - 1), None for a padding row (position 0, a table of trash blocks); each
+    row's blocks scattered over the pool's `num_blocks`, the trash block (the last) past its
+    end. `width` T: rows of T queries each (positions [B, T]), the last T of a row's tokens (a
+    row holding fewer repeats its last position, as a padding token does); None: one query a
+    row, positions [B]."""
 
     def __init__(self, lengths, groups=2, kv_heads=2, dk=32, dv=None, block_size=kv.BLOCK_SIZE, max_blocks=8, num_blocks=24,
-                 dtype=torch.float32, seed=0, softcap=None, sinks=False, window=None, latent=False):
+                 dtype=torch.float32, seed=0, softcap=None, sinks=False, window=None, latent=False, width=None):
         """`latent`: an MLA latent pool (`mla.meet`): keys are the rotary keys (dk), values the
         latent (dv), and the absorbed queries are dv + dk wide."""
         gen = torch.Generator().manual_seed(seed)
@@ -43,7 +45,8 @@ class Case:
         self.scale = (dk + dv if latent else dk) ** -0.5
         self.keys = torch.randn(kv_heads, slots, dk, generator=gen).to(DEVICE, dtype)
         self.values = torch.randn(kv_heads, slots, dv, generator=gen).to(DEVICE, dtype)
-        self.q = torch.randn(len(lengths), kv_heads, groups, dk + dv if latent else dk, generator=gen).to(DEVICE, dtype)
+        t = width or 1
+        self.q = torch.randn(len(lengths), kv_heads, groups * t, dk + dv if latent else dk, generator=gen).to(DEVICE, dtype)
         self.sinks = torch.randn(kv_heads, groups, generator=gen).to(DEVICE) if sinks else None
         tables = torch.full((len(lengths), max_blocks), num_blocks, dtype=torch.int64)
         for b, n in enumerate(lengths):
@@ -51,17 +54,20 @@ class Case:
                 used = -(-n // block_size)
                 tables[b, :used] = torch.randperm(num_blocks, generator=gen)[:used]
         self.tables = tables.to(DEVICE)
-        self.positions = torch.tensor([0 if n is None else n - 1 for n in lengths], dtype=torch.int64, device=DEVICE)
+        held = [n or 1 for n in lengths]
+        positions = [[max(n - t, 0) + min(i, n - 1) for i in range(t)] for n in held]
+        self.positions = torch.tensor(positions if width else [p[0] for p in positions], dtype=torch.int64, device=DEVICE)
+        self.reach = None
 
     def args(self):
         return (self.q, self.keys, self.values, self.tables, self.positions, self.block_size, self.scale, self.softcap,
-                self.sinks, self.window)
+                self.sinks, self.window, self.reach)
 
     def kernel(self, **kw):
-        return paged_kernel.paged_decode_triton(*self.args(), **kw)
+        return paged_kernel.paged_attention_triton(*self.args(), **kw)
 
     def reference(self):
-        return paged_kernel.paged_decode_reference(*self.args())
+        return paged_kernel.paged_attention_reference(*self.args())
 
 
 def assert_close(got, want):
@@ -162,7 +168,7 @@ def test_long_row_splits_by_default():
     max_blocks = paged_kernel.PARTITION // 16 + 4
     assert paged_kernel.split_count(1, 1, max_blocks, 16) == 2
     case = Case([max_blocks * 16 - 5], groups=2, kv_heads=1, dk=16, max_blocks=max_blocks, num_blocks=max_blocks + 4)
-    assert_close(torch.ops.kvserve.paged_decode(*case.args()), case.reference())
+    assert_close(torch.ops.kvserve.paged_attention(*case.args()), case.reference())
 
 
 def test_split_count_follows_static_shapes_only():
@@ -204,13 +210,79 @@ def test_a_latent_pool_is_read_as_the_gathered_path_meets_it():
     for splits in (1, 3):
         assert_close(case.kernel(splits=splits), want)
     with pytest.raises(ValueError, match="latent"):  # queries of neither width
-        paged_kernel.paged_decode_triton(case.q[..., :40], *case.args()[1:])
+        paged_kernel.paged_attention_triton(case.q[..., :40], *case.args()[1:])
+
+
+# -- rows of several tokens (prefill chunks, forced and drafted tokens) ------------------------------
+
+WIDE = ["gqa2", "gqa7-dk48-dv80", "window", "softcap", "sinks", "block4-all", "chunked", "latent", "latent-many-heads"]
+
+
+@pytest.mark.parametrize("name", WIDE)
+def test_rows_of_several_tokens_match_reference_fp32(name):
+    """T = 5 queries a row, each masked to its own position: causal among the row's new
+    tokens, windows and chunks moving with each, rows holding fewer than T (padding tokens)."""
+    config = CASES[name]
+    lengths = LENGTHS if config.get("block_size", 16) == 16 else [1, 4, 5, 14, 32, None]
+    case = Case(lengths, width=5, **config)
+    assert_close(case.kernel(), case.reference())
+
+
+@pytest.mark.parametrize("name", ["gqa7-dk48-dv80", "block4-all", "latent"])
+def test_rows_of_several_tokens_match_reference_bf16(name):
+    config = CASES[name]
+    lengths = LENGTHS if config.get("block_size", 16) == 16 else [1, 4, 5, 14, 32, None]
+    case = Case(lengths, width=3, dtype=torch.bfloat16, **config)
+    assert_close(case.kernel(), case.reference())
+
+
+def test_a_long_chunk_takes_several_tiles_of_query_rows_and_splits():
+    """A 40-token chunk over 2 query heads (80 rows: three tiles of 32 in float32) beside a
+    short row, the context split over 1, 2 or 4 programs: every split merges to the whole."""
+    case = Case([128, 41, 7, None], groups=2, width=40, window=50, sinks=True, softcap=8.0)
+    attend, _ = paged_kernel.launch_constants(80, 32, 32, torch.float32, latent=False, split=True, softcap=True, sinks=True)
+    assert attend["BLOCK_M"] == 32
+    whole = case.kernel(splits=1)
+    assert_close(whole, case.reference())
+    for splits in (2, 4):
+        torch.testing.assert_close(case.kernel(splits=splits), whole, atol=1e-6, rtol=1e-6)
+
+
+def test_one_token_a_row_as_a_column_of_positions_is_decode():
+    """Positions [B, 1] and positions [B] are the same launch's data: the same result, bit for bit."""
+    case = Case(LENGTHS, groups=3, sinks=True, window=20)
+    decode = case.kernel()
+    case.positions = case.positions[:, None]
+    torch.testing.assert_close(case.kernel(), decode, atol=0, rtol=0)
+
+
+def test_rows_of_several_tokens_match_the_gathered_bucket_path():
+    """What the kernel replaces for multi-token rows: `_attend` over keys gathered by the
+    tables, under `Batch.prepare`'s mask (each query's positions, a KV head's query heads side
+    by side) and `_sink_rows`' sinks; with a reach (a picture's tokens see its last)."""
+    from server.engine.attention import _sink_rows
+    from server.engine.context import visible
+
+    groups, t = 3, 4
+    case = Case([9, 33, 64, None], groups=groups, width=t, window=30, softcap=6.0, sinks=True)
+    bs = case.block_size
+    slots = (case.tables[:, :, None] * bs + torch.arange(bs, device=DEVICE)).flatten(1)
+    k_rows, v_rows = (x[:, slots].transpose(0, 1) for x in (case.keys, case.values))  # [B, Hkv, L, D]
+    keys = torch.arange(slots.shape[1], device=DEVICE)[None, None, :]
+    sinks = _sink_rows(case.sinks.view(2, groups, 1), t)
+    for reach in (None, case.positions.max(1, keepdim=True).values.expand(-1, t)):
+        case.reach = reach
+        allowed = visible(keys, case.positions[:, :, None], case.window, None if reach is None else reach[:, :, None])
+        mask = additive(allowed, case.q.dtype).repeat(1, groups, 1)[:, None]
+        want = _attend(case.q, k_rows, v_rows, mask, case.scale, case.softcap, sinks)
+        assert_close(case.kernel(), want)
+        assert_close(case.reference(), want)
 
 
 def test_op_dispatch(monkeypatch):
     """The op runs the kernel here, and the reference on CPU without the interpreter."""
     case = Case([20, 50], groups=2)
-    op = torch.ops.kvserve.paged_decode
+    op = torch.ops.kvserve.paged_attention
     torch.testing.assert_close(op(*case.args()), case.kernel(), atol=0, rtol=0)
     if DEVICE.type == "cpu":
         monkeypatch.delenv("TRITON_INTERPRET")
@@ -221,7 +293,7 @@ def test_op_dispatch(monkeypatch):
 def test_opcheck():
     """The op's schema, fake implementation and autograd registration agree with its runs."""
     case = Case([5, 20], groups=2, dk=16, max_blocks=2, sinks=True)
-    torch.library.opcheck(torch.ops.kvserve.paged_decode.default, case.args(),
+    torch.library.opcheck(torch.ops.kvserve.paged_attention.default, case.args(),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
@@ -243,7 +315,7 @@ def test_compiles_as_one_opaque_op():
     bs, scale = case.block_size, case.scale
 
     def step(q, keys, values, tables, positions):
-        out = torch.ops.kvserve.paged_decode(q * 2, keys, values, tables, positions, bs, scale, 5.0, None, None)
+        out = torch.ops.kvserve.paged_attention(q * 2, keys, values, tables, positions, bs, scale, 5.0, None, None)
         return out.sum(-1)
 
     torch._dynamo.reset()
@@ -251,7 +323,7 @@ def test_compiles_as_one_opaque_op():
     args = case.args()[:5]
     torch.testing.assert_close(compiled(*args), step(*args))
     (graph,) = graphs
-    calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is torch.ops.kvserve.paged_decode.default]
+    calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target is torch.ops.kvserve.paged_attention.default]
     assert len(calls) == 1
     assert math.isclose(calls[0].args[6], scale)
 
@@ -260,12 +332,14 @@ def test_compiles_as_one_opaque_op():
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2", "gpt_oss", "llama4_text", "deepseek_v3"])
-def test_the_runner_decodes_through_the_kernel_as_through_the_gather(family):
-    """The paged path's decode rows (bucket-padded, from the persistent buffers: the body a CUDA
-    graph replays) attend through the kernel (`decode_kernel=True`; under the interpreter on
-    CPU) and give the gather path's greedy tokens, with logits within float32 rounding: GQA,
-    sliding windows past their length, Gemma 2's soft-capping, gpt-oss's sinks, Llama 4's
-    chunks, DeepSeek-V3's MLA latent. Three rows of different lengths, one crossing a block
+def test_the_runner_attends_through_the_kernel_as_through_the_gather(family):
+    """The paged path's rows attend through the kernel (`attention_kernel=True`; under the
+    interpreter on CPU) and give the gather path's greedy tokens, with logits within float32
+    rounding: prompts in one step (rows of several tokens, padded to the widest), decode steps
+    (bucket-padded, from the persistent buffers: the body a CUDA graph replays), and mixed
+    steps where a decode row runs beside a row verifying 3 drafted tokens and a new prompt's
+    chunk. GQA, sliding windows past their length, Gemma 2's soft-capping, gpt-oss's sinks,
+    Llama 4's chunks, DeepSeek-V3's MLA latent. Rows of different lengths, one crossing a block
     boundary while it decodes."""
     from bench import architectures
     from cache_manager import kv
@@ -277,20 +351,29 @@ def test_the_runner_decodes_through_the_kernel_as_through_the_gather(family):
     if family == "deepseek_v3":
         assert mla.configure(model, "latent") == "latent" and kv.layout(model.config).latent
     prompts = [list(range(3 + r, 3 + r + n)) for r, n in enumerate((5, 14, 30))]
+    late = list(range(40, 61))  # a prompt arriving later, in chunks of 8 beside the others
     runs = {}
     for kernel in (False, True):
         pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, model.dtype) * 4, model.device, model.dtype)
-        runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=4, decode_kernel=kernel)
-        assert runner.decode_kernel is kernel
-        caches = [pool.allocate(64) for _ in prompts]
+        runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=4, attention_kernel=kernel)
+        assert runner.attention_kernel is kernel
+        caches = [pool.allocate(64) for _ in range(4)]
         logits = runner.forward([Row(c, len(p)) for c, p in zip(caches, prompts)], [t for p in prompts for t in p], [0, 1, 2])
-        tokens, steps = [logits.argmax(-1).tolist()], []
-        for _ in range(6):
-            logits = runner.forward([Row(c, 1) for c in caches], tokens[-1], [0, 1, 2])
+        tokens, steps = [logits.argmax(-1).tolist()], [logits]
+        for _ in range(4):
+            logits = runner.forward([Row(c, 1) for c in caches[:3]], tokens[-1], [0, 1, 2])
             steps.append(logits)
             tokens.append(logits.argmax(-1).tolist())
-        assert runner.paths["decode_attention"] == ("kernel" if kernel else "gather")
-        runs[kernel] = tokens, torch.stack(steps)
+        for chunk in range(0, len(late), 8):  # row 0 decodes, row 1 verifies 3 drafts, row 3's prompt goes on
+            part = late[chunk : chunk + 8]
+            drafts = [tokens[-1][1], 7, 9]
+            rows = [Row(caches[0], 1), Row(caches[1], 3), Row(caches[3], len(part))]
+            logits = runner.forward(rows, [tokens[-1][0], *drafts, *part], [0, 1, 2], [1, 3, 1])
+            steps.append(logits)
+            tokens.append(logits.argmax(-1).tolist())
+            kv.crop(caches[1], caches[1].length - 2)  # two drafts rejected
+        assert runner.paths["paged_attention"] == ("kernel" if kernel else "gather")
+        runs[kernel] = tokens, torch.cat(steps)
         for c in caches:
             kv.free(c)
     assert runs[True][0] == runs[False][0]
@@ -299,7 +382,7 @@ def test_the_runner_decodes_through_the_kernel_as_through_the_gather(family):
 
 def test_the_kernel_asked_for_over_a_quantized_pool_is_refused():
     """An fp8 or int8 pool holds codes and scales: the kernel reads plain storage, so asking for
-    it over one (`decode_kernel=True`) is refused, not read as numbers; by default such a pool
+    it over one (`attention_kernel=True`) is refused, not read as numbers; by default such a pool
     takes the gather path, which dequantizes."""
     from bench import architectures
     from server.engine.model_runner import ModelRunner
@@ -308,8 +391,8 @@ def test_the_kernel_asked_for_over_a_quantized_pool_is_refused():
     for kv_dtype in ("fp8", "int8"):
         pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, model.dtype, kv_dtype) * 2, model.device, model.dtype, kv_dtype=kv_dtype)
         with pytest.raises(ValueError, match=f"not a {kv_dtype} pool"):
-            ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2, decode_kernel=True)
-        assert not ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2).decode_kernel
+            ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2, attention_kernel=True)
+        assert not ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2).attention_kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -343,9 +426,10 @@ def test_the_store_kernel_writes_what_two_index_copies_write(dtype, monkeypatch)
 
 
 def test_the_kernels_fit_an_h200s_shared_memory():
-    """The paged decode kernels built ahead of time for sm_90 by Triton's compiler and ptxas
+    """The paged attention kernels built ahead of time for sm_90 by Triton's compiler and ptxas
     (no GPU needed: bench/kernel_resources.py) as they launch for a dense model and for
-    DeepSeek-V3's latent (128 query heads on one KV head, 512 wide), in bf16 and float32: every
+    DeepSeek-V3's latent (128 query heads on one KV head, 512 wide), in bf16 and float32, over
+    decode rows and over a chunk's rows (a tile of query rows as full as it gets): every
     program fits the shared memory one block may have, so none fails at its first launch on
     the card, and in bf16 (what the card serves) none spills registers. One program of all 128
     heads asked 385 KB in float32; 64 heads a program spilled 4 KB a thread in bf16."""
@@ -366,8 +450,11 @@ def test_the_kernels_fit_an_h200s_shared_memory():
     assert run.returncode == 0, run.stderr[-3000:]
     figures = json.loads(run.stdout.strip().splitlines()[-1])
     assert sorted(figures) == sorted(shapes)
-    for name, got in figures.items():
-        for kernel in ("decode", "merge"):
-            assert got[kernel]["registers"] > 0 and got[kernel]["shared"] <= SHARED_LIMIT, (name, kernel, got[kernel])
-            assert name.endswith("fp32") or got[kernel]["spilled"] == 0, (name, kernel, got[kernel])
-    assert figures["deepseek-v3-latent-fp32"]["heads_a_program"] < 128
+    for name, both in figures.items():
+        assert sorted(both) == ["chunk", "decode"]
+        for rows, got in both.items():
+            for kernel in ("attention", "merge"):
+                k = got[kernel]
+                assert k["registers"] > 0 and k["shared"] <= SHARED_LIMIT, (name, rows, kernel, k)
+                assert name.endswith("fp32") or k["spilled"] == 0, (name, rows, kernel, k)
+    assert figures["deepseek-v3-latent-fp32"]["decode"]["rows_a_program"] < 128

@@ -150,15 +150,20 @@ def test_m_rope_positions_are_transformers_own_through_chunks_and_paged_decode(f
     assert got == reference(reference_model, processor, messages, pictures, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["rows", "paged"])
-def test_a_gemma3_picture_attends_to_itself_whole(tokenizer, paged):
+@pytest.mark.parametrize("path", ["rows", "paged", "paged-kernel"])
+def test_a_gemma3_picture_attends_to_itself_whole(tokenizer, path):
     """Gemma 3's picture attends to itself whole (transformers' token_type_ids blocks): the KV
     kvserve leaves in the pool, prefilled in chunks of 3 (each ending outside a picture: a
     4-token picture is taken whole), is transformers' own with the blocks, and measurably not
     the causal one (a random model's greedy tokens barely feel the difference; its second
-    layer's keys at the pictures do)."""
+    layer's keys at the pictures do). On the row path, the paged path's gathered bucket, and
+    the paged attention kernel (a query's reach: server/engine/paged_kernel.py)."""
     from cache_manager import kv
+    from server.engine import paged_kernel
     from server.engine.model_runner import ModelRunner
+
+    if path == "paged-kernel" and not paged_kernel.runs_triton(DEVICE):
+        pytest.skip(f"no Triton kernel on {DEVICE} (no Triton, or no interpreter)")
     from server.engine.scheduler import Plan, ScheduledRow
     from server.engine.sequence import Sequence
 
@@ -174,7 +179,8 @@ def test_a_gemma3_picture_attends_to_itself_whole(tokenizer, paged):
         blocks = model(**inputs, use_cache=True).past_key_values.layers[1].keys
         causal = model(**{k: v for k, v in inputs.items() if k != "token_type_ids"}, use_cache=True).past_key_values.layers[1].keys
     pool = kv.Pool(model.config, kv.bytes_for(model.config, 4 * len(ids), model.dtype), DEVICE, model.dtype)
-    runner = ModelRunner(model, pool, paged=paged, cuda_graphs=False, packed=None, overlap=False, encoder=encoder)
+    runner = ModelRunner(model, pool, paged=path != "rows", cuda_graphs=False, packed=None, overlap=False, encoder=encoder,
+                         attention_kernel=path == "paged-kernel")
     seq = Sequence(GenerationRequest("g", ids, SamplingParams(max_tokens=1), images=spans), processor.tokenizer, DEVICE)
     seq.cache = pool.allocate(len(ids))
     chunks = []
@@ -182,6 +188,7 @@ def test_a_gemma3_picture_attends_to_itself_whole(tokenizer, paged):
         chunks.append(seq.fit(min(3, len(ids) - seq.n_computed)))
         runner.run(Plan([ScheduledRow(seq, chunks[-1])]))
     assert 4 in chunks  # a picture taken whole past the chunk size
+    assert runner.paths["paged_attention"] == {"rows": "n/a", "paged": "gather", "paged-kernel": "kernel"}[path]
     got = kv.read(seq.cache, 1, 0, len(ids))[0].float()
     scale = float(blocks.abs().max())
     assert float((got - blocks.float()).abs().max()) <= (1e-4 if DTYPE == torch.float32 else 0.05) * scale
