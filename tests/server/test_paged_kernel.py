@@ -279,6 +279,16 @@ def test_rows_of_several_tokens_match_the_gathered_bucket_path():
         assert_close(case.reference(), want)
 
 
+@pytest.mark.parametrize("width", [1, 3])
+def test_the_layer_benchmark_compares_like_with_like(width):
+    """bench/paged_attention.py (the kernel against the gathered way, ready for a GPU) runs a
+    decode batch and a multi-token one here, and its two ways agree."""
+    from bench import paged_attention
+
+    got = paged_attention.measure("tiny", 2, width, 20, DEVICE, torch.float32, reps=1)
+    assert got["max_diff"] < 1e-5 and got["kernel_us"] > 0 and got["gathered_us"] > 0
+
+
 def test_op_dispatch(monkeypatch):
     """The op runs the kernel here, and the reference on CPU without the interpreter."""
     case = Case([20, 50], groups=2)
