@@ -182,11 +182,11 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @_jit
 def _visible(pos_base, reach_base, token, p_t, r_t, live, max_tokens, window):
-    """The first and last key position each query row sees (its token's `token` of the row's
-    positions at `pos_base`, seeing up to its reach at `reach_base`; window 0: none; > 0
-    sliding, < 0 chunked: `context.first_visible`); the last within the bucket, so a bad
-    position never reads past its table. A row past the tile's live ones sees nothing (first
-    past last)."""
+    """The first and last key position each query row sees, by the position and the reach of
+    its `token` (the row's at `pos_base` and `reach_base`; window 0: none; > 0 sliding, < 0
+    chunked: `context.first_visible`); the last within the bucket, so a bad position never
+    reads past its table. A query row that is not `live` sees nothing (its first past its
+    last), so it widens no tile's walk."""
     pos = tl.load(pos_base + token * p_t, mask=live, other=0).to(tl.int64)
     reach = tl.load(reach_base + token * r_t, mask=live, other=0).to(tl.int64)
     last = tl.minimum(reach, max_tokens - 1)
