@@ -28,7 +28,8 @@ SHARED_LIMIT = 227 * 1024  # sm_90's most shared memory for one block (opted in)
 ARCH = 90
 
 # name: (query heads per KV head, key width, value width, dtype, extras); a latent pool's key is
-# the rotary key and its value the latent (server/engine/mla.py)
+# the rotary key and its value the latent (server/engine/mla.py); "kv": the pool's format
+# (`kv.KV_DTYPES`: fp8 codes and a scale a slot)
 SHAPES = {
     "qwen2.5-1.5b": (6, 128, 128, torch.bfloat16, {}),
     "qwen2.5-32b": (5, 128, 128, torch.bfloat16, {}),
@@ -38,6 +39,8 @@ SHAPES = {
     "falcon-7b-mqa": (71, 64, 64, torch.bfloat16, {}),
     "deepseek-v2-lite-latent": (16, 64, 512, torch.bfloat16, dict(latent=True)),
     "deepseek-v3-latent": (128, 64, 512, torch.bfloat16, dict(latent=True)),
+    "qwen2.5-32b-fp8-kv": (5, 128, 128, torch.bfloat16, dict(kv="fp8")),
+    "deepseek-v3-latent-fp8-kv": (128, 64, 512, torch.bfloat16, dict(latent=True, kv="fp8")),
     "qwen2.5-32b-fp32": (5, 128, 128, torch.float32, {}),
     "deepseek-v3-latent-fp32": (128, 64, 512, torch.float32, dict(latent=True)),
 }
@@ -85,19 +88,21 @@ def build(launch) -> dict:
 def measure(name: str, width: int = 1) -> dict:
     """Both kernels of a split step for SHAPES[name] (the superset of an unsplit one), launched
     over one row of `width` tokens in a pool of BLOCKS blocks, built but not run."""
-    from cache_manager.kv import BLOCK_SIZE
+    from cache_manager.kv import BLOCK_SIZE, SCALE_DTYPE, kv_format
     from server.engine import paged_kernel
 
     groups, dk, dv, dtype, extras = SHAPES[name]
     latent = extras.get("latent", False)
     kv_heads = 1 if latent else 2
     q = torch.zeros(1, kv_heads, groups * width, dk + dv if latent else dk, dtype=dtype)
-    keys = torch.zeros(kv_heads, (BLOCKS + 1) * BLOCK_SIZE, dk, dtype=dtype)
-    values = torch.zeros(kv_heads, (BLOCKS + 1) * BLOCK_SIZE, dv, dtype=dtype)
+    fmt = kv_format(extras.get("kv", "auto"))
+    slots = (BLOCKS + 1) * BLOCK_SIZE
+    keys, values = (torch.zeros(kv_heads, slots, d, dtype=fmt.storage_dtype(dtype)) for d in (dk, dv))
+    scales = [torch.zeros(kv_heads, slots, dtype=SCALE_DTYPE) for _ in range(2)] if fmt.quantized else [None, None]
     tables, positions = torch.zeros(1, BLOCKS, dtype=torch.long), torch.zeros(1, width, dtype=torch.long)
     sinks = torch.zeros(kv_heads * groups) if extras.get("sinks") else None
     _, (attend, merge) = paged_kernel.launches(q, keys, values, tables, positions, BLOCK_SIZE, 0.1, 50.0 if extras.get("softcap") else None,
-                                               sinks, splits=2)
+                                               sinks, None, None, *scales, fmt.name, splits=2)
     return {"rows_a_program": attend.constants["BLOCK_M"], "attention": build(attend), "merge": build(merge)}
 
 

@@ -3,7 +3,7 @@ gathered way it replaces, in the same run, for decode rows and for rows of sever
 (drafted or forced tokens, prefill chunks) over contexts the rows already hold.
 
     .venv/bin/python -m bench.paged_attention [--shape qwen1.5b] [--rows 1 8 64] [--widths 1 4 64]
-                                              [--contexts 512 4096] [--reps 50] [--device cuda]
+                                              [--contexts 512 4096] [--kv-dtype auto] [--reps 50] [--device cuda]
 
 Each case is B rows holding `context` tokens each, T new tokens a row: the layer's store of
 their keys and values and their attention, as `attention._attend_batch` runs it for one
@@ -12,7 +12,9 @@ masks of `Batch.prepare` (built once a step, timed with the layer: a step of L l
 once, so the figure overstates them L-fold at most) and the whole bucket gathered and attended
 under the mask; kernel: the pool read in place (server/engine/paged_kernel.py). Printed: the
 median microseconds of each and the kernel's over the gathered, with the largest difference of
-their outputs (same keys, same queries; float32 rounding in bf16 apart).
+their outputs (same keys, same queries; float32 rounding in bf16 apart). `--kv-dtype fp8` (or
+int8): the pool holds codes and scales, which the gathered way dequantizes for the whole bucket
+and the kernel reads in place.
 
 On a GPU the figures are the kernel's point; on CPU the op runs its reference (or Triton's
 interpreter), so the times say nothing and the run is a check that the two agree.
@@ -41,13 +43,15 @@ def config_for(shape: str):
                                 num_key_value_heads=kv_heads, intermediate_size=64, vocab_size=64)
 
 
-def case(config, rows: int, width: int, context: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """A pool whose B rows hold `context` random keys and values each, and the step's new
-    tokens: (pool, caches, a batch builder by `kernel`, query [H, N, D], key and value [Hkv, N, D])."""
+def case(config, rows: int, width: int, context: int, device: torch.device, dtype: torch.dtype, kv_dtype: str = "auto", seed: int = 0):
+    """A pool (in `kv_dtype`) whose B rows hold `context` random keys and values each, and the
+    step's new tokens: (pool, caches, a batch builder by `kernel`, query [H, N, D], key and
+    value [Hkv, N, D])."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    pool = kv.Pool(config, kv.bytes_for(config, context + width, dtype) * rows, device, dtype)
-    for x in (pool.keys[0], pool.values[0]):
-        x.copy_(torch.randn(x.shape, generator=gen, device=device, dtype=torch.float32))
+    pool = kv.Pool(config, kv.bytes_for(config, context + width, dtype, kv_dtype) * rows, device, dtype, kv_dtype=kv_dtype)
+    every = slice(0, pool.keys[0].shape[1])
+    pool.store(0, every, *(torch.randn(x.shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+                            for x in (pool.keys[0], pool.values[0])))
     caches = [pool.allocate(context + width) for _ in range(rows)]
     bs, trash = pool.block_size, pool.trash_block
     blocks = kv.blocks_for(context + width, bs)
@@ -90,9 +94,10 @@ def timed(run, device: torch.device, reps: int) -> float:
 
 
 @torch.inference_mode()
-def measure(shape: str, rows: int, width: int, context: int, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
+def measure(shape: str, rows: int, width: int, context: int, device: torch.device, dtype: torch.dtype, reps: int,
+            kv_dtype: str = "auto") -> dict:
     config = config_for(shape)
-    pool, caches, batch, query, key, value = case(config, rows, width, context, device, dtype)
+    pool, caches, batch, query, key, value = case(config, rows, width, context, device, dtype, kv_dtype)
     try:
         gathered, through = batch(False), batch(True)
         out = {name: layer(pool, b, query, key, value) for name, b in (("gathered", gathered), ("kernel", through))}
@@ -113,19 +118,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 64])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--kv-dtype", choices=sorted(kv.KV_DTYPES), default="auto")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (times meaningless: the kernel runs its reference or Triton's interpreter)"
-    print(f"{args.shape} {SHAPES[args.shape]} (query heads, KV heads, width), {args.dtype}, {name}")
+    print(f"{args.shape} {SHAPES[args.shape]} (query heads, KV heads, width), {args.dtype}, KV {args.kv_dtype}, {name}")
     print("| rows | tokens a row | context | gathered µs | kernel µs | kernel / gathered | max diff |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for context in args.contexts:
         for width in args.widths:
             for rows in args.rows:
-                r = measure(args.shape, rows, width, context, device, dtype, args.reps)
+                r = measure(args.shape, rows, width, context, device, dtype, args.reps, args.kv_dtype)
                 print(f"| {rows} | {width} | {context} | {r['gathered_us']:.0f} | {r['kernel_us']:.0f} | {r['ratio']:.2f} | {r['max_diff']:.1e} |")
 
 

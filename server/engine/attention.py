@@ -239,10 +239,11 @@ def _attend_batch(batch: Batch, layer: int, query, key, value, groups: int, scal
             scale, softcap, None if sinks is None else sinks.view(kv_heads, groups), window, batch.kernel)
         return o.view(b, heads, value_dim)
     if batch.kernel and attend is _attend:  # multi-token rows: stored, then read in place by the kernel
-        paged_kernel.store_kv(k_new, v_new, pool.keys[layer], pool.values[layer], batch.slots)
-        o = paged_kernel.paged_attention(q, pool.keys[layer], pool.values[layer], batch.tables, batch.positions.view(b, t), pool.block_size,
-                                         scale, softcap, None if sinks is None else sinks.view(kv_heads, groups), window,
-                                         None if batch.reach is None else batch.reach.view(b, t))
+        stored = pool.keys[layer], pool.values[layer], pool.key_scales[layer], pool.value_scales[layer]
+        _store(pool.format, *stored, batch.slots, k_new, v_new, kernel=True)
+        o = paged_kernel.paged_attention(q, *stored[:2], batch.tables, batch.positions.view(b, t), pool.block_size, scale, softcap,
+                                         None if sinks is None else sinks.view(kv_heads, groups), window,
+                                         None if batch.reach is None else batch.reach.view(b, t), *stored[2:], pool.format.name)
     else:
         o = _attend_gathered(batch, layer, q, k_new, v_new, scale, softcap, sinks, attend)
     # [B, Hkv, groups * T, Dv] -> [B * T, H, Dv]
@@ -448,6 +449,17 @@ def _attend(q, keys, values, mask, scale, softcap, sinks=None):
     return torch.matmul(probs.to(q.dtype), values)
 
 
+def _store(fmt, keys, values, key_scales, value_scales, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel: bool) -> None:
+    """New keys [Hkv, N, Dk] and values [Hkv, N, Dv] into one layer's pool storage at `slots`
+    [N], quantized to `fmt`: where the kernels run (`kernel`) a plain pool's K and V stores are
+    one launch (`paged_kernel.store_kv`); otherwise, or quantized, as `kv.put_vectors` puts them."""
+    if kernel and not fmt.quantized:
+        paged_kernel.store_kv(key, value, keys, values, slots)
+        return
+    kv.put_vectors(fmt, keys, key_scales, slots, key)
+    kv.put_vectors(fmt, values, value_scales, slots, value)
+
+
 @torch.library.custom_op("kvserve::decode_attention", mutates_args=("keys", "values", "key_scales", "value_scales"))
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      key_scales: torch.Tensor | None, value_scales: torch.Tensor | None, slots: torch.Tensor, tables: torch.Tensor,
@@ -458,8 +470,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     value [Hkv, B, Dv] into the layer's pool storage (`keys`, `values` and, for a quantized
     `kv_format`, their scales) at `slots` [B]; then query [B, Hkv, G, Dk] over each row's keys
     through its block table (`tables` [B, max_blocks], `positions` [B]) -> [B, Hkv, G, Dv].
-    `kernel`: the paged decode kernel reads the pool in place (server/engine/paged_kernel.py),
-    and plain storage is written by one store kernel for both K and V;
+    `kernel`: the paged attention kernel reads the pool in place (server/engine/paged_kernel.py),
+    codes and scales where quantized, and plain storage is written by one store kernel for both
+    K and V;
     otherwise the keys at `token_slots` [B, L] are gathered and attended under the additive
     `mask` [B, 1, 1, L] (`Batch.prepare`). `sinks` [Hkv, G].
 
@@ -467,13 +480,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     calls it as it is: no specialising on the layer's pool, no functional copy of the pool for
     the store; eager steps and CUDA graphs call the same op."""
     fmt = kv.kv_format(kv_format)
-    if kernel and not fmt.quantized:  # the K and V stores in one launch
-        paged_kernel.store_kv(key, value, keys, values, slots)
-    else:
-        kv.put_vectors(fmt, keys, key_scales, slots, key)
-        kv.put_vectors(fmt, values, value_scales, slots, value)
+    _store(fmt, keys, values, key_scales, value_scales, slots, key, value, kernel)
     if kernel:
-        return paged_kernel.paged_attention(query, keys, values, tables, positions, block_size, scale, softcap, sinks, window)
+        return paged_kernel.paged_attention(query, keys, values, tables, positions, block_size, scale, softcap, sinks, window, None,
+                                            key_scales, value_scales, kv_format)
     # [Hkv, B, L, D] -> [B, Hkv, L, D]
     k_rows = kv.read_vectors(fmt, keys, key_scales, token_slots, query.dtype).transpose(0, 1)
     v_rows = kv.read_vectors(fmt, values, value_scales, token_slots, query.dtype).transpose(0, 1)

@@ -135,12 +135,10 @@ class ModelRunner:
         self.exact = exact  # exact mode (server/engine/exact.py): batch-invariant linear layers and attention
         self.paged = self.device.type == "cuda" if paged is None else paged
         # the paged path's rows (decode rows, prefill chunks, forced and drafted tokens) read the pool
-        # in place (server/engine/paged_kernel.py) rather than gathered: by default on CUDA where
-        # Triton runs, over plain storage, outside exact mode (its own kernel)
+        # in place (server/engine/paged_kernel.py; an fp8 or int8 pool's codes and scales) rather
+        # than gathered: by default on CUDA where Triton runs, outside exact mode (its own kernel)
         if attention_kernel is None:
-            attention_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not pool.format.quantized and not exact
-        elif attention_kernel and pool.format.quantized:  # it would read the codes as numbers, without their scales
-            raise ValueError(f"the paged attention kernel reads plain KV storage, not a {pool.format.name} pool")
+            attention_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not exact
         self.attention_kernel = self.paged and attention_kernel
         # whether `prepare` compiles the decode steps' forward (server/engine/compiled.py): `compile`
         # "require" on any device, "auto" on CUDA, "off" never; the app refuses to start without it

@@ -40,6 +40,7 @@ import os
 
 import torch
 
+from cache_manager import kv
 from server.engine import context
 
 try:
@@ -52,6 +53,10 @@ TRITON = triton is not None
 # NOTE: triton.jit decides at decoration whether a kernel is compiled or interpreted, so what
 # counts is TRITON_INTERPRET at import time, not at the call.
 INTERPRETED = TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+
+# how the kernel reads a pool of each KV format (`kv.KV_DTYPES`): as stored, float8 e4m3 codes
+# or int8 codes, each times its slot's scale
+QUANT = {"auto": 0, "fp8": 1, "int8": 2}
 
 BLOCK_N = 32  # key positions per step of a program's walk
 PARTITION = 512  # the fewest key positions a split walks (below that, merging costs more than it spreads)
@@ -70,18 +75,20 @@ _jit = triton.jit if TRITON else (lambda fn: fn)
 
 
 @_jit
-def _attention(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, reach_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr,
+def _attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, pos_ptr, reach_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink_ptr,
                heads, groups, width, block_size, max_tokens, tiles_per_split, window, scale, softcap,
-               q_b, q_h, q_m, k_h, k_s, v_h, v_s, t_b, p_b, p_t, r_b, r_t, o_b, o_h, o_m,
+               q_b, q_h, q_m, k_h, k_s, v_h, v_s, ks_h, vs_h, t_b, p_b, p_t, r_b, r_t, o_b, o_h, o_m,
                DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, IEEE: tl.constexpr,
-               UPCAST: tl.constexpr, LATENT: tl.constexpr):
+               UPCAST: tl.constexpr, LATENT: tl.constexpr, QUANT: tl.constexpr):
     """Program (row x KV head, split, tile of BLOCK_M query rows): the key tiles of the split's
     range that some query of the tile sees. SPLIT: its state goes to the partial buffers
     [B * Hkv, splits, query rows padded to whole tiles(, DV_P2)] for `_merge_splits`;
     otherwise (one split) it adds the sinks and writes the output. LATENT: an MLA latent pool
     (`mla.meet`): the query is [DV | DK] wide and meets each position's value (the latent) and
-    key (the rotary key) side by side, so a tile's values are read once for both products."""
+    key (the rotary key) side by side, so a tile's values are read once for both products.
+    QUANT: a quantized pool's codes (`_dequantized`), each times its slot's scale (`ks_ptr`,
+    `vs_ptr`: [Hkv, S], a slot's scale at stride 1)."""
     row = tl.program_id(0).to(tl.int64)
     b, h = row // heads, row % heads
     split = tl.program_id(1).to(tl.int64)
@@ -107,10 +114,13 @@ def _attention(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, reach_ptr, out_ptr, top_
         read = (keys >= tl.min(first, 0)) & (keys <= tl.max(last, 0))  # seen by some query of the tile
         block = tl.load(table_ptr + b * t_b + keys // block_size, mask=read, other=0).to(tl.int64)
         slot = block * block_size + keys % block_size
-        kt = tl.load(k_base + slot[None, :] * k_s + dk[:, None], mask=read[None, :] & (dk[:, None] < DK), other=0.0).to(q.dtype)
+        kt = tl.load(k_base + slot[None, :] * k_s + dk[:, None], mask=read[None, :] & (dk[:, None] < DK), other=0)
+        if QUANT:
+            kt = _dequantized(kt, tl.load(ks_ptr + h * ks_h + slot, mask=read, other=0.0)[None, :], QUANT)
+        kt = kt.to(q.dtype)
         v_ptrs, v_mask = v_base + slot[:, None] * v_s + dv[None, :], read[:, None] & (dv[None, :] < DV)
         if LATENT:  # the latent is a key too: read before the scores, once
-            v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(q.dtype)
+            v = _values(v_ptrs, v_mask, vs_ptr + h * vs_h + slot, read, QUANT).to(q.dtype)
             scores = (_dot(q_latent, tl.trans(v), IEEE, UPCAST) + _dot(q, kt, IEEE, UPCAST)) * scale
         else:
             scores = _dot(q, kt, IEEE, UPCAST) * scale
@@ -126,7 +136,7 @@ def _attention(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, reach_ptr, out_ptr, top_
         weights = tl.exp(scores - shift[:, None])
         total = total * rescale + tl.sum(weights, 1)
         if not LATENT:  # the values read where the weights are ready, as before the latent form
-            v = tl.load(v_ptrs, mask=v_mask, other=0.0).to(q.dtype)
+            v = _values(v_ptrs, v_mask, vs_ptr + h * vs_h + slot, read, QUANT).to(q.dtype)
         acc = acc * rescale[:, None] + _dot(weights.to(v.dtype), v, IEEE, UPCAST)
         top = new_top
     if SPLIT:
@@ -165,6 +175,32 @@ def _merge_splits(pos_ptr, reach_ptr, out_ptr, top_ptr, total_ptr, acc_ptr, sink
         acc = acc * mine[:, None] + tl.load(acc_ptr + part[:, None] * DV_P2 + dv[None, :]) * theirs[:, None]
         top = new_top
     _finish(out_ptr + b * o_b + h * o_h, sink_ptr + h * groups, m, m // width, dv, live, top, total, acc, o_m, DV, SINKS)
+
+
+@_jit
+def _values(ptrs, mask, scale_ptrs, read, QUANT: tl.constexpr):
+    """A tile's values [BLOCK_N, DV_P2] (dequantized by their slots' scales where QUANT)."""
+    v = tl.load(ptrs, mask=mask, other=0)
+    if QUANT:
+        v = _dequantized(v, tl.load(scale_ptrs, mask=read, other=0.0)[:, None], QUANT)
+    return v
+
+
+@_jit
+def _dequantized(codes, scale, QUANT: tl.constexpr):
+    """A quantized pool's codes times their scales, in float32 (`kv._Scaled`: the product the
+    gathered way rounds to the compute dtype, made exactly here and rounded by the caller).
+    QUANT 1: float8 e4m3 bits stored as uint8, decoded by integer ops as `kv.e4m3_as_half`
+    decodes them (sign, exponent and mantissa moved into float16's places: 1/256 of the value,
+    subnormals included), so no float8 type is needed on the card or in the interpreter;
+    QUANT 2: int8."""
+    if QUANT == 1:
+        bits = codes.to(tl.int8, bitcast=True).to(tl.int32)
+        half = ((bits << 7) & -16512).to(tl.int16).to(tl.float16, bitcast=True)
+        x = half.to(tl.float32) * 256.0
+    else:
+        x = codes.to(tl.float32)
+    return x * scale.to(tl.float32)
 
 
 @_jit
@@ -239,9 +275,11 @@ def split_count(batch: int, kv_heads: int, max_blocks: int, block_size: int, par
 
 def paged_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                            block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                           window: int | None = None, reach: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+                           window: int | None = None, reach: torch.Tensor | None = None, key_scales: torch.Tensor | None = None,
+                           value_scales: torch.Tensor | None = None, kv_format: str = "auto", splits: int | None = None) -> torch.Tensor:
     """`paged_attention` by the Triton kernels (one launch, or two when split: `launches`)."""
-    out, steps = launches(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach, splits)
+    out, steps = launches(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach, key_scales, value_scales,
+                          kv_format, splits)
     for step in steps:
         step.kernel[step.grid](*step.args, **step.constants)
     return out
@@ -259,7 +297,8 @@ class Launch:
 
 def launches(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
              block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-             window: int | None = None, reach: torch.Tensor | None = None, splits: int | None = None) -> tuple[torch.Tensor, list[Launch]]:
+             window: int | None = None, reach: torch.Tensor | None = None, key_scales: torch.Tensor | None = None,
+             value_scales: torch.Tensor | None = None, kv_format: str = "auto", splits: int | None = None) -> tuple[torch.Tensor, list[Launch]]:
     """The output [B, Hkv, G * T, Dv] of `paged_attention` and the launches that fill it:
     `_attention`, then `_merge_splits` where the context is split (`splits`: how many programs
     share a row's context, default `split_count`'s). bench/kernel_resources.py builds these same
@@ -271,11 +310,19 @@ def launches(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: 
     latent = _latent(q, keys, values)
     max_blocks = tables.shape[1]
     reach = positions if reach is None else reach
+    quant = QUANT[kv_format]
+    if quant and (key_scales is None or value_scales is None):
+        raise ValueError(f"a {kv_format} pool is read with its scales")
     q, keys, values, tables = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, keys, values, tables))
     out = torch.empty(b, kv_heads, rows, dv, device=q.device, dtype=q.dtype)
     if b == 0:
         return out, []
-    attend, merge = launch_constants(rows, dk, dv, q.dtype, latent=latent, split=False, softcap=softcap is not None, sinks=sinks is not None)
+    if quant:
+        key_scales, value_scales = (x if x.stride(-1) == 1 else x.contiguous() for x in (key_scales, value_scales))
+    else:
+        key_scales = value_scales = keys  # unused
+    attend, merge = launch_constants(rows, dk, dv, q.dtype, latent=latent, split=False, softcap=softcap is not None, sinks=sinks is not None,
+                                     quant=quant)
     row_tiles = triton.cdiv(rows, attend["BLOCK_M"])
     splits = splits or split_count(b, kv_heads, max_blocks, block_size, row_tiles=row_tiles)
     tiles = triton.cdiv(max_blocks * block_size, BLOCK_N)
@@ -293,9 +340,10 @@ def launches(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: 
     # positions and reach [B] (one token a row: its stride 0) or [B, T]
     where = (positions, reach, *(s for x in (positions, reach) for s in (x.stride(0), x.stride(1) if x.dim() > 1 else 0)))
     steps = [Launch(_attention, (b * kv_heads, splits, row_tiles),
-                    (q, keys, values, tables, positions, reach, out, top, total, acc, sink,
+                    (q, keys, values, key_scales, value_scales, tables, positions, reach, out, top, total, acc, sink,
                      kv_heads, groups, width, block_size, max_blocks * block_size, tiles_per_split, window, float(scale), float(softcap or 1.0),
-                     *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], tables.stride(0), *where[2:], *out.stride()[:3]),
+                     *q.stride()[:3], *keys.stride()[:2], *values.stride()[:2], key_scales.stride(0), value_scales.stride(0),
+                     tables.stride(0), *where[2:], *out.stride()[:3]),
                     attend)]
     if split:
         steps.append(Launch(_merge_splits, (b * kv_heads, row_tiles),
@@ -305,10 +353,10 @@ def launches(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: 
 
 
 def launch_constants(rows: int, dk: int, dv: int, dtype: torch.dtype, *, latent: bool, split: bool, softcap: bool,
-                     sinks: bool) -> tuple[dict, dict]:
+                     sinks: bool, quant: int = 0) -> tuple[dict, dict]:
     """The compile-time constants and launch options of `_attention` and of `_merge_splits` for
     a KV head's `rows` query rows (its G query heads x the row's T tokens) over keys dk and
-    values dv wide in `dtype` (`launches`)."""
+    values dv wide in `dtype`, stored as `quant` says (`QUANT`) (`launches`)."""
     ieee = dtype == torch.float32
     dk_p2, dv_p2 = max(16, triton.next_power_of_2(dk)), max(16, triton.next_power_of_2(dv))
     # at most an accumulator of ACCUMULATOR elements (and IEEE_HEADS in float32), at least tl.dot's smallest tile
@@ -320,21 +368,25 @@ def launch_constants(rows: int, dk: int, dv: int, dtype: torch.dtype, *, latent:
     warps = 8 if ieee or block_m * dv_p2 > ACCUMULATOR // 2 else 4
     merge = dict(DV=dv, DV_P2=dv_p2, BLOCK_M=block_m, BLOCK_N=BLOCK_N, SINKS=sinks, num_warps=warps)
     attend = dict(merge, DK=dk, DK_P2=dk_p2, SPLIT=split, SOFTCAP=softcap, IEEE=ieee, UPCAST=INTERPRETED and dtype == torch.bfloat16,
-                  LATENT=latent, num_stages=2)
+                  LATENT=latent, QUANT=quant, num_stages=2)
     return attend, merge
 
 
 def paged_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                               block_size: int, scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                              window: int | None = None, reach: torch.Tensor | None = None) -> torch.Tensor:
+                              window: int | None = None, reach: torch.Tensor | None = None, key_scales: torch.Tensor | None = None,
+                              value_scales: torch.Tensor | None = None, kv_format: str = "auto") -> torch.Tensor:
     """`paged_attention` as the eager formula in float32 over keys and values gathered by the
-    tables (the bucket's every position, masked)."""
+    tables (the bucket's every position, masked), dequantized as the pool's gather does."""
     b, kv_heads, rows, _ = q.shape
     width = 1 if positions.dim() == 1 else positions.shape[1]
     groups = rows // width
     offsets = torch.arange(block_size, device=tables.device)
     slots = (tables[:, :, None] * block_size + offsets).flatten(1)  # [B, L]
-    k_rows, v_rows = (x[:, slots].transpose(0, 1).float() for x in (keys, values))  # [B, Hkv, L, D]
+    fmt = kv.kv_format(kv_format)
+    # [B, Hkv, L, D]: the products of codes and scales rounded to the queries' dtype, as the kernel rounds them
+    k_rows, v_rows = (kv.read_vectors(fmt, x, s, slots, q.dtype).transpose(0, 1).float()
+                      for x, s in ((keys, key_scales), (values, value_scales)))
     if _latent(q, keys, values):
         k_rows = torch.cat([v_rows, k_rows], dim=-1)
     scores = torch.matmul(q.float(), k_rows.transpose(-2, -1)) * scale  # [B, Hkv, G * T, L]
@@ -395,17 +447,19 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values:
 @torch.library.custom_op("kvserve::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                     block_size: int, scale: float, softcap: float | None, sinks: torch.Tensor | None, window: int | None,
-                    reach: torch.Tensor | None = None) -> torch.Tensor:
+                    reach: torch.Tensor | None = None, key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
+                    kv_format: str = "auto") -> torch.Tensor:
     """q [B, Hkv, G * T, Dk] over one layer's pool keys [Hkv, S, Dk] / values [Hkv, S, Dv]
     through `tables` [B, max_blocks] at `positions` [B] (T = 1) or [B, T] (see the module
     docstring; `reach` as positions: the last position each token sees, its own by default)
-    -> [B, Hkv, G * T, Dv] in q's dtype. Padding rows (position 0, a table of trash blocks)
-    give finite values."""
-    if runs_triton(q.device):
-        return paged_attention_triton(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach)
-    return paged_attention_reference(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach)
+    -> [B, Hkv, G * T, Dv] in q's dtype. A quantized pool (`kv_format` fp8 or int8) holds codes
+    in `keys` / `values` and a scale a slot in `key_scales` / `value_scales` [Hkv, S]. Padding
+    rows (position 0, a table of trash blocks) give finite values."""
+    args = (q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach, key_scales, value_scales, kv_format)
+    return (paged_attention_triton if runs_triton(q.device) else paged_attention_reference)(*args)
 
 
 @paged_attention.register_fake
-def _(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach=None):
+def _(q, keys, values, tables, positions, block_size, scale, softcap, sinks, window, reach=None, key_scales=None, value_scales=None,
+      kv_format="auto"):
     return q.new_empty(*q.shape[:-1], values.shape[-1])

@@ -93,17 +93,18 @@ def runner_for(model, *, compile: str, paged: bool | None = None, kv_dtype: str 
     return runner
 
 
-@pytest.mark.parametrize("family, packed, kv_dtype, kernel", [("qwen2", True, "fp8", False), ("gemma2", None, "auto", True),
+@pytest.mark.parametrize("family, packed, kv_dtype, kernel", [("qwen2", True, "fp8", True), ("gemma2", None, "auto", True),
                                                               ("deepseek_v3", None, "auto", False)],
-                         ids=["qwen2-packed-fp8", "gemma2-dense-kernel", "deepseek_v3-mla-latent"])
+                         ids=["qwen2-packed-fp8-kernel", "gemma2-dense-kernel", "deepseek_v3-mla-latent-gathered"])
 def test_the_compiled_decode_forward_gives_the_eager_tokens_in_one_graph(family, packed, kv_dtype, kernel, monkeypatch):
     """qwen2: biased q/k/v merged, a sliding-window layer, the CPU's packed linear layers, fp8
-    KV (the store writes scales too); gemma2: soft-capping, alternating windows, dense weights,
-    the paged attention kernel for every batch (`attention_kernel`, as on a GPU; on CPU under
-    Triton's interpreter); deepseek_v3: MLA from its latent (server/engine/mla.py: the absorbing
-    products inside the graph). On the paged path (a GPU's), where the prompts' and the
-    staggered steps (prefill chunks beside decode rows, forced tokens) run compiled too. Against
-    the same paged path run eagerly, and against the row path the CPU serves by default."""
+    KV (the store writes scales too, the kernel reads codes and scales); gemma2: soft-capping,
+    alternating windows, dense weights; both with the paged attention kernel for every batch
+    (`attention_kernel`, as on a GPU; on CPU under Triton's interpreter); deepseek_v3: MLA from
+    its latent (server/engine/mla.py: the absorbing products inside the graph), its batches
+    gathered. On the paged path (a GPU's), where the prompts' and the staggered steps (prefill
+    chunks beside decode rows, forced tokens) run compiled too. Against the same paged path run
+    eagerly, and against the row path the CPU serves by default."""
     model = build(family)
     mla.configure(model)  # the latent where the model has MLA, as the server does
     torch._dynamo.reset()

@@ -34,9 +34,10 @@ class Case:
     row, positions [B]."""
 
     def __init__(self, lengths, groups=2, kv_heads=2, dk=32, dv=None, block_size=kv.BLOCK_SIZE, max_blocks=8, num_blocks=24,
-                 dtype=torch.float32, seed=0, softcap=None, sinks=False, window=None, latent=False, width=None):
+                 dtype=torch.float32, seed=0, softcap=None, sinks=False, window=None, latent=False, width=None, kv_dtype="auto"):
         """`latent`: an MLA latent pool (`mla.meet`): keys are the rotary keys (dk), values the
-        latent (dv), and the absorbed queries are dv + dk wide."""
+        latent (dv), and the absorbed queries are dv + dk wide. `kv_dtype`: the pool's format
+        (`kv.KV_DTYPES`): fp8 or int8 codes and a scale a slot, as the pool stores them."""
         gen = torch.Generator().manual_seed(seed)
         dv = dv or dk
         slots = (num_blocks + 1) * block_size
@@ -45,6 +46,10 @@ class Case:
         self.scale = (dk + dv if latent else dk) ** -0.5
         self.keys = torch.randn(kv_heads, slots, dk, generator=gen).to(DEVICE, dtype)
         self.values = torch.randn(kv_heads, slots, dv, generator=gen).to(DEVICE, dtype)
+        self.kv_dtype, self.key_scales, self.value_scales = kv_dtype, None, None
+        if kv_dtype != "auto":
+            fmt = kv.kv_format(kv_dtype)
+            (self.keys, self.key_scales), (self.values, self.value_scales) = fmt.encode(self.keys), fmt.encode(self.values)
         t = width or 1
         self.q = torch.randn(len(lengths), kv_heads, groups * t, dk + dv if latent else dk, generator=gen).to(DEVICE, dtype)
         self.sinks = torch.randn(kv_heads, groups, generator=gen).to(DEVICE) if sinks else None
@@ -61,7 +66,7 @@ class Case:
 
     def args(self):
         return (self.q, self.keys, self.values, self.tables, self.positions, self.block_size, self.scale, self.softcap,
-                self.sinks, self.window, self.reach)
+                self.sinks, self.window, self.reach, self.key_scales, self.value_scales, self.kv_dtype)
 
     def kernel(self, **kw):
         return paged_kernel.paged_attention_triton(*self.args(), **kw)
@@ -279,13 +284,52 @@ def test_rows_of_several_tokens_match_the_gathered_bucket_path():
         assert_close(case.reference(), want)
 
 
-@pytest.mark.parametrize("width", [1, 3])
-def test_the_layer_benchmark_compares_like_with_like(width):
+# -- quantized pools: fp8 and int8 codes with a scale a slot ------------------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("width", [None, 4], ids=["decode", "rows-of-4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_quantized_pool_is_read_as_its_gather_dequantizes(kv_dtype, width, dtype):
+    """The kernel reads an fp8 or int8 pool's codes and scales in place and gives what the
+    reference gives over the pool's own gather (`kv.read_vectors`: codes times scales, rounded
+    to the compute dtype), with a window, sinks and a split context."""
+    case = Case(LENGTHS, groups=3, window=40, sinks=True, dtype=dtype, kv_dtype=kv_dtype, width=width)
+    assert case.keys.dtype == kv.kv_format(kv_dtype).storage_dtype(dtype)
+    want = case.reference()
+    assert_close(case.kernel(), want)
+    torch.testing.assert_close(case.kernel(splits=3), case.kernel(splits=1), atol=1e-5, rtol=1e-5)
+
+
+def test_a_quantized_latent_pool_is_read_in_place():
+    """An MLA latent pool in fp8: the latent's codes read once, as key and as value."""
+    case = Case([1, 16, 45, 128, None], groups=8, kv_heads=1, dk=16, dv=48, latent=True, kv_dtype="fp8", width=3)
+    assert_close(case.kernel(), case.reference())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_e4m3_code_reads_as_the_pool_decodes_it(dtype):
+    """One position, so the output is its value exactly: a 256-wide value holding every float8
+    e4m3 code (the two NaN codes, which the pool never stores, as zeros) times a scale reads as
+    the pool's own decode gives it (`kv.KV_DTYPES["fp8"]`), and as torch's float8 conversion."""
+    case = Case([1], groups=2, kv_heads=1, dk=16, dv=256, dtype=dtype, kv_dtype="fp8")
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    codes[codes & 0x7F == 0x7F] = 0
+    case.values[:] = codes
+    case.value_scales[:] = 0.375
+    got = case.kernel()[0, 0]
+    want = kv.kv_format("fp8").decode(codes[None], case.value_scales[0, :1], dtype)[0]
+    torch.testing.assert_close(got, want.expand_as(got), atol=0, rtol=0)
+    torch.testing.assert_close(want, (codes.view(torch.float8_e4m3fn).float() * 0.375).to(dtype), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("width, kv_dtype", [(1, "auto"), (3, "auto"), (3, "fp8")])
+def test_the_layer_benchmark_compares_like_with_like(width, kv_dtype):
     """bench/paged_attention.py (the kernel against the gathered way, ready for a GPU) runs a
-    decode batch and a multi-token one here, and its two ways agree."""
+    decode batch and a multi-token one here, over plain and fp8 pools, and its two ways agree."""
     from bench import paged_attention
 
-    got = paged_attention.measure("tiny", 2, width, 20, DEVICE, torch.float32, reps=1)
+    got = paged_attention.measure("tiny", 2, width, 20, DEVICE, torch.float32, reps=1, kv_dtype=kv_dtype)
     assert got["max_diff"] < 1e-5 and got["kernel_us"] > 0 and got["gathered_us"] > 0
 
 
@@ -341,33 +385,22 @@ def test_compiles_as_one_opaque_op():
 # -- in the model runner: decode rows through the kernel give the gather path's tokens ------------
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2", "gpt_oss", "llama4_text", "deepseek_v3"])
-def test_the_runner_attends_through_the_kernel_as_through_the_gather(family):
-    """The paged path's rows attend through the kernel (`attention_kernel=True`; under the
-    interpreter on CPU) and give the gather path's greedy tokens, with logits within float32
-    rounding: prompts in one step (rows of several tokens, padded to the widest), decode steps
-    (bucket-padded, from the persistent buffers: the body a CUDA graph replays), and mixed
-    steps where a decode row runs beside a row verifying 3 drafted tokens and a new prompt's
-    chunk. GQA, sliding windows past their length, Gemma 2's soft-capping, gpt-oss's sinks,
-    Llama 4's chunks, DeepSeek-V3's MLA latent. Rows of different lengths, one crossing a block
-    boundary while it decodes."""
-    from bench import architectures
-    from cache_manager import kv
-    from server.engine import mla
+def paged_steps(model, kernel: bool, kv_dtype: str = "auto"):
+    """Greedy steps on the paged path (`attention_kernel=kernel`): three prompts in one step
+    (rows of several tokens, padded to the widest), four decode steps (bucket-padded, from the
+    persistent buffers: the body a CUDA graph replays), then mixed steps where a decode row runs
+    beside a row verifying 3 drafted tokens and a later prompt's chunk of 8. Rows of different
+    lengths, one crossing a block boundary while it decodes. -> (tokens, logits of every step)."""
     from server.engine.attention import Row
     from server.engine.model_runner import ModelRunner
 
-    model = architectures.build(family, DEVICE)
-    if family == "deepseek_v3":
-        assert mla.configure(model, "latent") == "latent" and kv.layout(model.config).latent
     prompts = [list(range(3 + r, 3 + r + n)) for r, n in enumerate((5, 14, 30))]
-    late = list(range(40, 61))  # a prompt arriving later, in chunks of 8 beside the others
-    runs = {}
-    for kernel in (False, True):
-        pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, model.dtype) * 4, model.device, model.dtype)
-        runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=4, attention_kernel=kernel)
-        assert runner.attention_kernel is kernel
-        caches = [pool.allocate(64) for _ in range(4)]
+    late = list(range(40, 61))
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, model.dtype, kv_dtype) * 4, model.device, model.dtype, kv_dtype=kv_dtype)
+    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=4, attention_kernel=kernel)
+    assert runner.attention_kernel is kernel
+    caches = [pool.allocate(64) for _ in range(4)]
+    try:
         logits = runner.forward([Row(c, len(p)) for c, p in zip(caches, prompts)], [t for p in prompts for t in p], [0, 1, 2])
         tokens, steps = [logits.argmax(-1).tolist()], [logits]
         for _ in range(4):
@@ -376,33 +409,47 @@ def test_the_runner_attends_through_the_kernel_as_through_the_gather(family):
             tokens.append(logits.argmax(-1).tolist())
         for chunk in range(0, len(late), 8):  # row 0 decodes, row 1 verifies 3 drafts, row 3's prompt goes on
             part = late[chunk : chunk + 8]
-            drafts = [tokens[-1][1], 7, 9]
             rows = [Row(caches[0], 1), Row(caches[1], 3), Row(caches[3], len(part))]
-            logits = runner.forward(rows, [tokens[-1][0], *drafts, *part], [0, 1, 2], [1, 3, 1])
+            logits = runner.forward(rows, [tokens[-1][0], tokens[-1][1], 7, 9, *part], [0, 1, 2], [1, 3, 1])
             steps.append(logits)
             tokens.append(logits.argmax(-1).tolist())
             kv.crop(caches[1], caches[1].length - 2)  # two drafts rejected
         assert runner.paths["paged_attention"] == ("kernel" if kernel else "gather")
-        runs[kernel] = tokens, torch.cat(steps)
+        return tokens, torch.cat(steps)
+    finally:
         for c in caches:
             kv.free(c)
-    assert runs[True][0] == runs[False][0]
-    torch.testing.assert_close(runs[True][1], runs[False][1], atol=1e-4, rtol=1e-4)
 
 
-def test_the_kernel_asked_for_over_a_quantized_pool_is_refused():
-    """An fp8 or int8 pool holds codes and scales: the kernel reads plain storage, so asking for
-    it over one (`attention_kernel=True`) is refused, not read as numbers; by default such a pool
-    takes the gather path, which dequantizes."""
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2", "gpt_oss", "llama4_text", "deepseek_v3"])
+def test_the_runner_attends_through_the_kernel_as_through_the_gather(family):
+    """The paged path's rows attend through the kernel (`attention_kernel=True`; under the
+    interpreter on CPU) and give the gather path's greedy tokens, with logits within float32
+    rounding, through prompts, decode steps and mixed steps (`paged_steps`): GQA, sliding
+    windows past their length, Gemma 2's soft-capping, gpt-oss's sinks, Llama 4's chunks,
+    DeepSeek-V3's MLA latent."""
     from bench import architectures
-    from server.engine.model_runner import ModelRunner
+    from server.engine import mla
+
+    model = architectures.build(family, DEVICE)
+    if family == "deepseek_v3":
+        assert mla.configure(model, "latent") == "latent" and kv.layout(model.config).latent
+    (want, want_logits), (got, got_logits) = (paged_steps(model, kernel) for kernel in (False, True))
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8"])
+def test_a_quantized_pool_through_the_kernel_gives_the_gathered_tokens(kv_dtype):
+    """An fp8 or int8 pool: the kernel reads its codes and scales in place (by default on a
+    GPU, as for plain storage) and the steps give the gather path's greedy tokens, which
+    dequantizes the whole bucket first; the logits agree within float32 rounding."""
+    from bench import architectures
 
     model = architectures.build("qwen2", DEVICE)
-    for kv_dtype in ("fp8", "int8"):
-        pool = kv.Pool(model.config, kv.bytes_for(model.config, 64, model.dtype, kv_dtype) * 2, model.device, model.dtype, kv_dtype=kv_dtype)
-        with pytest.raises(ValueError, match=f"not a {kv_dtype} pool"):
-            ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2, attention_kernel=True)
-        assert not ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=2).attention_kernel
+    (want, want_logits), (got, got_logits) = (paged_steps(model, kernel, kv_dtype) for kernel in (False, True))
+    assert got == want
+    torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -437,8 +484,8 @@ def test_the_store_kernel_writes_what_two_index_copies_write(dtype, monkeypatch)
 
 def test_the_kernels_fit_an_h200s_shared_memory():
     """The paged attention kernels built ahead of time for sm_90 by Triton's compiler and ptxas
-    (no GPU needed: bench/kernel_resources.py) as they launch for a dense model and for
-    DeepSeek-V3's latent (128 query heads on one KV head, 512 wide), in bf16 and float32, over
+    (no GPU needed: bench/kernel_resources.py) as they launch for a dense model (plain and fp8
+    KV) and for DeepSeek-V3's latent (128 query heads on one KV head, 512 wide), in bf16 and float32, over
     decode rows and over a chunk's rows (a tile of query rows as full as it gets): every
     program fits the shared memory one block may have, so none fails at its first launch on
     the card, and in bf16 (what the card serves) none spills registers. One program of all 128
@@ -454,7 +501,7 @@ def test_the_kernels_fit_an_h200s_shared_memory():
     from bench.kernel_resources import SHARED_LIMIT
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    shapes = ["qwen2.5-32b", "deepseek-v3-latent", "deepseek-v3-latent-fp32"]
+    shapes = ["qwen2.5-32b", "qwen2.5-32b-fp8-kv", "deepseek-v3-latent", "deepseek-v3-latent-fp32"]
     run = subprocess.run([sys.executable, "-m", "bench.kernel_resources", "--json", "--shapes", *shapes], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
