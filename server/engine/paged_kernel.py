@@ -5,9 +5,9 @@ alike) run the same kernels.
 
 Shapes (a KV head's G query heads folded with a row's T tokens, as server/engine/attention.py
 folds them: query row g * T + t is head g at token t): q [B, Hkv, G * T, Dk]; the pool's keys
-[Hkv, S, Dk] and values [Hkv, S, Dv] of one layer (plain storage; S = (num_blocks + 1) *
-block_size slots); tables [B, max_blocks]; positions [B] (T = 1) or [B, T] -> out [B, Hkv,
-G * T, Dv] in q's dtype. Position p of row b lives at slot tables[b, p // block_size] *
+[Hkv, S, Dk] and values [Hkv, S, Dv] of one layer (S = (num_blocks + 1) * block_size slots;
+an fp8 or int8 pool's one-byte codes, with a scale a slot: `QUANT`); tables [B, max_blocks];
+positions [B] (T = 1) or [B, T] -> out [B, Hkv, G * T, Dv] in q's dtype. Position p of row b lives at slot tables[b, p // block_size] *
 block_size + p % block_size; a query at position `pos` sees keys 0..pos (or 0..its reach: a
 picture that attends to itself whole), or with `window` those after pos - window
 (transformers' sliding rule), or with a negative one those of its own chunk of -window
