@@ -1,11 +1,11 @@
-"""What the paged attention kernel asks of an H200 (issue 47), measured without one: its Triton
-kernels built ahead of time for sm_90 by Triton's own compiler and ptxas (both ship in the
-triton wheel), as `paged_kernel.launches` makes them and Triton's JIT specialises them, for
-the attention shapes of the models kvserve serves, over decode rows (one query a row) and
-over rows of a CHUNK-token chunk (prefill chunks, forced and drafted tokens: as many query rows
-a program as its tile holds). Per kernel: the shared memory a program takes (an H200 gives one
-block at most SHARED_LIMIT bytes: a kernel past it fails at its first launch), and ptxas's
-registers and spilled bytes per thread.
+"""What the paged attention kernel and its store ask of an H200 (issue 47), measured without
+one: the Triton kernels built ahead of time for sm_90 by Triton's own compiler and ptxas (both
+ship in the triton wheel), as `paged_kernel.launches` and `store_launch` make them and Triton's
+JIT specialises them, for the attention shapes of the models kvserve serves, over decode rows
+(one query a row) and over rows of a CHUNK-token chunk (prefill chunks, forced and drafted
+tokens: as many query rows a program as its tile holds). Per kernel: the shared memory a
+program takes (an H200 gives one block at most SHARED_LIMIT bytes: a kernel past it fails at
+its first launch), and ptxas's registers and spilled bytes per thread.
 
     .venv/bin/python -m bench.kernel_resources [--shapes NAME ...] [--json]
 
@@ -103,7 +103,9 @@ def measure(name: str, width: int = 1) -> dict:
     sinks = torch.zeros(kv_heads * groups) if extras.get("sinks") else None
     _, (attend, merge) = paged_kernel.launches(q, keys, values, tables, positions, BLOCK_SIZE, 0.1, 50.0 if extras.get("softcap") else None,
                                                sinks, None, None, *scales, fmt.name, splits=2)
-    return {"rows_a_program": attend.constants["BLOCK_M"], "attention": build(attend), "merge": build(merge)}
+    new_keys, new_values = torch.zeros(kv_heads, width, dk, dtype=dtype), torch.zeros(kv_heads, width, dv, dtype=dtype)
+    store = paged_kernel.store_launch(new_keys, new_values, keys, values, torch.zeros(width, dtype=torch.long), *scales, fmt.name)
+    return {"rows_a_program": attend.constants["BLOCK_M"], "attention": build(attend), "merge": build(merge), "store": build(store)}
 
 
 def main() -> None:
@@ -121,7 +123,7 @@ def main() -> None:
     print(f"{'shape':26} {'rows':>6} {'rows/prog':>9} {'kernel':>9} {'shared KB':>9} {'fits':>5} {'regs':>5} {'spilled B':>9}")
     for name, both in figures.items():
         for rows, got in both.items():
-            for kernel in ("attention", "merge"):
+            for kernel in ("attention", "merge", "store"):
                 k = got[kernel]
                 print(f"{name:26} {rows:>6} {got['rows_a_program']:>9} {kernel:>9} {k['shared'] / 1024:>9.1f} "
                       f"{'yes' if k['shared'] <= SHARED_LIMIT else 'NO':>5} {k['registers']:>5} {k['spilled']:>9}")

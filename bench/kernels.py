@@ -194,11 +194,12 @@ def _prompt(row: int, vocab: int) -> list[int]:
     return [(7 * row + 3 * t) % (vocab - 3) + 3 for t in range(PROMPT)]
 
 
-def count_decode_step(model, rows: int) -> Counts:
+def count_decode_step(model, rows: int, kv_dtype: str = "auto") -> Counts:
     """kvserve's decode step of `rows` rows through the model runner's paged path (see the
-    module docstring). Switches `model` to kvserve's attention (`attention.enable`)."""
+    module docstring), over a KV pool in `kv_dtype`. Switches `model` to kvserve's attention
+    (`attention.enable`)."""
     dtype, vocab = model.dtype, model.config.vocab_size
-    pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + 1, dtype) * rows, model.device, dtype)
+    pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + 1, dtype, kv_dtype) * rows, model.device, dtype, kv_dtype=kv_dtype)
     # NOTE: attention_kernel as on CUDA (server/engine/paged_kernel.py): one op a layer; on CPU it
     # runs the reference (or Triton's interpreter), but counts as the one kernel CUDA launches
     runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=rows, attention_kernel=True, merge=True)

@@ -248,18 +248,73 @@ def _finish(out_base, sink_base, m, head, dv, live, top, total, acc, o_m, DV: tl
 
 
 @_jit
-def _store(key_ptr, value_ptr, keys_ptr, values_ptr, slot_ptr, kn_h, kn_b, vn_h, vn_b, k_h, k_s, v_h, v_s, slot_b,
-           DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr):
-    """Program (row, KV head): the row's new key and value into the pool at its slot."""
+def _store(key_ptr, value_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, slot_ptr, kn_h, kn_b, vn_h, vn_b, k_h, k_s, v_h, v_s, ks_h, vs_h,
+           slot_b, DK: tl.constexpr, DV: tl.constexpr, DK_P2: tl.constexpr, DV_P2: tl.constexpr, QUANT: tl.constexpr):
+    """Program (token, KV head): the token's new key and value into the pool at its slot,
+    quantized where QUANT (their scales into `ks_ptr` / `vs_ptr` [Hkv, S] as bf16 bits)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + b * slot_b).to(tl.int64)
-    dk = tl.arange(0, DK_P2)
-    key = tl.load(key_ptr + h * kn_h + b * kn_b + dk, mask=dk < DK)
-    tl.store(keys_ptr + h * k_h + slot * k_s + dk, key, mask=dk < DK)
-    dv = tl.arange(0, DV_P2)
-    value = tl.load(value_ptr + h * vn_h + b * vn_b + dv, mask=dv < DV)
-    tl.store(values_ptr + h * v_h + slot * v_s + dv, value, mask=dv < DV)
+    _put(key_ptr + h * kn_h + b * kn_b, keys_ptr + h * k_h + slot * k_s, ks_ptr + h * ks_h + slot, DK, DK_P2, QUANT)
+    _put(value_ptr + h * vn_h + b * vn_b, values_ptr + h * v_h + slot * v_s, vs_ptr + h * vs_h + slot, DV, DV_P2, QUANT)
+
+
+@_jit
+def _put(source, target, scale_target, D: tl.constexpr, D_P2: tl.constexpr, QUANT: tl.constexpr):
+    """One vector of D values from `source` to `target`, as stored: as it is, or (QUANT) as
+    `kv._Scaled.encode` makes it, bit for bit: the scale amax(|x|) / qmax (at least
+    `kv._MIN_SCALE`) rounded to bf16, then each x / scale (int8: rounded half to even), clamped
+    to +-qmax, as a one-byte code. The divisions are IEEE's (`div_rn`, as torch's), the
+    roundings written in integer ops, so the codes are torch's on the card and in the interpreter."""
+    d = tl.arange(0, D_P2)
+    x = tl.load(source + d, mask=d < D, other=0.0)
+    if QUANT:
+        x = x.to(tl.float32)
+        qmax = 448.0 if QUANT == 1 else 127.0
+        scale_bits, scale = _bf16(tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), qmax), 1e-30))
+        tl.store(scale_target, scale_bits)
+        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+        if QUANT == 2:
+            y = _rint(y)
+        y = tl.minimum(tl.maximum(y, -qmax), qmax)
+        if QUANT == 1:
+            tl.store(target + d, _e4m3(y).to(tl.uint8), mask=d < D)
+        else:
+            tl.store(target + d, y.to(tl.int8), mask=d < D)
+    else:
+        tl.store(target + d, x, mask=d < D)
+
+
+@_jit
+def _bf16(x):
+    """Float32 `x` (positive, finite) rounded to bfloat16, to nearest even: (its bits as int16,
+    its value as float32)."""
+    bits = x.to(tl.int32, bitcast=True)
+    high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return high.to(tl.int16), (high << 16).to(tl.float32, bitcast=True)
+
+
+@_jit
+def _rint(x):
+    """Float32 `x` (|x| < 2**22) rounded to an integer, half to even (torch's `round`)."""
+    r = tl.floor(x + 0.5)
+    odd = r - 2.0 * tl.floor(r * 0.5) != 0.0
+    return tl.where((r - x == 0.5) & odd, r - 1.0, r)
+
+
+@_jit
+def _e4m3(y):
+    """Float32 `y` (|y| <= 448) as float8 e4m3fn bits (int32 0..255), rounded to nearest even as
+    torch converts: normal values by rounding the mantissa to 3 bits (a carry moves the exponent
+    on), those under 2**-6 as multiples of 2**-9."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)  # exponent bias 127 -> 7, and 3 mantissa bits
+    a = magnitude.to(tl.float32, bitcast=True)
+    subnormal = _rint(a * 512.0).to(tl.int32)
+    return tl.where(a < 0.015625, subnormal, normal) | sign
 
 
 def split_count(batch: int, kv_heads: int, max_blocks: int, block_size: int, partition: int = PARTITION, row_tiles: int = 1) -> int:
@@ -425,23 +480,36 @@ def runs_triton(device: torch.device) -> bool:
     return device.type == "cpu" and INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@torch.library.custom_op("kvserve::store_kv", mutates_args=("keys", "values"))
-def store_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
-    """B rows' new key [Hkv, B, Dk] and value [Hkv, B, Dv] into one layer's plain pool storage
-    `keys` [Hkv, S, Dk] / `values` [Hkv, S, Dv] at `slots` [B]: the K and V stores of a decode
-    step in one Triton launch where the kernels run (`runs_triton`), two index copies elsewhere
-    (what `kv.put_vectors` does for plain storage)."""
+@torch.library.custom_op("kvserve::store_kv", mutates_args=("keys", "values", "key_scales", "value_scales"))
+def store_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+             key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None, kv_format: str = "auto") -> None:
+    """N tokens' new key [Hkv, N, Dk] and value [Hkv, N, Dv] into one layer's pool storage
+    `keys` [Hkv, S, Dk] / `values` [Hkv, S, Dv] at `slots` [N], in the pool's `kv_format` (fp8
+    or int8: codes there and a scale a slot in `key_scales` / `value_scales` [Hkv, S]): the K
+    and V stores of a step in one Triton launch where the kernels run (`runs_triton`), with the
+    codes and scales `kv.put_vectors` makes, bit for bit; elsewhere `kv.put_vectors` itself."""
     if not runs_triton(key.device):
-        keys.index_copy_(1, slots, key)
-        values.index_copy_(1, slots, value)
+        fmt = kv.kv_format(kv_format)
+        kv.put_vectors(fmt, keys, key_scales, slots, key)
+        kv.put_vectors(fmt, values, value_scales, slots, value)
         return
+    if key.shape[1]:
+        step = store_launch(key, value, keys, values, slots, key_scales, value_scales, kv_format)
+        step.kernel[step.grid](*step.args, **step.constants)
+
+
+def store_launch(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                 key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None, kv_format: str = "auto") -> Launch:
+    """The one launch of `store_kv` (bench/kernel_resources.py builds it ahead of time too)."""
     kv_heads, b, dk = key.shape
-    if b == 0:
-        return
     dv = value.shape[-1]
     key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
-    _store[(b, kv_heads)](key, value, keys, values, slots, *key.stride()[:2], *value.stride()[:2], *keys.stride()[:2], *values.stride()[:2],
-                          slots.stride(0), DK=dk, DV=dv, DK_P2=triton.next_power_of_2(dk), DV_P2=triton.next_power_of_2(dv))
+    # scales as their bf16 bits (the kernel rounds them itself); unused for a plain pool
+    quant = QUANT[kv_format]
+    ks, vs = (key_scales.view(torch.int16), value_scales.view(torch.int16)) if quant else (keys, values)
+    return Launch(_store, (b, kv_heads), (key, value, keys, values, ks, vs, slots, *key.stride()[:2], *value.stride()[:2], *keys.stride()[:2],
+                                          *values.stride()[:2], ks.stride(0), vs.stride(0), slots.stride(0)),
+                  dict(DK=dk, DV=dv, DK_P2=triton.next_power_of_2(dk), DV_P2=triton.next_power_of_2(dv), QUANT=quant))
 
 
 @torch.library.custom_op("kvserve::paged_attention", mutates_args=())

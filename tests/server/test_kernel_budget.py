@@ -54,6 +54,18 @@ def test_the_kernels_of_a_decode_step_are_the_budget(counts, rows, part):
                     f'to these counts and say what lowered them in its "reason" (ops: {_ops(ops)}).')
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8"])
+def test_a_quantized_pool_adds_no_kernel_to_a_decode_step(counts, kv_dtype):
+    """Over an fp8 or int8 pool a decode step launches what it launches over a plain one: the
+    store quantizes in its one launch and the paged kernel reads the codes and scales (before,
+    the quantizing took 23 (fp8) to 25 (int8) more kernels a layer, inside the opaque op, where
+    no compiler fuses them)."""
+    c = kernels.count_decode_step(kernels.build(LAYERS, DEVICE), 1, kv_dtype)
+    plain = counts[1]
+    assert c.layers[0] == plain.layers[0], f"{kv_dtype}: {_ops(c.layers[0])}; plain: {_ops(plain.layers[0])}"
+    assert (c.fixed, c.around) == (plain.fixed, plain.around)
+
+
 def test_the_kernels_of_a_mixed_step_are_the_budget():
     """A step of more than decode rows, every batch through the paged attention kernel (a GPU's
     way; what runs inside the compiled forward's opaque op): exactly its budget, per layer,

@@ -479,6 +479,57 @@ def test_the_store_kernel_writes_what_two_index_copies_write(dtype, monkeypatch)
         assert torch.equal(plain_k, want_k) and torch.equal(plain_v, want_v)
 
 
+def _edge_vectors(kv_heads: int, width: int, dtype: torch.dtype, gen) -> torch.Tensor:
+    """[kv_heads, n, width] vectors that test a quantizer's rounding: random ones of every
+    magnitude, an all-zero one, ones whose amax makes an exact scale with every other value a
+    tie (x / scale = k + 0.5: int8's half-to-even), ties between float8 e4m3 neighbours, normal
+    and subnormal (8.5, 9.5, 1.5 * 2**-9, ...), and negative zeros."""
+    n = 64
+    x = torch.randn(kv_heads, n, width, generator=gen) * torch.logspace(-6, 4, n)[None, :, None]
+    x[:, 0] = 0
+    steps = torch.arange(width, dtype=torch.float32) % 120 - 60
+    x[:, 1] = (steps + 0.5) * 2.0**-3
+    x[:, 1, 0] = 127 * 2.0**-3  # amax / 127 = 2**-3 exactly: every other value a tie for int8
+    e4m3_ties = torch.tensor([8.5, 9.5, 17.0, 19.0, 0.0146484375, 1.5 * 2**-9, 2.5 * 2**-9, 448.0, -8.5, -0.0])
+    x[:, 2] = e4m3_ties.repeat(width // len(e4m3_ties) + 1)[:width]
+    x[:, 2, -1] = 448.0  # amax / 448 = 1: the ties stay ties
+    x[:, 3] = -0.0
+    return x.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_store_kernel_quantizes_as_the_pool_does_bit_for_bit(kv_dtype, dtype, monkeypatch):
+    """`kvserve::store_kv` over an fp8 or int8 pool: one launch quantizes each token's key and
+    value (its scale rounded to bf16, the codes rounded to nearest even, int8 half to even)
+    into exactly the codes and scales `kv.put_vectors` stores, at their slots and nowhere else,
+    for vectors of every magnitude, zeros and rounding ties; off the kernels, `put_vectors` itself."""
+    gen = torch.Generator().manual_seed(5)
+    fmt = kv.kv_format(kv_dtype)
+    kv_heads, dk, dv, n_slots = 2, 80, 48, 160
+    key, value = _edge_vectors(kv_heads, dk, dtype, gen), _edge_vectors(kv_heads, dv, dtype, gen)
+    slots = torch.randperm(n_slots, generator=gen)[: key.shape[1]].to(DEVICE)
+
+    def pool():
+        return (torch.zeros(kv_heads, n_slots, dk, dtype=fmt.storage, device=DEVICE), torch.zeros(kv_heads, n_slots, dv, dtype=fmt.storage, device=DEVICE),
+                torch.zeros(kv_heads, n_slots, dtype=kv.SCALE_DTYPE, device=DEVICE), torch.zeros(kv_heads, n_slots, dtype=kv.SCALE_DTYPE, device=DEVICE))
+
+    want, got = pool(), pool()
+    kv.put_vectors(fmt, want[0], want[2], slots, key)
+    kv.put_vectors(fmt, want[1], want[3], slots, value)
+    torch.ops.kvserve.store_kv(key, value, got[0], got[1], slots, got[2], got[3], kv_dtype)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != kv.SCALE_DTYPE else a.view(torch.int16),
+                           b.view(torch.uint8) if b.dtype != kv.SCALE_DTYPE else b.view(torch.int16))
+    torch.library.opcheck(torch.ops.kvserve.store_kv.default, (key, value, *pool()[:2], slots, *pool()[2:], kv_dtype),
+                          test_utils=("test_schema",))
+    if DEVICE.type == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET")
+        plain = pool()
+        torch.ops.kvserve.store_kv(key, value, plain[0], plain[1], slots, plain[2], plain[3], kv_dtype)
+        assert all(torch.equal(a, b) for a, b in zip(plain, want))
+
+
 # -- built for the GPU: what a program asks of an H200 ---------------------------------------------
 
 
@@ -510,7 +561,7 @@ def test_the_kernels_fit_an_h200s_shared_memory():
     for name, both in figures.items():
         assert sorted(both) == ["chunk", "decode"]
         for rows, got in both.items():
-            for kernel in ("attention", "merge"):
+            for kernel in ("attention", "merge", "store"):
                 k = got[kernel]
                 assert k["registers"] > 0 and k["shared"] <= SHARED_LIMIT, (name, rows, kernel, k)
                 assert name.endswith("fp32") or k["spilled"] == 0, (name, rows, kernel, k)
