@@ -482,12 +482,15 @@ def runs_triton(device: torch.device) -> bool:
 
 @torch.library.custom_op("kvserve::store_kv", mutates_args=("keys", "values", "key_scales", "value_scales"))
 def store_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-             key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None, kv_format: str = "auto") -> None:
+             key_scales: torch.Tensor | None, value_scales: torch.Tensor | None, kv_format: str) -> None:
     """N tokens' new key [Hkv, N, Dk] and value [Hkv, N, Dv] into one layer's pool storage
     `keys` [Hkv, S, Dk] / `values` [Hkv, S, Dv] at `slots` [N], in the pool's `kv_format` (fp8
     or int8: codes there and a scale a slot in `key_scales` / `value_scales` [Hkv, S]): the K
     and V stores of a step in one Triton launch where the kernels run (`runs_triton`), with the
-    codes and scales `kv.put_vectors` makes, bit for bit; elsewhere `kv.put_vectors` itself."""
+    codes and scales `kv.put_vectors` makes, bit for bit; elsewhere `kv.put_vectors` itself.
+
+    NOTE: no defaults: torch 2.11 (the GPU machine's) fails on a mutated argument left to its
+    default (its ADInplaceOrView kernel indexes the arguments passed)."""
     if not runs_triton(key.device):
         fmt = kv.kv_format(kv_format)
         kv.put_vectors(fmt, keys, key_scales, slots, key)

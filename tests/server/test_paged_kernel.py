@@ -467,15 +467,16 @@ def test_the_store_kernel_writes_what_two_index_copies_write(dtype, monkeypatch)
     keys, values = torch.randn(kv_heads, slots_n, dk, generator=gen).to(DEVICE, dtype), torch.randn(kv_heads, slots_n, dv, generator=gen).to(DEVICE, dtype)
     want_k, want_v = keys.clone().index_copy_(1, slots[:4], key[:, :4]), values.clone().index_copy_(1, slots[:4], value[:, :4])
     got_k, got_v = keys.clone(), values.clone()
-    torch.ops.kvserve.store_kv(key, value, got_k, got_v, slots)
+    torch.ops.kvserve.store_kv(key, value, got_k, got_v, slots, None, None, "auto")
     assert torch.equal(got_k[:, :63], want_k[:, :63]) and torch.equal(got_v[:, :63], want_v[:, :63])
     assert any(torch.equal(got_k[:, 63], key[:, r]) for r in (3, 4))  # the trash slot holds one of its rows
-    torch.library.opcheck(torch.ops.kvserve.store_kv.default, (key, value, keys.clone(), values.clone(), slots), test_utils=("test_schema",))
+    torch.library.opcheck(torch.ops.kvserve.store_kv.default, (key, value, keys.clone(), values.clone(), slots, None, None, "auto"),
+                          test_utils=("test_schema",))
     if DEVICE.type == "cpu":
         monkeypatch.delenv("TRITON_INTERPRET")
         assert not paged_kernel.runs_triton(DEVICE)
         plain_k, plain_v = keys.clone(), values.clone()
-        torch.ops.kvserve.store_kv(key[:, :4], value[:, :4], plain_k, plain_v, slots[:4])
+        torch.ops.kvserve.store_kv(key[:, :4], value[:, :4], plain_k, plain_v, slots[:4], None, None, "auto")
         assert torch.equal(plain_k, want_k) and torch.equal(plain_v, want_v)
 
 
