@@ -136,10 +136,10 @@ class ModelRunner:
         self.paged = self.device.type == "cuda" if paged is None else paged
         # the paged path's rows (decode rows, prefill chunks, forced and drafted tokens) read the pool
         # in place (server/engine/paged_kernel.py; an fp8 or int8 pool's codes and scales) rather
-        # than gathered: by default on CUDA where Triton runs, outside exact mode (its own kernel)
+        # than gathered: by default on CUDA where Triton runs; never in exact mode (its own kernel)
         if attention_kernel is None:
-            attention_kernel = self.device.type == "cuda" and paged_kernel.TRITON and not exact
-        self.attention_kernel = self.paged and attention_kernel
+            attention_kernel = self.device.type == "cuda" and paged_kernel.TRITON
+        self.attention_kernel = self.paged and attention_kernel and not exact
         # whether `prepare` compiles the decode steps' forward (server/engine/compiled.py): `compile`
         # "require" on any device, "auto" on CUDA, "off" never; the app refuses to start without it
         # under "require"
