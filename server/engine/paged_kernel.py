@@ -95,8 +95,9 @@ def _attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, pos_ptr, reach_pt
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = m < groups * width
     first, last = _visible(pos_ptr + b * p_b, reach_ptr + b * r_b, m % width, p_t, r_t, live, max_tokens, window)
-    lo = tl.maximum(tl.min(first, 0) // BLOCK_N, split * tiles_per_split)
-    hi = tl.minimum(tl.max(last, 0) // BLOCK_N + 1, (split + 1) * tiles_per_split)
+    earliest, latest = tl.min(first, 0), tl.max(last, 0)  # the keys some query of the tile sees
+    lo = tl.maximum(earliest // BLOCK_N, split * tiles_per_split)
+    hi = tl.minimum(latest // BLOCK_N + 1, (split + 1) * tiles_per_split)
     dk = tl.arange(0, DK_P2)
     dv = tl.arange(0, DV_P2)
     q_base = q_ptr + b * q_b + h * q_h + m[:, None] * q_m
@@ -111,7 +112,7 @@ def _attention(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, pos_ptr, reach_pt
     acc = tl.zeros([BLOCK_M, DV_P2], tl.float32)
     for tile in range(lo, hi):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        read = (keys >= tl.min(first, 0)) & (keys <= tl.max(last, 0))  # seen by some query of the tile
+        read = (keys >= earliest) & (keys <= latest)
         block = tl.load(table_ptr + b * t_b + keys // block_size, mask=read, other=0).to(tl.int64)
         slot = block * block_size + keys % block_size
         kt = tl.load(k_base + slot[None, :] * k_s + dk[:, None], mask=read[None, :] & (dk[:, None] < DK), other=0)
