@@ -194,25 +194,34 @@ def _prompt(row: int, vocab: int) -> list[int]:
     return [(7 * row + 3 * t) % (vocab - 3) + 3 for t in range(PROMPT)]
 
 
-def count_decode_step(model, rows: int, kv_dtype: str = "auto") -> Counts:
-    """kvserve's decode step of `rows` rows through the model runner's paged path (see the
-    module docstring), over a KV pool in `kv_dtype`. Switches `model` to kvserve's attention
-    (`attention.enable`)."""
-    dtype, vocab = model.dtype, model.config.vocab_size
+@contextlib.contextmanager
+def _paged_runner(model, rows: int, kv_dtype: str = "auto", kernel: bool = True) -> Iterator[tuple[ModelRunner, list[kv.SequenceKV]]]:
+    """A model runner on the paged path as the server runs it (`packed=None`, merged
+    projections, no graphs) over a KV pool in `kv_dtype` holding `rows` caches of PROMPT + 1
+    tokens' room, freed after. `kernel`: attention through the paged attention kernel (as on
+    CUDA: one op a layer; on CPU it runs the reference or Triton's interpreter, but counts as
+    the one kernel CUDA launches). Switches `model` to kvserve's attention (`attention.enable`)."""
+    dtype = model.dtype
     pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + 1, dtype, kv_dtype) * rows, model.device, dtype, kv_dtype=kv_dtype)
-    # NOTE: attention_kernel as on CUDA (server/engine/paged_kernel.py): one op a layer; on CPU it
-    # runs the reference (or Triton's interpreter), but counts as the one kernel CUDA launches
-    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=rows, attention_kernel=True, merge=True)
+    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=rows, attention_kernel=kernel, merge=True)
     caches = [pool.allocate(PROMPT + 1) for _ in range(rows)]
     try:
-        prompts = [t for r in range(rows) for t in _prompt(r, vocab)]
-        next_ids = runner.forward([Row(c, PROMPT) for c in caches], prompts, list(range(rows))).argmax(-1).tolist()
-        with count_kernels(model, model.model.layers) as counter:
-            runner.forward([Row(c, 1) for c in caches], next_ids, list(range(rows)))
+        yield runner, caches
     finally:
         for cache in caches:
             kv.free(cache)
         pool.release()
+
+
+def count_decode_step(model, rows: int, kv_dtype: str = "auto") -> Counts:
+    """kvserve's decode step of `rows` rows through the model runner's paged path (see the
+    module docstring), over a KV pool in `kv_dtype`."""
+    vocab = model.config.vocab_size
+    with _paged_runner(model, rows, kv_dtype) as (runner, caches):
+        prompts = [t for r in range(rows) for t in _prompt(r, vocab)]
+        next_ids = runner.forward([Row(c, PROMPT) for c in caches], prompts, list(range(rows))).argmax(-1).tolist()
+        with count_kernels(model, model.model.layers) as counter:
+            runner.forward([Row(c, 1) for c in caches], next_ids, list(range(rows)))
     return counter.counts(rows)
 
 
@@ -222,19 +231,12 @@ def count_mixed_step(model, kernel: bool = True) -> Counts:
     forward's opaque `step_attention` runs its batches. `kernel`: every batch attends through
     the paged attention kernel (a GPU's way); otherwise the multi-token batch gathers its
     bucket and masks it."""
-    dtype, vocab = model.dtype, model.config.vocab_size
-    pool = kv.Pool(model.config, kv.bytes_for(model.config, PROMPT + 1, dtype) * 3, model.device, dtype)
-    runner = ModelRunner(model, pool, paged=True, cuda_graphs=False, packed=None, max_rows=3, attention_kernel=kernel, merge=True)
-    caches = [pool.allocate(PROMPT + 1) for _ in range(3)]
-    try:
+    vocab = model.config.vocab_size
+    with _paged_runner(model, 3, kernel=kernel) as (runner, caches):
         prompts = [_prompt(r, vocab) for r in range(3)]
         next_ids = runner.forward([Row(c, PROMPT) for c in caches[:2]], prompts[0] + prompts[1], [0, 1]).argmax(-1).tolist()
         with count_kernels(model, model.model.layers) as counter:
             runner.forward([Row(caches[0], 1), Row(caches[1], 1), Row(caches[2], PROMPT)], next_ids + prompts[2], [0, 1, 2])
-    finally:
-        for cache in caches:
-            kv.free(cache)
-        pool.release()
     return counter.counts(3)
 
 

@@ -32,6 +32,7 @@ from transformers import AutoConfig
 from cache_manager import kv
 from server.engine import attention
 from server.engine.context import Batch
+from server.engine.model_runner import paged_inputs
 
 # name: (query heads, KV heads, head width) of a model's attention
 SHAPES = {"qwen1.5b": (12, 2, 128), "qwen7b": (28, 4, 128), "qwen32b": (40, 8, 128), "tiny": (4, 2, 16)}
@@ -53,16 +54,15 @@ def case(config, rows: int, width: int, context: int, device: torch.device, dtyp
     pool.store(0, every, *(torch.randn(x.shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
                             for x in (pool.keys[0], pool.values[0])))
     caches = [pool.allocate(context + width) for _ in range(rows)]
-    bs, trash = pool.block_size, pool.trash_block
-    blocks = kv.blocks_for(context + width, bs)
-    positions = [context + t for _ in caches for t in range(width)]
-    slots = [c.blocks[p // bs] * bs + p % bs for c in caches for p in range(context, context + width)]
-    tables = [c.blocks[:blocks] + [trash] * (blocks - len(c.blocks[:blocks])) for c in caches]
+    for cache in caches:
+        cache.length = context  # held: the random keys and values stored above
+    blocks = kv.blocks_for(context + width, pool.block_size)
+    positions, slots, tables = paged_inputs(pool, caches, [width] * rows, rows, width, blocks)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
 
     def batch(kernel: bool) -> Batch:
         tokens = None if width == 1 else torch.arange(rows * width, device=device)
-        return Batch(pool, as_tensor(slots), as_tensor(tables), as_tensor(positions), width, tokens, kernel=kernel)
+        return Batch(pool, as_tensor(slots), as_tensor(tables).view(rows, blocks), as_tensor(positions), width, tokens, kernel=kernel)
 
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     n = rows * width

@@ -504,8 +504,7 @@ class Pool:
     def store(self, layer: int, slots: torch.Tensor | slice, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keys [kv_heads, n, key_dim] and values [kv_heads, n, value_dim] (compute dtype) into `slots` [n] of `layer`
         (a slice: consecutive slots), quantized to the pool's format."""
-        put_vectors(self.format, self.keys[layer], self.key_scales[layer], slots, keys)
-        put_vectors(self.format, self.values[layer], self.value_scales[layer], slots, values)
+        put_kv(self.format, self.keys[layer], self.values[layer], self.key_scales[layer], self.value_scales[layer], slots, keys, values)
 
     def gather(self, layer: int, index: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at the slots of `index` (any shape S) of `layer`: [kv_heads, *S,
@@ -551,9 +550,19 @@ def _copy(source: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
     return picked.clone() if isinstance(index, slice) else picked
 
 
+def put_kv(fmt, keys: torch.Tensor, values: torch.Tensor, key_scales: torch.Tensor | None, value_scales: torch.Tensor | None,
+           index: torch.Tensor | slice, key: torch.Tensor, value: torch.Tensor) -> None:
+    """New keys [heads, n, key_dim] and values [heads, n, value_dim] (compute dtype) into one
+    layer's storage (`keys`, `values` and their scales) at `index` [n], quantized to `fmt`:
+    the one way torch's ops store them (`Pool.store`; the paged attention kernel's one launch
+    makes the same bits: `paged_kernel.store_kv`)."""
+    put_vectors(fmt, keys, key_scales, index, key)
+    put_vectors(fmt, values, value_scales, index, value)
+
+
 def put_vectors(fmt, data: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor | slice, x: torch.Tensor) -> None:
     """x [heads, n, width] (compute dtype) quantized to `fmt` into one layer's `data` (and
-    `scales`) at `index` [n] (`Pool.store`'s body)."""
+    `scales`) at `index` [n] (half of `put_kv`)."""
     q, scale = fmt.encode(x)
     _put(data, index, q)
     if scale is not None:

@@ -452,13 +452,11 @@ def _attend(q, keys, values, mask, scale, softcap, sinks=None):
 def _store(fmt, keys, values, key_scales, value_scales, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel: bool) -> None:
     """New keys [Hkv, N, Dk] and values [Hkv, N, Dv] into one layer's pool storage at `slots`
     [N], quantized to `fmt`: where the kernels run (`kernel`) the K and V stores are one launch
-    (`paged_kernel.store_kv`, quantizing as `kv.put_vectors` does); otherwise as `kv.put_vectors`
-    puts them."""
+    (`paged_kernel.store_kv`, the same bits); otherwise torch's ops (`kv.put_kv`)."""
     if kernel:
         paged_kernel.store_kv(key, value, keys, values, slots, key_scales, value_scales, fmt.name)
-        return
-    kv.put_vectors(fmt, keys, key_scales, slots, key)
-    kv.put_vectors(fmt, values, value_scales, slots, value)
+    else:
+        kv.put_kv(fmt, keys, values, key_scales, value_scales, slots, key, value)
 
 
 @torch.library.custom_op("kvserve::decode_attention", mutates_args=("keys", "values", "key_scales", "value_scales"))

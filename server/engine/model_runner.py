@@ -492,7 +492,7 @@ class ModelRunner:
         copy; returns the buffer's views (`DecodeInputs`). Each row's logit bias is padded to
         BIAS_SLOTS with token 0 and 0.0, which adds nothing. Padding rows: token 0 at position 0,
         writing and reading the trash block only (a hybrid's trash state slot, the base)."""
-        positions, slots, tables = self._paged_inputs([r.kv for r in rows], [1] * len(rows), size, 1, blocks)
+        positions, slots, tables = paged_inputs(self.pool, [r.kv for r in rows], [1] * len(rows), size, 1, blocks)
         states, pad = self.pool.states, size - len(rows)
         extra = [r.kv.state for r in rows] + [states.trash] * pad if states is not None else []
         if self._shifts:
@@ -568,24 +568,6 @@ class ModelRunner:
         zeros = torch.zeros(1, 2, dtype=torch.long, device=self.device)
         return zeros, step.batches[0].positions[None], step, torch.ones(2, dtype=torch.long, device=self.device)
 
-    def _paged_inputs(self, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
-        """Positions and slots [size * width] and block tables [size, blocks], flat, of
-        `counts[i]` new tokens for each cache, padded to `width` tokens a row and `size` rows.
-        A padding token repeats its row's last position and writes the trash block; a padding
-        row is one token at position 0 with a table of trash blocks."""
-        bs, trash = self.pool.block_size, self.pool.trash_block
-        positions, slots, tables = [], [], []
-        for cache, n in zip(caches, counts):
-            first = cache.length
-            for t in range(width):
-                p = first + min(t, n - 1)
-                positions.append(p)
-                slots.append(cache.blocks[p // bs] * bs + p % bs if t < n else trash * bs)
-            table = cache.blocks[:blocks]
-            tables += table + [trash] * (blocks - len(table))
-        pad = size - len(caches)
-        return positions + [0] * (pad * width), slots + [trash * bs] * (pad * width), tables + [trash] * (pad * blocks)
-
     def _batch_inputs(self, rows: list[Row]) -> tuple[dict[str, list[int]], Callable[[dict[str, torch.Tensor]], Batch]]:
         """The paged path's inputs for rows of a mixed step (eager, not padded to a bucket;
         their ids and positions travel with the step's other tokens): named host lists, and
@@ -594,7 +576,7 @@ class ModelRunner:
         counts = [r.n for r in rows]
         size, width = len(rows), max(counts)
         blocks = max(kv.blocks_for(r.kv.length + r.n, self.pool.block_size) for r in rows)
-        positions, slots, tables = self._paged_inputs([r.kv for r in rows], counts, size, width, blocks)
+        positions, slots, tables = paged_inputs(self.pool, [r.kv for r in rows], counts, size, width, blocks)
         lists = {"positions": positions, "slots": slots, "tables": tables}
         if width == 1 and all(r.offset == i for i, r in enumerate(rows)):
             return lists, lambda t: Batch(self.pool, t["slots"], t["tables"].view(size, blocks), t["positions"], kernel=self.attention_kernel)
@@ -832,6 +814,25 @@ def _lora(runner: ModelRunner) -> dict[str, str]:
         return {}
     runner.adapters.attach()  # after packing: the adapters' wrappers run the packed layers
     return {"lora": f"{len(runner.adapters.slots)} slots of rank {runner.adapters.rank}"}
+
+
+def paged_inputs(pool: kv.Pool, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
+    """Positions and slots [size * width] and block tables [size, blocks], flat, of `counts[i]`
+    new tokens for each cache of `pool`, padded to `width` tokens a row and `size` rows. A
+    padding token repeats its row's last position and writes the trash block; a padding row is
+    one token at position 0 with a table of trash blocks."""
+    bs, trash = pool.block_size, pool.trash_block
+    positions, slots, tables = [], [], []
+    for cache, n in zip(caches, counts):
+        first = cache.length
+        for t in range(width):
+            p = first + min(t, n - 1)
+            positions.append(p)
+            slots.append(cache.blocks[p // bs] * bs + p % bs if t < n else trash * bs)
+        table = cache.blocks[:blocks]
+        tables += table + [trash] * (blocks - len(table))
+    pad = size - len(caches)
+    return positions + [0] * (pad * width), slots + [trash * bs] * (pad * width), tables + [trash] * (pad * blocks)
 
 
 def _chunks(values: list[int], width: int) -> list[list[int]]:

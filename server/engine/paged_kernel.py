@@ -488,14 +488,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values:
     `keys` [Hkv, S, Dk] / `values` [Hkv, S, Dv] at `slots` [N], in the pool's `kv_format` (fp8
     or int8: codes there and a scale a slot in `key_scales` / `value_scales` [Hkv, S]): the K
     and V stores of a step in one Triton launch where the kernels run (`runs_triton`), with the
-    codes and scales `kv.put_vectors` makes, bit for bit; elsewhere `kv.put_vectors` itself.
+    codes and scales `kv.put_kv` makes, bit for bit; elsewhere `kv.put_kv` itself.
 
     NOTE: no defaults: torch 2.11 (the GPU machine's) fails on a mutated argument left to its
     default (its ADInplaceOrView kernel indexes the arguments passed)."""
     if not runs_triton(key.device):
-        fmt = kv.kv_format(kv_format)
-        kv.put_vectors(fmt, keys, key_scales, slots, key)
-        kv.put_vectors(fmt, values, value_scales, slots, value)
+        kv.put_kv(kv.kv_format(kv_format), keys, values, key_scales, value_scales, slots, key, value)
         return
     if key.shape[1]:
         step = store_launch(key, value, keys, values, slots, key_scales, value_scales, kv_format)

@@ -503,8 +503,8 @@ def _edge_vectors(kv_heads: int, width: int, dtype: torch.dtype, gen) -> torch.T
 def test_the_store_kernel_quantizes_as_the_pool_does_bit_for_bit(kv_dtype, dtype, monkeypatch):
     """`kvserve::store_kv` over an fp8 or int8 pool: one launch quantizes each token's key and
     value (its scale rounded to bf16, the codes rounded to nearest even, int8 half to even)
-    into exactly the codes and scales `kv.put_vectors` stores, at their slots and nowhere else,
-    for vectors of every magnitude, zeros and rounding ties; off the kernels, `put_vectors` itself."""
+    into exactly the codes and scales `kv.put_kv` stores, at their slots and nowhere else,
+    for vectors of every magnitude, zeros and rounding ties; off the kernels, `put_kv` itself."""
     gen = torch.Generator().manual_seed(5)
     fmt = kv.kv_format(kv_dtype)
     kv_heads, dk, dv, n_slots = 2, 80, 48, 160
@@ -516,8 +516,7 @@ def test_the_store_kernel_quantizes_as_the_pool_does_bit_for_bit(kv_dtype, dtype
                 torch.zeros(kv_heads, n_slots, dtype=kv.SCALE_DTYPE, device=DEVICE), torch.zeros(kv_heads, n_slots, dtype=kv.SCALE_DTYPE, device=DEVICE))
 
     want, got = pool(), pool()
-    kv.put_vectors(fmt, want[0], want[2], slots, key)
-    kv.put_vectors(fmt, want[1], want[3], slots, value)
+    kv.put_kv(fmt, want[0], want[1], want[2], want[3], slots, key, value)
     torch.ops.kvserve.store_kv(key, value, got[0], got[1], slots, got[2], got[3], kv_dtype)
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.uint8) if a.dtype != kv.SCALE_DTYPE else a.view(torch.int16),
