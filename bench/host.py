@@ -112,9 +112,8 @@ def measure(tokenizer, rows: int, steps: int, way: str) -> tuple[float, float, E
     engine.step = timed
     loop = asyncio.new_event_loop()
     engine.start()
-    original = detokenizer.decoder, detokenizer._rust
+    original = detokenizer._rust
     if way == "before":  # transformers' decode, twice a token, in TextStream's Python window
-        detokenizer.decoder = lambda tok: (lambda ids: tok.decode(ids, skip_special_tokens=True))
         detokenizer._rust = lambda tok: None
     try:
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
@@ -125,7 +124,7 @@ def measure(tokenizer, rows: int, steps: int, way: str) -> tuple[float, float, E
     finally:
         engine.stop()
         loop.close()
-        detokenizer.decoder, detokenizer._rust = original
+        detokenizer._rust = original
     timed = times[steps // 4 :]
     return statistics.median(timed), statistics.fmean(timed), engine
 

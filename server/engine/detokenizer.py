@@ -32,7 +32,11 @@ def decoder(tokenizer) -> Callable[[list[int]], str]:
     (Rust) tokenizer whose decode transformers does not post-process, the Rust decode itself:
     the same text without transformers' per-call conversions, which cost about 5x the decode
     at every token of every row."""
-    backend = _rust(tokenizer)
+    return _decoder(tokenizer, _rust(tokenizer))
+
+
+def _decoder(tokenizer, backend: Tokenizer | None) -> Callable[[list[int]], str]:
+    """`decoder` for the Rust tokenizer `_rust` found (None: none)."""
     if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
@@ -77,8 +81,8 @@ class TextStream:
     # of two decodes (`_rust`): 0.7 us a token instead of 2.5 at every row of every step.
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
-        self._decode = decoder(tokenizer)
         self._rust = _rust(tokenizer)
+        self._decode = _decoder(tokenizer, self._rust)
         self._stream = DecodeStream(skip_special_tokens=True) if self._rust is not None else None
         self._stops = tuple(s for s in stops if s)
         self._reach = max(map(len, self._stops), default=1) - 1  # sent characters a stop string may still start in
