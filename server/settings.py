@@ -280,7 +280,7 @@ class Settings(BaseSettings):
         description="Launch each decode step before the previous step's tokens reach the host, "
         "so the device computes it while the host detokenizes and streams, where every row's "
         "token is chosen on the device (greedy, or a draw with temperature, top-k, top-p and a logit "
-        "bias; not grammar, penalty or logprobs rows): a row "
+        "bias, under a grammar's mask or not; not penalty or logprobs rows): a row "
         "that stopped loses the token computed past its stop (never sent, never kept in its "
         "session). auto = on CUDA; on = on CPU too (where steps do not overlap: for tests); "
         "off (--no-overlap) = each step waits for the previous one. Hybrid and LongRoPE models "

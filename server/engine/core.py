@@ -539,6 +539,8 @@ class Engine:
             self._postprocess(plan, out.logits, tokens())
         finally:  # a row postprocess did not reach has not appended its token: `_settle` undoes its step
             self._ahead = self._settle(ahead)
+        if self._ahead is not None:  # the masks of its rows' next tokens, computed while the device runs it
+            start_masks([row.seq.grammar for row in self._ahead.plan.rows if row.seq.grammar is not None])
 
     def _chosen(self, plan: Plan, out: StepOutput) -> torch.Tensor | None:
         """This step's tokens on the device (`sampler.chosen_on_device`), where it is decode
@@ -556,7 +558,7 @@ class Engine:
         """The next decode step of `plan`'s rows, launched now from this step's tokens on the
         device (`chosen`: `_chosen`; `ModelRunner.run_ahead`), with the wait for their copy to
         the host; None where it cannot be: the overlap is off, some row's token is chosen on
-        the host (a constraint, penalties, logprobs) or drafts, or the
+        the host (penalties, logprobs) or drafts, or the
         next step has other work: a running sequence outside this step (a prompt to prefill,
         forced tokens), requests that may be admitted, calls to run. A row whose next token
         cannot exist (max_tokens, its cache full) is left out; one that stops at this step's

@@ -26,10 +26,10 @@ from server.engine.sampling import (
     apply_penalties,
     checked,
     device_tensor,
-    draw_ids,
     draw_rows,
     filtered_probs,
     logprob_infos,
+    sample_ids,
     sample_rows,
     softmax_rows,
     take_rows,
@@ -75,31 +75,33 @@ def choose(seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | No
 
 
 def device_chooses(seq: Sequence) -> bool:
-    """Whether the sequence's next token can be chosen on the device from its raw logits and
-    the runner's argmax alone (`chosen_on_device`): nothing from the host, that is no
-    constraint (`constraint` would give None), no penalties, no logprobs. Its logit bias is in
-    the runner's argmax, and a draw adds it on the device."""
+    """Whether the sequence's next token can be chosen on the device from its raw logits
+    (`chosen_on_device`): no penalties and no logprobs, whose state and answers live on the
+    host. A constraint's mask (its grammar's, a thinking model's bans) is the host's too, but
+    reaches the device in one copy that does not wait, and its logit bias is added there."""
     params = seq.params
-    return not (params.logprobs or params.uses_penalties or seq.grammar is not None or _bans(seq))
+    return not (params.logprobs or params.uses_penalties)
 
 
 def chosen_on_device(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor | None:
     """Each row's next token [R] on the device, with no sync, for a step of decode rows alone
     (`greedy`: the runner's argmax of each row after its logit bias); None unless every row's
-    can be chosen there (`device_chooses`). Greedy rows take the argmax; the others draw as
-    `choose` would have drawn them (the same rows' probabilities, the same draw calls in the
-    same order: the same tokens), so the engine may launch the next step from them before
-    they reach the host (its overlap) and `choose` takes them as they are."""
+    can be chosen there (`device_chooses`). Each row's constraint mask is added to `logits` in
+    place (`apply_constraints`, as `choose` adds it); greedy rows without one take the argmax,
+    and the others are chosen as `choose` would have chosen them (the same rows' logits, the
+    same argmax, the same draw calls in the same order: the same tokens), so the engine may
+    launch the next step from them before they reach the host (its overlap) and `choose`
+    takes them as they are."""
     if greedy is None or not all(device_chooses(s) for s in seqs):
         return None
-    drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if not drawn:
+    masked = set(apply_constraints(seqs, logits))
+    picked = [i for i, s in enumerate(seqs) if not s.params.greedy or i in masked]  # not the runner's argmax
+    if not picked:
         return greedy
-    every = len(drawn) == len(seqs)
-    rows = None if every else device_tensor(drawn, torch.long, logits.device)  # one copy, for the rows' logits and their draws
-    biased = apply_logit_bias(logits if every else logits[rows], [seqs[i].params.logit_bias for i in drawn])
-    probs = filtered_probs(biased, [seqs[i].params for i in drawn])
-    ids = draw_ids(probs, [_draws_from(seqs[i]) for i in drawn])
+    every = len(picked) == len(seqs)
+    rows = None if every else device_tensor(picked, torch.long, logits.device)  # one copy, for the rows' logits and their tokens
+    biased = apply_logit_bias(logits if every else logits[rows], [seqs[i].params.logit_bias for i in picked])
+    ids = sample_ids(biased, [seqs[i].params for i in picked], [_draws_from(seqs[i]) for i in picked])
     if every:
         return ids
     return greedy.index_copy(0, rows, ids)
@@ -151,20 +153,21 @@ def forced_marker(seq: Sequence) -> int | None:
     return forced[0] if forced else None
 
 
-def apply_constraints(seqs: list[Sequence], logits: torch.Tensor) -> None:
+def apply_constraints(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Add each row's constraint mask to its logits [R, vocab] in place (rows without one are
     left alone): the masks' words stacked on the host, one copy to the device that does not
-    wait, unpacked there (`additive_masks`), one add."""
+    wait, unpacked there (`additive_masks`), one add. Returns the rows masked."""
     vocab = logits.shape[-1]
     words = [constraint(s, vocab) for s in seqs]
     rows = [i for i, w in enumerate(words) if w is not None]
     if not rows:
-        return
+        return rows
     masks = additive_masks(np.stack([words[i] for i in rows]), vocab, logits.device).to(logits.dtype)
     if len(rows) == len(seqs):
         logits.add_(masks)
     else:
         logits.index_add_(0, device_tensor(rows, torch.long, logits.device), masks)
+    return rows
 
 
 def processed(seq: Sequence, logits: torch.Tensor) -> torch.Tensor:

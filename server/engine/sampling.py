@@ -116,23 +116,26 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of processed logits [rows, vocab]: argmax for greedy rows; for the
-    others temperature, top-k and top-p per row, vectorised, then a draw (`draw_ids`): a row
-    with a generator from it (it draws the same whatever else is in the batch), the rows
-    without one all in one call. -1 for a row that draws from no distribution: the caller
-    fails that row alone, and the others keep their draws (a seeded row draws once)."""
-    tokens = [0] * len(params)
+    """`sample_ids`' tokens on the host, in one copy."""
+    return sample_ids(logits, params, generators).tolist()
+
+
+def sample_ids(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of processed logits [rows, vocab], as a long tensor [rows] on their
+    device, nothing read back: argmax for greedy rows; for the others temperature, top-k and
+    top-p per row, vectorised, then a draw (`draw_ids`): a row with a generator from it (it
+    draws the same whatever else is in the batch), the rows without one all in one call. -1
+    for a row that draws from no distribution: the caller fails that row alone, and the others
+    keep their draws (a seeded row draws once)."""
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        picked = torch.argmax(take_rows(logits, greedy), dim=-1).tolist()
-        for i, token in zip(greedy, picked):
-            tokens[i] = token
     drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if drawn:
-        probs = filtered_probs(take_rows(logits, drawn), [params[i] for i in drawn])
-        for i, token in zip(drawn, draw_ids(probs, [generators[i] for i in drawn]).tolist()):
-            tokens[i] = token
-    return tokens
+    if not drawn:
+        return torch.argmax(logits, dim=-1)
+    ids = draw_ids(filtered_probs(take_rows(logits, drawn), [params[i] for i in drawn]), [generators[i] for i in drawn])
+    if not greedy:
+        return ids
+    out = torch.argmax(logits, dim=-1)  # (the drawn rows' argmax is overwritten: one kernel, not a gather)
+    return out.index_copy(0, device_tensor(drawn, torch.long, logits.device), ids)
 
 
 def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:

@@ -1,6 +1,6 @@
 """The overlap (server/engine/core.py `_launch_ahead`): a decode step launched before the
 previous step's tokens reach the host (greedy rows' argmax and other rows' draws, chosen on the
-device) gives the tokens, texts, finish reasons and sessions of an engine whose steps wait for
+device, under a grammar's mask or a thinking model's bans or not) gives the tokens, texts, finish reasons and sessions of an engine whose steps wait for
 each other, with a stop at every position: a stop string, the end of max_tokens, a thinking
 budget whose end marker the engine forces, a cancel. On CPU the steps do not run concurrently,
 but every line of the overlap runs: the step launched ahead, its tokens taken on the device,
@@ -9,16 +9,20 @@ the rows it drops and the KV it crops."""
 from __future__ import annotations
 
 import asyncio
+import json
 
+import jsonschema
 import pytest
 import torch
 
 from cache_manager.manager import CacheConfig, CacheManager
 from cache_manager.sessions import Principal
+from grammars import GrammarCompiler, spec_from_request
 from server.engine.core import Engine, EngineConfig
 from server.engine.reasoning import ReasoningSpec
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest
+from tests.equivalence import assert_equivalent
 
 POSITIONS = range(1, 9)  # a stop at each of these generated tokens
 PROMPTS = ["Name three rivers.", "What is a harbor?", "Count to five.", "Why is the sky blue?"]
@@ -38,11 +42,14 @@ class Engines:
             self.engines[overlap] = engine
         runner = self.engines[True].runner
         self.launched = 0
+        self.constrained = 0  # steps launched ahead with a row under a grammar or bans
         launch = runner.run_ahead
 
-        def counted(*args):
+        def counted(plan, *args):
             self.launched += 1
-            return launch(*args)
+            self.constrained += any(r.seq.grammar is not None or r.seq.reasoning is not None and r.seq.reasoning.spec.banned_ids
+                                    for r in plan.rows)
+            return launch(plan, *args)
 
         runner.run_ahead = counted
 
@@ -154,6 +161,72 @@ async def test_rows_that_draw_launch_ahead_and_draw_what_they_would_have(engines
     assert got[True] == got[False]
     assert engines.launched > launched, "no step of rows that draw was launched ahead"
     assert engines.sessions(True) == engines.sessions(False)
+
+
+def masked_greedy(model, prompt: list[int], grammar, n: int) -> list[int]:
+    """The model's greedy tokens under the grammar's mask, each from a fresh forward of the
+    whole sequence (transformers alone), until the grammar ends or n tokens."""
+    matcher, ids = grammar.new_matcher(), list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
+        matcher.apply_mask(logits)
+        token = int(logits.argmax())
+        if token in grammar.eos_token_ids or not matcher.accept(token):
+            break
+        ids.append(token)
+        if matcher.is_terminated:
+            break
+    return ids[len(prompt):]
+
+
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16}, "river": {"type": "string", "maxLength": 16},
+                   "founded": {"type": "integer"}},
+    "required": ["city", "river", "founded"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.anyio
+async def test_rows_under_grammars_and_bans_launch_ahead_and_choose_what_they_would_have(engines, smollm2):
+    """The first user's every row is under a JSON schema: such rows (greedy, with a logit
+    bias, seeded ones that draw; each ending at its own max_tokens or its object's end) and a
+    thinking row whose spec bans the token it would write have their masks added on the
+    device from one copy that does not wait, so their steps are launched ahead too, with the
+    next masks computed while the device runs them. Outputs, sessions and the JSON equal the
+    engine without overlap's; the objects that end validate."""
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, eos_token_ids=[smollm2.tokenizer.eos_token_id])
+    city = compiler.compile(spec_from_request({"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}, None))
+    tok = engines.tokenizer
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>"])[0], tuple(tok("<|im_end|>\n<|im_start|>", add_special_tokens=False)["input_ids"])
+    thinking = ReasoningSpec(start_ids=(start,), end_ids=end, inside=True, budget=6)
+    prompt = engines.prompt("Describe a city by its river, as JSON.")
+    free = (await engines.run_all(False, [GenerationRequest("free", prompt, greedy(max_tokens=4), reasoning=thinking, use_session=False)]))[0][0]
+    banned = ReasoningSpec(start_ids=(start,), end_ids=end, inside=True, budget=6, banned_ids=frozenset(free[1:3]))
+
+    def requests():
+        out = [GenerationRequest(f"json{k}", engines.prompt(f"Describe city number {k} as JSON."), greedy(max_tokens=k), grammar=city,
+                                 session_id=f"json{k}") for k in (3, 9, 17, 60)]
+        out.append(GenerationRequest("bias", prompt, greedy(max_tokens=60, logit_bias={28: 4.0, 33: -2.0}), grammar=city,
+                                   session_id="bias"))
+        out += [GenerationRequest(f"drawn{i}", engines.prompt(p), SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=60),
+                                  grammar=city, session_id=f"drawn{i}") for i, p in enumerate(PROMPTS[:2])]
+        return out + [GenerationRequest("banned", prompt, greedy(max_tokens=12), reasoning=banned, session_id="banned")]
+
+    launched, constrained = engines.launched, engines.constrained
+    got = {overlap: await engines.run_all(overlap, requests()) for overlap in (True, False)}
+    assert got[True] == got[False]
+    assert engines.constrained > constrained and engines.launched > launched, "no step of constrained rows was launched ahead"
+    assert engines.sessions(True) == engines.sessions(False)
+    ended = [text for text, _, finish in ((r[1], r[2], r[3]) for r in got[True][:-1]) if finish == "stop"]
+    assert len(ended) >= 2
+    for text in ended:
+        jsonschema.validate(json.loads(text), CITY)
+    assert [r[4] for r in got[True][:3]] == [3, 9, 17]  # max_tokens = k: k tokens, no more
+    json60 = requests()[3]  # and transformers' greedy tokens under the same masks, step by step
+    assert_equivalent(smollm2.model, json60.prompt_ids, got[True][3][0], masked_greedy(smollm2.model, json60.prompt_ids, city, 60), city)
+    assert got[True][-1][0][1:3] != free[1:3]  # the ban changed what the thinking row wrote
 
 
 @pytest.mark.anyio
