@@ -11,7 +11,11 @@ suppressed so every side generates exactly that many):
 * the floor: reading the weights once per step at the device's measured copy bandwidth.
 Ratios are printed against `generate` measured in the same run. `--temperature T` (> 0) has
 kvserve's rows draw instead (end-of-turn suppressed alike), the OpenAI default at 1; the
-baselines stay greedy. On CPU it runs too (a tiny
+baselines stay greedy. `--grammar` adds a second table: kvserve's rows under a grammar (a JSON
+object's code string, `CODE`, which never has to end: every row still makes `--tokens`), with
+the overlap (the server's way on CUDA) and without it (each step waiting for the last one's
+tokens, the way constrained rows ran before 2026-12-01), beside the free rows' rate of the
+first table; the model directory's tokenizer builds the grammar. On CPU it runs too (a tiny
 model: `--model tiny`), which is how CI-less checks keep it working; the figures that matter
 come from a GPU (../shared/tools/gpu/README.md).
 """
@@ -23,24 +27,40 @@ import asyncio
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
 
 from cache_manager.manager import CacheConfig, CacheManager
+from grammars import GrammarCompiler, spec_from_request
 from server.engine.core import Engine, EngineConfig
 from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest
+from server.model_loader import resolve_source
+from server.settings import default_cache_dir
 from server.startup import weights_bytes
 
 PROMPT_TOKENS = 16
+# what `--grammar` rows write: code in a JSON string that is never closed, so that a row is in
+# an accepting state at every token (end-of-turn allowed, and suppressed by the bias) and never
+# forced to end early, whatever random weights pick
+CODE = r'\{"code": "[a-zA-Z0-9 _(),.:=+\-]*'
 
 
-def load(path: str, device: torch.device, dtype: torch.dtype):
+def load(path: str, device: torch.device, dtype: torch.dtype, vocab: int = 1000):
     if path == "tiny":  # CPU smoke run: a random 2-layer model
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
         return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def code_grammar(path: str, vocab: int, eos: int | None):
+    """`CODE` compiled for the model's tokenizer (the model directory's; for 'tiny', the default
+    model's)."""
+    if path == "tiny":
+        path = resolve_source(None, default_cache_dir())[0]
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(path), vocab, eos_token_ids=None if eos is None else [eos])
+    return compiler.compile(spec_from_request(None, None, guided_regex=CODE))
 
 
 def sync(device: torch.device) -> None:
@@ -73,9 +93,11 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return [[(100 + i * 31 + j * 7) % (vocab - 10) + 5 for j in range(PROMPT_TOKENS)] for i in range(n)]
 
 
-def kvserve_rate(model, device, n: int, tokens: int, eos: int | None, args) -> float:
+def kvserve_rate(model, device, n: int, tokens: int, eos: int | None, args, grammar=None, overlap: bool | None = None) -> float:
+    """Tokens/s of the engine generating `tokens` for each of n requests at once (`grammar`:
+    each row under it; `overlap`: the engine's, None: its default)."""
     config = EngineConfig(max_context=args.max_context, max_running=max(64, n), max_queue=max(64, n),
-                          max_batch_tokens=max(512, n * PROMPT_TOKENS), cuda_graphs=args.cuda_graphs)
+                          max_batch_tokens=max(512, n * PROMPT_TOKENS), cuda_graphs=args.cuda_graphs, overlap=overlap)
     cache = CacheManager(model.config, device, model.dtype, args.max_context, CacheConfig(budget_bytes=args.kv_bytes, reuse=False))
     engine = Engine(model, Tokenizer(eos), config, cache)
     engine.start()
@@ -84,7 +106,7 @@ def kvserve_rate(model, device, n: int, tokens: int, eos: int | None, args) -> f
 
     async def wave() -> int:
         loop = asyncio.get_running_loop()
-        handles = [engine.submit(GenerationRequest(f"r{i}", ids, params), loop)
+        handles = [engine.submit(GenerationRequest(f"r{i}", ids, params, grammar=grammar), loop)
                    for i, ids in enumerate(prompts(n, model.config.vocab_size))]
         done = 0
         for handle in handles:
@@ -149,10 +171,12 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="kvserve's rows draw at this temperature (0: greedy)")
+    parser.add_argument("--grammar", action="store_true", help="also kvserve's rows under a grammar, with the overlap and without")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.set_grad_enabled(False)
-    model = load(args.model, device, dtype)
+    tiny_vocab = len(AutoTokenizer.from_pretrained(resolve_source(None, default_cache_dir())[0])) if args.grammar and args.model == "tiny" else 1000
+    model = load(args.model, device, dtype, tiny_vocab)
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     floor = floor_tokens_per_s(model, device)
@@ -165,13 +189,24 @@ def main() -> None:
     baselines = {n: (generate_rate(model, device, n, args.tokens), generate_batch_rate(model, n, args.tokens)) for n in args.streams} if args.baselines else {}
     print("| streams | kvserve tok/s | transformers generate (static) | kvserve / generate | generate_batch | kvserve / generate_batch |")
     print("|---|---|---|---|---|---|")
+    free = {}
     for n in args.streams:
-        ours = kvserve_rate(model, device, n, args.tokens, eos, args)
+        ours = free[n] = kvserve_rate(model, device, n, args.tokens, eos, args)
         if n in baselines:
             static, batch = baselines[n]
             print(f"| {n} | {ours:.0f} | {static:.0f} | {ours / static:.2f} | {batch:.0f} | {ours / batch:.2f} |", flush=True)
         else:
             print(f"| {n} | {ours:.0f} | - | - | - | - |", flush=True)
+    if not args.grammar:
+        return
+    grammar = code_grammar(args.model, model.config.vocab_size, eos)
+    print(f"\nkvserve's rows under a grammar (regex {CODE}):\n")
+    print("| streams | free tok/s | grammar, overlap | grammar, no overlap | overlap / no overlap | grammar (overlap) / free |")
+    print("|---|---|---|---|---|---|")
+    for n in args.streams:
+        on = kvserve_rate(model, device, n, args.tokens, eos, args, grammar, overlap=True)
+        off = kvserve_rate(model, device, n, args.tokens, eos, args, grammar, overlap=False)
+        print(f"| {n} | {free[n]:.0f} | {on:.0f} | {off:.0f} | {on / off:.2f} | {on / free[n]:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()
