@@ -27,16 +27,11 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
     return longest
 
 
-def decoder(tokenizer) -> Callable[[list[int]], str]:
+def decoder(tokenizer, backend: Tokenizer | None) -> Callable[[list[int]], str]:
     """`tokenizer.decode(ids, skip_special_tokens=True)`, as a function chosen once. For a fast
-    (Rust) tokenizer whose decode transformers does not post-process, the Rust decode itself:
-    the same text without transformers' per-call conversions, which cost about 5x the decode
-    at every token of every row."""
-    return _decoder(tokenizer, _rust(tokenizer))
-
-
-def _decoder(tokenizer, backend: Tokenizer | None) -> Callable[[list[int]], str]:
-    """`decoder` for the Rust tokenizer `_rust` found (None: none)."""
+    (Rust) tokenizer whose decode transformers does not post-process (`backend`: what `_rust`
+    found; None: none), the Rust decode itself: the same text without transformers' per-call
+    conversions, which cost about 5x the decode at every token of every row."""
     if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
@@ -82,7 +77,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()) -> None:
         self._rust = _rust(tokenizer)
-        self._decode = _decoder(tokenizer, self._rust)
+        self._decode = decoder(tokenizer, self._rust)
         self._stream = DecodeStream(skip_special_tokens=True) if self._rust is not None else None
         self._stops = tuple(s for s in stops if s)
         self._reach = max(map(len, self._stops), default=1) - 1  # sent characters a stop string may still start in

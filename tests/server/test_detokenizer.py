@@ -50,10 +50,10 @@ def test_the_rust_decode_gives_transformers_text(tokenizer):
     """`decoder` takes the Rust tokenizer's decode for SmolLM2's (a BPE tokenizer that
     transformers does not post-process) and it gives `tokenizer.decode`'s text for every
     sequence: special tokens, spaces before punctuation, a character cut in half, random ids."""
-    from server.engine.detokenizer import decoder
+    from server.engine.detokenizer import _rust, decoder
 
-    fast = decoder(tokenizer)
-    assert fast.__code__ is not decoder(object()).__code__  # the direct path, not the fallback
+    fast = decoder(tokenizer, _rust(tokenizer))
+    assert fast.__code__ is not decoder(object(), _rust(object())).__code__  # the direct path, not the fallback
     ids = tokenizer.encode("Hello , world ! <|im_end|> héllo 日本語 \n\n  x", add_special_tokens=False) + [0, 1, 2]
     gen = torch.Generator().manual_seed(0)
     cases = [ids, ids[:-4], ids[3:7], [], *(torch.randint(0, len(tokenizer), (n,), generator=gen).tolist() for n in (1, 5, 40))]
