@@ -54,12 +54,15 @@ def load(path: str, device: torch.device, dtype: torch.dtype, vocab: int = 1000)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def code_grammar(path: str, vocab: int, eos: int | None):
-    """`CODE` compiled for the model's tokenizer (the model directory's; for 'tiny', the default
-    model's)."""
-    if path == "tiny":
-        path = resolve_source(None, default_cache_dir())[0]
-    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(path), vocab, eos_token_ids=None if eos is None else [eos])
+def tokenizer_for(path: str):
+    """The model's tokenizer, which `--grammar` builds its grammar with: the model directory's;
+    for 'tiny', the default model's."""
+    return AutoTokenizer.from_pretrained(resolve_source(None, default_cache_dir())[0] if path == "tiny" else path)
+
+
+def code_grammar(tokenizer, vocab: int, eos: int | None):
+    """`CODE` compiled for `tokenizer` and the model's `vocab`."""
+    compiler = GrammarCompiler(tokenizer, vocab, eos_token_ids=None if eos is None else [eos])
     return compiler.compile(spec_from_request(None, None, guided_regex=CODE))
 
 
@@ -175,8 +178,8 @@ def main() -> None:
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.set_grad_enabled(False)
-    tiny_vocab = len(AutoTokenizer.from_pretrained(resolve_source(None, default_cache_dir())[0])) if args.grammar and args.model == "tiny" else 1000
-    model = load(args.model, device, dtype, tiny_vocab)
+    tokenizer = tokenizer_for(args.model) if args.grammar else None
+    model = load(args.model, device, dtype, len(tokenizer) if tokenizer is not None else 1000)
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     floor = floor_tokens_per_s(model, device)
@@ -199,7 +202,7 @@ def main() -> None:
             print(f"| {n} | {ours:.0f} | - | - | - | - |", flush=True)
     if not args.grammar:
         return
-    grammar = code_grammar(args.model, model.config.vocab_size, eos)
+    grammar = code_grammar(tokenizer, model.config.vocab_size, eos)
     print(f"\nkvserve's rows under a grammar (regex {CODE}):\n")
     print("| streams | free tok/s | grammar, overlap | grammar, no overlap | overlap / no overlap | grammar (overlap) / free |")
     print("|---|---|---|---|---|---|")
