@@ -11,11 +11,10 @@ suppressed so every side generates exactly that many):
 * the floor: reading the weights once per step at the device's measured copy bandwidth.
 Ratios are printed against `generate` measured in the same run. `--temperature T` (> 0) has
 kvserve's rows draw instead (end-of-turn suppressed alike), the OpenAI default at 1; the
-baselines stay greedy. `--grammar` adds a second table: kvserve's rows under a grammar (a JSON
-object's code string, `CODE`, which never has to end: every row still makes `--tokens`), with
-the overlap (the server's way on CUDA) and without it (each step waiting for the last one's
-tokens, the way constrained rows ran before 2026-12-01), beside the free rows' rate of the
-first table; the model directory's tokenizer builds the grammar. On CPU it runs too (a tiny
+baselines stay greedy. `--grammar` adds a table for each of `GRAMMARS`: kvserve's rows under
+it, with the overlap (the server's way on CUDA) and without it (each step waiting for the last
+one's tokens, the way constrained rows ran before 2026-12-01), beside the free rows' rate of the
+first table; the model directory's tokenizer builds the grammars. On CPU it runs too (a tiny
 model: `--model tiny`), which is how CI-less checks keep it working; the figures that matter
 come from a GPU (../shared/tools/gpu/README.md).
 """
@@ -39,10 +38,16 @@ from server.settings import default_cache_dir
 from server.startup import weights_bytes
 
 PROMPT_TOKENS = 16
-# what `--grammar` rows write: code in a JSON string that is never closed, so that a row is in
-# an accepting state at every token (end-of-turn allowed, and suppressed by the bias) and never
-# forced to end early, whatever random weights pick
-CODE = r'\{"code": "[a-zA-Z0-9 _(),.:=+\-]*'
+# what `--grammar` rows write, neither ever forced to end early whatever random weights pick:
+# * code: code in a JSON string that is never closed, so that a row is in an accepting state
+#   at every token (end-of-turn allowed, and suppressed by the bias), and no token is forced;
+# * form: short objects in a list that is never closed, whose keys and punctuation are forced
+#   after each value (of at most 3 digits, or true / false): a row of forced tokens, a step of
+#   more than decode rows, every few tokens at each stream (launched ahead since 2026-12-01)
+GRAMMARS = {
+    "code": r'\{"code": "[a-zA-Z0-9 _(),.:=+\-]*',
+    "form": r'\[(\{"id": [0-9]{1,3}, "ok": (true|false)\}, )*',
+}
 
 
 def load(path: str, device: torch.device, dtype: torch.dtype, vocab: int = 1000):
@@ -60,10 +65,10 @@ def tokenizer_for(path: str):
     return AutoTokenizer.from_pretrained(resolve_source(None, default_cache_dir())[0] if path == "tiny" else path)
 
 
-def code_grammar(tokenizer, vocab: int, eos: int | None):
-    """`CODE` compiled for `tokenizer` and the model's `vocab`."""
+def grammar_for(tokenizer, vocab: int, eos: int | None, regex: str):
+    """`regex` compiled for `tokenizer` and the model's `vocab`."""
     compiler = GrammarCompiler(tokenizer, vocab, eos_token_ids=None if eos is None else [eos])
-    return compiler.compile(spec_from_request(None, None, guided_regex=CODE))
+    return compiler.compile(spec_from_request(None, None, guided_regex=regex))
 
 
 def sync(device: torch.device) -> None:
@@ -202,14 +207,15 @@ def main() -> None:
             print(f"| {n} | {ours:.0f} | - | - | - | - |", flush=True)
     if not args.grammar:
         return
-    grammar = code_grammar(tokenizer, model.config.vocab_size, eos)
-    print(f"\nkvserve's rows under a grammar (regex {CODE}):\n")
-    print("| streams | free tok/s | grammar, overlap | grammar, no overlap | overlap / no overlap | grammar (overlap) / free |")
-    print("|---|---|---|---|---|---|")
-    for n in args.streams:
-        on = kvserve_rate(model, device, n, args.tokens, eos, args, grammar, overlap=True)
-        off = kvserve_rate(model, device, n, args.tokens, eos, args, grammar, overlap=False)
-        print(f"| {n} | {free[n]:.0f} | {on:.0f} | {off:.0f} | {on / off:.2f} | {on / free[n]:.2f} |", flush=True)
+    for name, regex in GRAMMARS.items():
+        grammar = grammar_for(tokenizer, model.config.vocab_size, eos, regex)
+        print(f"\nkvserve's rows under a grammar, {name} (regex {regex}):\n")
+        print("| streams | free tok/s | grammar, overlap | grammar, no overlap | overlap / no overlap | grammar (overlap) / free |")
+        print("|---|---|---|---|---|---|")
+        for n in args.streams:
+            on = kvserve_rate(model, device, n, args.tokens, eos, args, grammar, overlap=True)
+            off = kvserve_rate(model, device, n, args.tokens, eos, args, grammar, overlap=False)
+            print(f"| {n} | {free[n]:.0f} | {on:.0f} | {off:.0f} | {on / off:.2f} | {on / free[n]:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

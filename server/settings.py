@@ -277,7 +277,8 @@ class Settings(BaseSettings):
     )
     overlap: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Launch each decode step before the previous step's tokens reach the host, "
+        description="Launch each decode step (and each with a row's forced tokens, or after a prompt's "
+        "last chunk) before the previous step's tokens reach the host, "
         "so the device computes it while the host detokenizes and streams, where every row's "
         "token is chosen on the device (greedy, or a draw with temperature, top-k, top-p and a logit "
         "bias, under a grammar's mask or not; not penalty or logprobs rows): a row "

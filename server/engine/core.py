@@ -85,10 +85,11 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class Ahead:
-    """A decode step launched before the previous one's tokens reached the host (the
-    overlap, `Engine._launch_ahead`): its plan and output, and each row's length of `all_ids`
-    once that previous token is appended (any other length: the row stopped or tokens were
-    forced after it, and what the step computed for it is dropped)."""
+    """A step launched before the previous one's tokens reached the host (the overlap,
+    `Engine._launch_ahead`): its plan and output, and each row's length of `all_ids` once
+    that previous token is appended (any other length: the row stopped or tokens were forced
+    after it, and what the step computed for it is dropped; a row whose tokens were all on
+    the host: its length then)."""
 
     plan: Plan
     out: StepOutput
@@ -521,14 +522,15 @@ class Engine:
             self.metrics.batch_tokens.observe(plan.num_tokens)
             self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
-    # -- the overlap: a decode step launched before the previous one is postprocessed --
+    # -- the overlap: a step launched before the previous one is postprocessed --
 
-    def _after(self, plan: Plan, out: StepOutput) -> None:
+    def _after(self, plan: Plan, out: StepOutput, whole: bool = True) -> None:
         """Postprocess a step that ran; first, where the next step needs nothing from the host,
         launch it (`_launch_ahead`), so that the device computes it while the host detokenizes
-        and emits this one."""
+        and emits this one. Not `whole`: the step is a part of one retried in parts (`_execute`),
+        whose other parts are still to run."""
         chosen = self._chosen(plan, out)
-        launched = self._launch_ahead(plan, chosen)
+        launched = self._launch_ahead(plan, chosen) if whole else None
         if launched is None:
             self._postprocess(plan, out.logits, chosen)
             return
@@ -543,10 +545,11 @@ class Engine:
             start_masks([row.seq.grammar for row in self._ahead.plan.rows if row.seq.grammar is not None])
 
     def _chosen(self, plan: Plan, out: StepOutput) -> torch.Tensor | None:
-        """This step's tokens on the device (`sampler.chosen_on_device`), where it is decode
-        rows alone whose every token is chosen there; None: postprocess chooses them. A draw
-        that fails is left to postprocess, which finds the row that fails it."""
-        if out.greedy is None or not all(row.completes and row.n_tokens == 1 and row.draft is None for row in plan.rows):
+        """This step's tokens on the device (`sampler.chosen_on_device`), where every row
+        completes (decode rows, tokens forced before the next, a prompt's last chunk) with no
+        draft and its token is chosen there; None: postprocess chooses them. A draw that fails
+        is left to postprocess, which finds the row that fails it."""
+        if not all(row.completes and row.draft is None for row in plan.rows):
             return None
         try:
             return sampler.chosen_on_device([row.seq for row in plan.rows], out.logits, out.greedy)
@@ -555,43 +558,63 @@ class Engine:
             return None
 
     def _launch_ahead(self, plan: Plan, chosen: torch.Tensor | None) -> tuple[Ahead, Callable[[], torch.Tensor]] | None:
-        """The next decode step of `plan`'s rows, launched now from this step's tokens on the
-        device (`chosen`: `_chosen`; `ModelRunner.run_ahead`), with the wait for their copy to
-        the host; None where it cannot be: the overlap is off, some row's token is chosen on
-        the host (penalties, logprobs) or drafts, or the
-        next step has other work: a running sequence outside this step (a prompt to prefill,
-        forced tokens), requests that may be admitted, calls to run. A row whose next token
-        cannot exist (max_tokens, its cache full) is left out; one that stops at this step's
-        token (the end of its turn, a stop string) is found out only afterwards (`_settle`)."""
+        """The next step, launched now from this step's tokens on the device (`chosen`:
+        `_chosen`; `ModelRunner.run_ahead`), with the wait for their copy to the host; None
+        where it cannot be: the overlap is off, some row's token is chosen on the host
+        (penalties, logprobs) or drafts, or the next step has work the host must do first:
+        requests that may be admitted, calls to run, a prompt to prefill.
+
+        Its rows are those the scheduler would give the next step, in its order (running
+        order): each row of `plan` with one token, the one this step chooses for it, and each
+        decoding sequence outside `plan` with all its pending tokens, which are on the host
+        (tokens a grammar or a thinking budget forced after the token a step launched ahead
+        computed, which `_settle` dropped), so the step they make is the one that waiting would
+        have made. A row whose next token cannot exist (max_tokens, its cache full) is left
+        out; one that stops at this step's token (the end of its turn, a stop string) is found
+        out only afterwards (`_settle`)."""
         if not self.runner.overlap or chosen is None or self._faults is not None:
             return None
         with self._cond:
             admitting = self._waiting and len(self._running) < self.config.max_running
-            if self._calls or admitting or len(self._running) != len(plan.rows):
+            if self._calls or admitting:
                 return None
-        pick = [i for i, row in enumerate(plan.rows) if _continues(row.seq)]
-        if not pick:
-            return None
+            running = [seq for seq, _ in self._running]
+        index = {id(row.seq): i for i, row in enumerate(plan.rows)}
+        rows, pick = [], []
+        for seq in running:
+            i = index.get(id(seq))
+            if i is None and seq.cancelled:
+                continue  # (the next step finishes it first)
+            if i is None and (seq.status is not Status.DECODE or seq.num_pending == 0):
+                return None
+            if i is None:  # its pending tokens: on the host
+                rows.append(ScheduledRow(seq, seq.num_pending))
+                pick.append(None)
+            elif _continues(seq):
+                rows.append(ScheduledRow(seq, 1))
+                rows[-1].completes = True  # its pending token is the one this step chooses
+                pick.append(i)
+        if all(p is None for p in pick) or (None in pick and all(row.n_tokens == 1 for row in rows)):
+            return None  # (the one-token rows alone from the host: an input buffer of device ids only)
         tokens = self.runner.to_host(chosen)  # before the next step overwrites a graph's output
-        rows = [ScheduledRow(plan.rows[i].seq, 1) for i in pick]
-        for row in rows:
-            row.completes = True  # its pending token is the one this step samples
         ahead = Plan(rows)
         try:
             launched = self.runner.run_ahead(ahead, chosen, pick)
         except Exception:  # noqa: BLE001 - the step runs again, scheduled as usual, with the fault handling
-            log.warning("a decode step launched ahead failed: it runs again after this one", exc_info=True)
+            log.warning("a step launched ahead failed: it runs again after this one", exc_info=True)
             self.runner.release_memory()
             return None
-        for row in rows:
-            row.seq.ahead = 1  # until the step lands (`_land`): its rows computed one token more than waiting steps would have
-        return Ahead(ahead, launched, [len(row.seq.all_ids) + 1 for row in rows]), tokens
+        for row, p in zip(rows, pick):
+            # until the step lands (`_land`): a row from the device computed one token more than waiting steps would have
+            row.seq.ahead = int(p is not None)
+        return Ahead(ahead, launched, [len(row.seq.all_ids) + (p is not None) for row, p in zip(rows, pick)]), tokens
 
     def _settle(self, ahead: Ahead) -> Ahead | None:
         """After the previous step's postprocess: the rows of the step launched ahead that
         went on with exactly the token it computed from. The others lose what it computed for
         them (`_undo_ahead`): a finished row did at `_finish`; a row with tokens forced after
-        it computes them all in the next scheduled step, as it would have without the overlap."""
+        it computes them all in the next step, as it would have without the overlap (the next
+        step launched ahead takes them from the host: `_launch_ahead`)."""
         keep = []
         for i, (row, length) in enumerate(zip(ahead.plan.rows, ahead.lengths)):
             seq = row.seq
@@ -788,7 +811,7 @@ class Engine:
                 failed.append(row.seq)
             else:
                 ran = True
-                self._after(part, out)
+                self._after(part, out, whole=part is plan)
         for seq in failed:
             self._finish(seq, self._handle(seq), "error", error="internal")
 

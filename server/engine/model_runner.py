@@ -270,9 +270,10 @@ class ModelRunner:
 
     # -- a step ------------------------------------------------------------------------------
 
-    def run(self, plan: Plan) -> StepOutput:
+    def run(self, plan: Plan, ids: torch.Tensor | None = None, pick: list[int | None] | None = None) -> StepOutput:
         """Compute every row's scheduled tokens in one forward pass (`forward`'s logits; a step
-        of decode rows alone also gives their argmax on the device).
+        of decode rows alone also gives their argmax on the device). With `ids` (on the device):
+        row i's one token is `ids[pick[i]]` where `pick[i]` is not None (`run_ahead`).
 
         Side effect: writes their KV into each sequence's cache (its length moves forward, drafted
         tokens included: postprocess crops the rejected ones).
@@ -281,9 +282,10 @@ class ModelRunner:
         for i, row in enumerate(plan.rows):
             drafted = row.draft.tokens if row.draft is not None else []
             rows.append(self._row(row, row.n_tokens + len(drafted)))
-            pending = row.seq.pending_ids(row.n_tokens)
+            on_device = pick is not None and pick[i] is not None
+            pending = [0] if on_device else row.seq.pending_ids(row.n_tokens)  # (a token on the device: `_step` puts it there)
             images = row.seq.request.images
-            if images and self.encoder is not None:
+            if images and self.encoder is not None and not on_device:  # (a token on the device is a generated one)
                 media.append(self.encoder.rows(images, row.seq.n_computed, row.n_tokens))
                 pending = vision.placeholder_ids(pending, self.encoder.placeholder)
             else:
@@ -292,8 +294,10 @@ class ModelRunner:
             if row.completes:
                 logits_rows.append(i)
                 counts.append(1 + len(drafted))
-        long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids)) for row in plan.rows] if self.rope else None
-        return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan), media=media if any(media) else None)
+        long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids) + (pick is not None and pick[i] is not None))
+                     for i, row in enumerate(plan.rows)] if self.rope else None
+        return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan), media=media if any(media) else None,
+                          device=None if ids is None else (ids, pick))
 
     def _row(self, row: ScheduledRow, n: int) -> Row:
         """A scheduled row's part of the step: `n` tokens, and what its pictures do to them
@@ -307,10 +311,14 @@ class ModelRunner:
                    reach=vision.reach(images, first, n))
 
     @_inference
-    def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int]) -> StepOutput:
-        """`run` for decode rows whose pending token is still on the device, launched before
-        the host has read it (the engine's overlap): row i's token is `ids[pick[i]]` (`ids`:
-        the previous step's argmax). Each row computes one token; `run`'s side effects."""
+    def run_ahead(self, plan: Plan, ids: torch.Tensor, pick: list[int | None]) -> StepOutput:
+        """`run` for a step launched before the host has read the previous one's tokens (the
+        engine's overlap): row i's one token is `ids[pick[i]]` (`ids`: the previous step's
+        tokens chosen on the device), or where `pick[i]` is None, its pending tokens, which
+        are on the host (then the step is not one of decode rows alone: `run`'s path for
+        such steps). `run`'s side effects."""
+        if None in pick:
+            return self.run(plan, ids, pick)
         self._enable()
         rows = [self._row(row, 1) for row in plan.rows]
         return self._decode(rows, pick, *self._row_inputs(plan), ids)
@@ -342,7 +350,11 @@ class ModelRunner:
     @_inference
     def _step(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None,
               long_rows: list[bool] | None, adapter_rows: list[int] | None, biases: list[dict[int, float]] | None = None,
-              media: list[list[tuple[int, torch.Tensor]]] | None = None) -> StepOutput:
+              media: list[list[tuple[int, torch.Tensor]]] | None = None,
+              device: tuple[torch.Tensor, list[int | None]] | None = None) -> StepOutput:
+        """`forward`, with `biases` (each row's logit bias: a step of decode rows alone takes
+        its argmax on the device), `media` (each row's pictures: `run`) and `device` (ids on
+        the device, and per row the index of its one token in them, or None: `run`)."""
         self._enable()
         if sum(r.n for r in rows) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for rows of {sum(r.n for r in rows)}")
@@ -356,7 +368,8 @@ class ModelRunner:
         # NOTE: a hybrid's row at length 0 (a one-token prompt, a first chunk cut to one token)
         # starts from no state: a decode step would continue its slot's last owner's
         fresh_state = self.pool.states is not None and any(r.kv.length == 0 for r in rows)
-        if (media is None and long_tokens is None and not fresh_state and (self.paged or self._compiled is not None) and counts == [1] * len(rows)
+        if (device is None and media is None and long_tokens is None and not fresh_state and (self.paged or self._compiled is not None)
+                and counts == [1] * len(rows)
                 and logits_rows == list(range(len(rows))) and all(r.n == 1 for r in rows)):
             return self._decode(rows, token_ids, adapter_rows, biases)
         # decode rows first (the paged path's decode batch), then the others in plan order;
@@ -402,7 +415,12 @@ class ModelRunner:
                  "pictured": pictured, "grid": axes[0] + axes[1] + axes[2]}
         for g, (lists, _) in enumerate(inputs):
             named.update({f"{g}.{name}": values for name, values in lists.items()})
+        if device is not None:  # where the tokens still on the device go (a row's one token: at its start)
+            named["from"] = [starts[i] for i, p in enumerate(device[1]) if p is not None]
+            named["pick"] = [p for p in device[1] if p is not None]
         t = _to_device(named, self.device)
+        if device is not None:  # (a row that drew from no distribution, -1, computes token 0's step: `_decode`'s NOTE)
+            t["ids"].index_copy_(0, t["from"], device[0].index_select(0, t["pick"]).clamp_(min=0))
         batches = [build({name: t[f"{g}.{name}"] for name in lists}) for g, (lists, build) in enumerate(inputs)]
         step = self._context([rows[i] for i in others], batches,
                              long_tokens=t["long"].bool() if long_tokens is not None else None,

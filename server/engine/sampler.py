@@ -84,18 +84,18 @@ def device_chooses(seq: Sequence) -> bool:
 
 
 def chosen_on_device(seqs: list[Sequence], logits: torch.Tensor, greedy: torch.Tensor | None) -> torch.Tensor | None:
-    """Each row's next token [R] on the device, with no sync, for a step of decode rows alone
-    (`greedy`: the runner's argmax of each row after its logit bias); None unless every row's
-    can be chosen there (`device_chooses`). Each row's constraint mask is added to `logits` in
-    place (`apply_constraints`, as `choose` adds it); greedy rows without one take the argmax,
-    and the others are chosen as `choose` would have chosen them (the same rows' logits, the
-    same argmax, the same draw calls in the same order: the same tokens), so the engine may
-    launch the next step from them before they reach the host (its overlap) and `choose`
-    takes them as they are."""
-    if greedy is None or not all(device_chooses(s) for s in seqs):
+    """Each row's next token [R] on the device, with no sync (`greedy`: the runner's argmax of
+    each row after its logit bias, from a step of decode rows alone; None: every row is chosen
+    here); None unless every row's can be chosen there (`device_chooses`). Each row's
+    constraint mask is added to `logits` in place (`apply_constraints`, as `choose` adds it);
+    greedy rows without one take the runner's argmax, and the others are chosen as `choose`
+    would have chosen them (the same rows' logits, the same argmax, the same draw calls in the
+    same order: the same tokens), so the engine may launch the next step from them before they
+    reach the host (its overlap) and `choose` takes them as they are."""
+    if not all(device_chooses(s) for s in seqs):
         return None
     masked = set(apply_constraints(seqs, logits))
-    picked = [i for i, s in enumerate(seqs) if not s.params.greedy or i in masked]  # not the runner's argmax
+    picked = [i for i, s in enumerate(seqs) if greedy is None or not s.params.greedy or i in masked]  # not the runner's argmax
     if not picked:
         return greedy
     every = len(picked) == len(seqs)

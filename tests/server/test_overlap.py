@@ -21,7 +21,7 @@ from grammars import GrammarCompiler, spec_from_request
 from server.engine.core import Engine, EngineConfig
 from server.engine.reasoning import ReasoningSpec
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import GenerationRequest
+from server.engine.sequence import GenerationRequest, Status
 from tests.equivalence import assert_equivalent
 
 POSITIONS = range(1, 9)  # a stop at each of these generated tokens
@@ -43,12 +43,16 @@ class Engines:
         runner = self.engines[True].runner
         self.launched = 0
         self.constrained = 0  # steps launched ahead with a row under a grammar or bans
+        self.forced = 0  # ... with a row of tokens forced on the host (a step of more than decode rows)
+        self.prompted = 0  # ... from the step that computed a prompt's last chunk
         launch = runner.run_ahead
 
         def counted(plan, *args):
             self.launched += 1
             self.constrained += any(r.seq.grammar is not None or r.seq.reasoning is not None and r.seq.reasoning.spec.banned_ids
                                     for r in plan.rows)
+            self.forced += any(r.n_tokens > 1 for r in plan.rows)
+            self.prompted += any(r.seq.status is Status.PREFILL for r in plan.rows)
             return launch(plan, *args)
 
         runner.run_ahead = counted
@@ -227,6 +231,52 @@ async def test_rows_under_grammars_and_bans_launch_ahead_and_choose_what_they_wo
     json60 = requests()[3]  # and transformers' greedy tokens under the same masks, step by step
     assert_equivalent(smollm2.model, json60.prompt_ids, got[True][3][0], masked_greedy(smollm2.model, json60.prompt_ids, city, 60), city)
     assert got[True][-1][0][1:3] != free[1:3]  # the ban changed what the thinking row wrote
+
+
+FORM = {  # short keys, each forced whole after the value before it: a step of more than decode rows every few tokens
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}, "tag": {"type": "string", "maxLength": 6},
+                   "n": {"type": "integer"}, "unit": {"enum": ["mm", "cm", "m"]}, "note": {"type": "string", "maxLength": 8}},
+    "required": ["id", "ok", "tag", "n", "unit", "note"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.anyio
+async def test_rows_with_forced_tokens_launch_ahead_beside_the_others(engines, smollm2):
+    """A grammar forces a schema's keys after the value before them, and a thinking budget its
+    end marker: those tokens are known on the host only once the token before them is. The
+    step launched ahead that computed that token for the row drops it, and the next one is
+    launched ahead too, with the row's forced tokens from the host beside the other rows'
+    tokens from the device (the step waiting would have made), as is the step after a
+    prompt's last chunk. Outputs, sessions and the JSON equal the engine without overlap's; a
+    greedy row equals transformers' argmax under the same masks."""
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, eos_token_ids=[smollm2.tokenizer.eos_token_id])
+    form = compiler.compile(spec_from_request({"type": "json_schema", "json_schema": {"name": "form", "schema": FORM}}, None))
+    tok = engines.tokenizer
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>"])[0], tuple(tok("<|im_end|>\n<|im_start|>", add_special_tokens=False)["input_ids"])
+
+    def requests():
+        out = [GenerationRequest(f"form{k}", engines.prompt(f"Fill in form {k} as JSON."), greedy(max_tokens=80), grammar=form,
+                                 session_id=f"form{k}") for k in range(3)]
+        out += [GenerationRequest(f"drawn{i}", engines.prompt(p), SamplingParams(temperature=0.9, seed=i, max_tokens=80), grammar=form,
+                                  session_id=f"drawn{i}") for i, p in enumerate(PROMPTS[:2])]
+        think = ReasoningSpec(start_ids=(start,), end_ids=end, inside=True, budget=5)
+        out.append(GenerationRequest("think", engines.prompt(PROMPTS[2]), greedy(max_tokens=20), reasoning=think, session_id="think"))
+        return out + [GenerationRequest("free", engines.prompt(PROMPTS[3]), greedy(max_tokens=40), session_id="free")]
+
+    before = engines.forced, engines.prompted
+    got = {overlap: await engines.run_all(overlap, requests()) for overlap in (True, False)}
+    assert got[True] == got[False]
+    assert engines.forced > before[0], "no step with a row of forced tokens was launched ahead"
+    assert engines.prompted > before[1], "no step was launched ahead from a prompt's last chunk"
+    assert engines.sessions(True) == engines.sessions(False)
+    ended = [r[1] for r in got[True][:5] if r[3] == "stop"]
+    assert len(ended) >= 3
+    for text in ended:
+        jsonschema.validate(json.loads(text), FORM)
+    form0 = requests()[0]
+    assert_equivalent(smollm2.model, form0.prompt_ids, got[True][0][0], masked_greedy(smollm2.model, form0.prompt_ids, form, 80), form)
 
 
 @pytest.mark.anyio

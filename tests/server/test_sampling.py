@@ -157,7 +157,9 @@ def test_a_step_whose_tokens_are_chosen_on_the_device_takes_them_and_others_the_
 def test_draws_chosen_on_the_device_are_the_samplers_draws():
     """Rows that draw (seeded and not, with top-k, top-p and a logit bias) beside greedy rows:
     the tokens `chosen_on_device` draws without a sync are those `choose` draws on the host
-    from the same generators' states, and the greedy rows keep the runner's argmax."""
+    from the same generators' states, and the greedy rows keep the runner's argmax. Without
+    the runner's argmax (a step of more than decode rows) every row is chosen there, greedy
+    rows included, and the tokens are the same."""
     from server.engine import sampler
     from server.engine.sampling import SamplingParams
     from server.engine.sequence import GenerationRequest, Sequence
@@ -178,6 +180,8 @@ def test_draws_chosen_on_the_device_are_the_samplers_draws():
         drawn = [t.token_id for t in sampler.choose(on_host, logits.clone())]
         assert chosen.tolist() == drawn
         assert drawn[0] == int(argmax[0])
+        torch.manual_seed(5 + k)
+        assert sampler.chosen_on_device(rows(), logits.clone(), None).tolist() == drawn
 
 
 def test_a_row_of_nan_logits_draws_minus_one_and_leaves_the_other_draws_alone():
@@ -244,5 +248,7 @@ def test_choosing_on_the_device_reads_nothing_back():
     logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with Reads() as mode:
         chosen = sampler.chosen_on_device(seqs, logits, logits.argmax(-1))
+        every = sampler.chosen_on_device(seqs, logits, None)  # every row chosen here
     assert chosen is not None and chosen.shape == (4,)
+    assert every is not None and every.shape == (4,) and int(every[0]) == int(chosen[0])  # (the greedy row; the others drew again)
     assert mode.reads == []

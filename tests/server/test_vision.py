@@ -141,13 +141,17 @@ def test_m_rope_positions_are_transformers_own_through_chunks_and_paged_decode(f
             if got is None:  # no picture in the window: 1-D, the index plus the shift
                 got = [[i + vision.shift(spans, i) for i in range(first, first + n)]] * 3
             assert got == expected, (first, n)
-    served = Served(model, processor.tokenizer, max_batch_tokens=5, paged=True)
-    try:
-        request = GenerationRequest("m", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), images=spans)
-        got, _ = asyncio.run(run(served.engine, request))
-    finally:
-        served.stop()
-    assert got == reference(reference_model, processor, messages, pictures, MAX_TOKENS)
+    want = reference(reference_model, processor, messages, pictures, MAX_TOKENS)
+    for overlap in (False, True):  # (overlap: each decode step launched from the device's tokens, the first from the prompt's last chunk)
+        served = Served(model, processor.tokenizer, max_batch_tokens=5, paged=True, overlap=overlap)
+        try:
+            request = GenerationRequest("m", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), images=spans)
+            got, _ = asyncio.run(run(served.engine, request))
+            hybrid = served.engine.runner.pool.states is not None  # (a recurrent state cannot be taken back: no overlap)
+            assert served.engine.runner.paths["overlap"] == ("on" if overlap and not hybrid else "off")
+        finally:
+            served.stop()
+        assert got == want, overlap
 
 
 @pytest.mark.parametrize("path", ["rows", "paged", "paged-kernel"])
