@@ -286,7 +286,9 @@ class Settings(BaseSettings):
         "session). auto = on CUDA; on = on CPU too (where steps do not overlap: for tests); "
         "off (--no-overlap) = each step waits for the previous one. Hybrid and LongRoPE models "
         "and decode steps off the paged path run without it (a logged fallback), and so does "
-        "speculative decoding (it drafts from each step's tokens on the host).",
+        "speculative decoding (it drafts from each step's tokens on the host); steps wait for each "
+        "other while more than a tenth of the rows have tokens forced (a schema of short keys: under "
+        "the overlap a forced token costs its row a step).",
         json_schema_extra={"negated": "off"},
     )
     deterministic: bool = Field(

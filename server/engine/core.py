@@ -55,6 +55,12 @@ class StartupCheckFailed(RuntimeError):
 
 
 OOM_RELAX_STEPS = 64  # steps without an out-of-memory before the shrunk token budget doubles again
+# The overlap's price: a row's forced tokens are known only once the token before them reaches
+# the host, a step later than without it, so each costs that row a step; what it saves is the
+# host's time per step (~0.1 of a step on a GPU: issue 47's figures). Steps wait for each other
+# while more than `overlap_forced_max` of the rows taking a token had tokens forced after it
+# (a moving average, `FORCED_WEIGHT` for each step): a schema of short keys, say.
+FORCED_WEIGHT = 0.1
 
 
 @dataclass(slots=True)
@@ -70,7 +76,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture decode steps (CUDA only; --no-cuda-graphs)
     paged: bool | None = None  # ModelRunner's `paged`: the paged attention path (None: on CUDA)
     compile: str = "off"  # the decode forward compiled (--compile: auto, off, require; server/engine/compiled.py)
-    overlap: bool | None = None  # launch a decode step before the previous one's tokens reach the host (None: on CUDA)
+    overlap: bool | None = None  # launch a step before the previous one's tokens reach the host (None: on CUDA)
+    overlap_forced_max: float = 0.1  # ... while at most this share of rows have tokens forced (FORCED_WEIGHT)
     exact: bool = False  # exact mode (--deterministic, server/engine/exact.py): outputs independent of batching
     encoder_cache_bytes: int = 256 * 2**20  # a vision-language model's features kept by picture (server/engine/vision.py)
 
@@ -191,6 +198,7 @@ class Engine:
         self._prepared: Future[None] = Future()  # settled by the thread once the models are ready
         self._outbox: list[tuple[RequestHandle, RequestOutput]] = []  # engine thread only: `_flush`
         self._ahead: Ahead | None = None  # a step launched before the previous one was postprocessed
+        self._forced = 0.0  # the share of rows with tokens forced after the one they took (FORCED_WEIGHT)
         self._calls: list[tuple[Callable[[], object], Future]] = []  # run on the engine thread between steps (`call`)
         self._faults = faults.Faults.from_env()  # None unless a test switched faults on
         self._fault_hooks = self._faults.install(model) if self._faults is not None else []
@@ -562,17 +570,17 @@ class Engine:
         `_chosen`; `ModelRunner.run_ahead`), with the wait for their copy to the host; None
         where it cannot be: the overlap is off, some row's token is chosen on the host
         (penalties, logprobs) or drafts, or the next step has work the host must do first:
-        requests that may be admitted, calls to run, a prompt to prefill.
+        requests that may be admitted, calls to run, a prompt to prefill; or rows have had
+        tokens forced too often of late (`FORCED_WEIGHT`).
 
         Its rows are those the scheduler would give the next step, in its order (running
         order): each row of `plan` with one token, the one this step chooses for it, and each
         decoding sequence outside `plan` with all its pending tokens, which are on the host
         (tokens a grammar or a thinking budget forced after the token a step launched ahead
-        computed, which `_settle` dropped), so the step they make is the one that waiting would
-        have made. A row whose next token cannot exist (max_tokens, its cache full) is left
-        out; one that stops at this step's token (the end of its turn, a stop string) is found
-        out only afterwards (`_settle`)."""
-        if not self.runner.overlap or chosen is None or self._faults is not None:
+        computed: `_settle`). A row whose next token cannot exist (max_tokens, its cache full)
+        is left out; one that stops at this step's token (the end of its turn, a stop string)
+        is found out only afterwards (`_settle`)."""
+        if not self.runner.overlap or chosen is None or self._faults is not None or self._forced > self.config.overlap_forced_max:
             return None
         with self._cond:
             admitting = self._waiting and len(self._running) < self.config.max_running
@@ -594,8 +602,8 @@ class Engine:
                 rows.append(ScheduledRow(seq, 1))
                 rows[-1].completes = True  # its pending token is the one this step chooses
                 pick.append(i)
-        if all(p is None for p in pick) or (None in pick and all(row.n_tokens == 1 for row in rows)):
-            return None  # (the one-token rows alone from the host: an input buffer of device ids only)
+        if all(p is None for p in pick):
+            return None
         tokens = self.runner.to_host(chosen)  # before the next step overwrites a graph's output
         ahead = Plan(rows)
         try:
@@ -611,10 +619,11 @@ class Engine:
 
     def _settle(self, ahead: Ahead) -> Ahead | None:
         """After the previous step's postprocess: the rows of the step launched ahead that
-        went on with exactly the token it computed from. The others lose what it computed for
-        them (`_undo_ahead`): a finished row did at `_finish`; a row with tokens forced after
-        it computes them all in the next step, as it would have without the overlap (the next
-        step launched ahead takes them from the host: `_launch_ahead`)."""
+        went on with exactly the token it computed from. A row with tokens forced after that
+        token (a grammar's keys, a thinking budget's end marker) keeps the token's KV, and
+        leaves the step: what it computed from the token is not its next token. Its forced
+        tokens go with the next step launched (`_launch_ahead`: from the host). The others
+        lose what the step computed for them (`_undo_ahead`); a finished row did at `_finish`."""
         keep = []
         for i, (row, length) in enumerate(zip(ahead.plan.rows, ahead.lengths)):
             seq = row.seq
@@ -622,6 +631,8 @@ class Engine:
                 continue
             if len(seq.all_ids) == length and seq.num_pending == 0:
                 keep.append(i)
+            elif seq.ahead and len(seq.all_ids) > length and seq.n_computed == length:
+                seq.ahead = 0  # its KV is the token taken, where a step that waited would have computed it with the forced ones
             else:
                 _undo_ahead(seq)
         return _only(ahead, keep)
@@ -688,6 +699,7 @@ class Engine:
             return
         if drafted:
             logits, chosen = take_rows(logits, plain), None
+        forced = 0
         for seq, token in self._choose(completed, logits, chosen):
             if token is None:
                 self._finish(seq, handles[seq], "error", error="internal")
@@ -695,11 +707,14 @@ class Engine:
             seq.status = Status.DECODE
             if seq.grammar is not None and self.metrics is not None:
                 self.metrics.grammar_mask_seconds.observe(seq.grammar.last_mask_s)
+            length = len(seq.all_ids)
             try:
                 self._take(seq, handles[seq], token)
             except Exception:
                 log.exception("request %s failed", seq.request_id)
                 self._finish(seq, handles[seq], "error", error="internal")
+            forced += len(seq.all_ids) > length + 1
+        self._forced += FORCED_WEIGHT * (forced / len(completed) - self._forced)
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor, chosen: torch.Tensor | None = None) -> list[tuple[Sequence, TokenInfo | None]]:
         """`sampler.choose` for the rows: None for a row that drew from no distribution; when

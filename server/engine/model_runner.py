@@ -315,13 +315,15 @@ class ModelRunner:
         """`run` for a step launched before the host has read the previous one's tokens (the
         engine's overlap): row i's one token is `ids[pick[i]]` (`ids`: the previous step's
         tokens chosen on the device), or where `pick[i]` is None, its pending tokens, which
-        are on the host (then the step is not one of decode rows alone: `run`'s path for
-        such steps). `run`'s side effects."""
-        if None in pick:
+        are on the host (a row of several: `run`'s path for steps of more than decode rows).
+        `run`'s side effects."""
+        if any(row.n_tokens > 1 for row in plan.rows):
             return self.run(plan, ids, pick)
         self._enable()
         rows = [self._row(row, 1) for row in plan.rows]
-        return self._decode(rows, pick, *self._row_inputs(plan), ids)
+        # a token on the host travels as -1 - token (`_decode`)
+        tokens = [p if p is not None else -1 - row.seq.pending_ids(1)[0] for p, row in zip(pick, plan.rows)]
+        return self._decode(rows, tokens, *self._row_inputs(plan), ids)
 
     def _row_inputs(self, plan: Plan) -> tuple[list[int] | None, list[dict[int, float]]]:
         """What `run` and `run_ahead` read off each row's sequence alike: its LoRA adapter slot
@@ -462,7 +464,7 @@ class ModelRunner:
         """Decode rows only (one token each, logits and their argmax after each row's logit
         bias `biases[i]`): padded to a bucket, from the persistent buffers; a captured graph
         replays where one fits. With `device_ids` (on the device) row i's token is
-        `device_ids[token_ids[i]]`."""
+        `device_ids[token_ids[i]]`, or where `token_ids[i]` < 0, -1 - `token_ids[i]`."""
         n = len(rows)
         size = bucket(n)
         longest = kv.blocks_for(max(r.kv.length for r in rows) + 1, self.pool.block_size)
@@ -473,10 +475,12 @@ class ModelRunner:
         inputs = self._write(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
         if device_ids is not None:  # the tokens where the buffer's one host copy put their indices
             ids = inputs.tokens if n == size else inputs.tokens[:n]
-            # NOTE: the indices rise, so taking every row of `device_ids` is taking them in order.
-            # A row that drew from no distribution (-1: `sampling.draw_ids`) fails when its token
-            # reaches the host; until then it computes token 0's step, which `_settle` drops
-            torch.clamp(device_ids if n == device_ids.shape[0] else device_ids[ids], min=0, out=ids)
+            # NOTE: a row that drew from no distribution (-1: `sampling.draw_ids`) fails when its
+            # token reaches the host; until then it computes token 0's step, which `_settle` drops
+            if min(token_ids) < 0:  # rows of tokens from the host beside them
+                ids.copy_(torch.where(ids >= 0, device_ids[ids.clamp(min=0)].clamp(min=0), -1 - ids))
+            else:  # (every row of `device_ids`, in order: no index to take)
+                torch.clamp(device_ids if token_ids == list(range(device_ids.shape[0])) else device_ids[ids], min=0, out=ids)
         graph = self.graphs.get((size, blocks))
         if graph is not None:
             graph[0].replay()

@@ -501,7 +501,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values:
 
 
 def store_launch(key: torch.Tensor, value: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                 key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None, kv_format: str = "auto") -> Launch:
+                 key_scales: torch.Tensor | None, value_scales: torch.Tensor | None, kv_format: str) -> Launch:
     """The one launch of `store_kv` (bench/kernel_resources.py builds it ahead of time too)."""
     kv_heads, b, dk = key.shape
     dv = value.shape[-1]

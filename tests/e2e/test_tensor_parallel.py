@@ -231,8 +231,9 @@ def test_kvserve_local_shards_give_generate_tokens(model_type, extra, tmp_path, 
 
 def tp_generate(shards: str, path: Path, prompt: list[int]) -> list[int]:
     script = Path(__file__).with_name("tp_generate.py")
+    # (--log-dir: torchrun's own log dirs go with the test's, not to /tmp/torchelastic_*)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                          str(script), shards, str(path), str(N), *map(str, prompt)],
+                          "--log-dir", str(path.parent / "torchrun"), str(script), shards, str(path), str(N), *map(str, prompt)],
                          capture_output=True, text=True, timeout=180, cwd=path.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

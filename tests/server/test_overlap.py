@@ -29,31 +29,43 @@ PROMPTS = ["Name three rivers.", "What is a harbor?", "Count to five.", "Why is 
 
 
 class Engines:
-    """The same model behind two paged engines, overlapping and not; counts what the overlap did."""
+    """The same model behind two paged engines, overlapping and not; counts what the overlap did.
+    `forced_max`: `EngineConfig.overlap_forced_max` (default here: launch ahead however often
+    tokens are forced, so that every path of the overlap runs)."""
 
-    def __init__(self, loaded, max_context=None):
+    def __init__(self, loaded, max_context=None, forced_max=1.0):
         self.tokenizer = loaded.tokenizer
         self.engines = {}
         max_context = max_context or loaded.max_context
         for overlap in (True, False):
             cache = CacheManager(loaded.model.config, loaded.device, loaded.dtype, max_context, CacheConfig(budget_bytes=2**30))
-            engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_context=max_context, paged=True, overlap=overlap), cache)
+            engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_context=max_context, paged=True, overlap=overlap,
+                                                                         overlap_forced_max=forced_max), cache)
             engine.start()
             self.engines[overlap] = engine
         runner = self.engines[True].runner
         self.launched = 0
         self.constrained = 0  # steps launched ahead with a row under a grammar or bans
-        self.forced = 0  # ... with a row of tokens forced on the host (a step of more than decode rows)
+        self.forced = 0  # ... with a row of forced tokens from the host
+        self.one_forced = 0  # ... of decode rows alone, one of them a forced token from the host
         self.prompted = 0  # ... from the step that computed a prompt's last chunk
-        launch = runner.run_ahead
+        self.steps = 0  # steps the overlapping engine ran
+        launch, observe = runner.run_ahead, self.engines[True]._observe
 
-        def counted(plan, *args):
+        def observed(*args):
+            self.steps += 1
+            return observe(*args)
+
+        self.engines[True]._observe = observed
+
+        def counted(plan, ids, pick):
             self.launched += 1
             self.constrained += any(r.seq.grammar is not None or r.seq.reasoning is not None and r.seq.reasoning.spec.banned_ids
                                     for r in plan.rows)
-            self.forced += any(r.n_tokens > 1 for r in plan.rows)
+            self.forced += None in pick
+            self.one_forced += None in pick and all(r.n_tokens == 1 for r in plan.rows)
             self.prompted += any(r.seq.status is Status.PREFILL for r in plan.rows)
-            return launch(plan, *args)
+            return launch(plan, ids, pick)
 
         runner.run_ahead = counted
 
@@ -265,10 +277,13 @@ async def test_rows_with_forced_tokens_launch_ahead_beside_the_others(engines, s
         out.append(GenerationRequest("think", engines.prompt(PROMPTS[2]), greedy(max_tokens=20), reasoning=think, session_id="think"))
         return out + [GenerationRequest("free", engines.prompt(PROMPTS[3]), greedy(max_tokens=40), session_id="free")]
 
-    before = engines.forced, engines.prompted
+    before = engines.forced, engines.prompted, engines.one_forced
     got = {overlap: await engines.run_all(overlap, requests()) for overlap in (True, False)}
+    print("launched ahead with forced tokens:", engines.forced - before[0], "of them one forced token beside decode rows:",
+          engines.one_forced - before[2])
     assert got[True] == got[False]
     assert engines.forced > before[0], "no step with a row of forced tokens was launched ahead"
+    assert engines.one_forced > before[2], "no row kept the token computed ahead before its forced one"
     assert engines.prompted > before[1], "no step was launched ahead from a prompt's last chunk"
     assert engines.sessions(True) == engines.sessions(False)
     ended = [r[1] for r in got[True][:5] if r[3] == "stop"]
@@ -277,6 +292,73 @@ async def test_rows_with_forced_tokens_launch_ahead_beside_the_others(engines, s
         jsonschema.validate(json.loads(text), FORM)
     form0 = requests()[0]
     assert_equivalent(smollm2.model, form0.prompt_ids, got[True][0][0], masked_greedy(smollm2.model, form0.prompt_ids, form, 80), form)
+
+
+@pytest.mark.anyio
+async def test_steps_wait_for_each_other_while_rows_have_tokens_forced_often(smollm2):
+    """A forced token costs its row a step under the overlap (it is known a step later), so
+    with the default `overlap_forced_max` rows of a schema of short keys, forced every few
+    tokens, run mostly in steps that wait for each other, and free rows beside it make the
+    engine launch ahead again; outputs are the same either way."""
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, eos_token_ids=[smollm2.tokenizer.eos_token_id])
+    form = compiler.compile(spec_from_request({"type": "json_schema", "json_schema": {"name": "form", "schema": FORM}}, None))
+    both = Engines(smollm2, forced_max=EngineConfig(max_context=2).overlap_forced_max)  # (the default)
+    try:
+        shares = []
+        for grammar in (form, None):
+            requests = [GenerationRequest(f"r{k}", both.prompt(f"Fill in form {k} as JSON."), greedy(max_tokens=60), grammar=grammar,
+                                          use_session=False) for k in range(4)]
+            steps, launched = both.steps, both.launched
+            got = {overlap: await both.run_all(overlap, requests) for overlap in (True, False)}
+            assert got[True] == got[False]
+            shares.append((both.launched - launched) / (both.steps - steps))
+        print("steps launched ahead: forced often", shares[0], "free", shares[1])
+        assert shares[0] < 0.5 < 0.8 < shares[1], shares
+    finally:
+        both.stop()
+
+
+def test_a_step_launched_ahead_gives_each_row_its_own_token_in_any_order(smollm2):
+    """`ModelRunner.run_ahead` takes row i's token at `pick[i]` of the device's ids, in
+    whatever order (the scheduler's order puts a prompt that ended after a decode row that
+    started later), and a row's tokens from the host beside them (one token: the decode
+    buffer; several: the step of more than decode rows). Its logits are those of the same
+    step run with every token on the host."""
+    from cache_manager import kv
+    from server.engine.model_runner import ModelRunner
+    from server.engine.scheduler import Plan, ScheduledRow
+    from server.engine.sequence import Sequence
+
+    pool = kv.Pool(smollm2.model.config, kv.bytes_for(smollm2.model.config, 1024, smollm2.dtype), smollm2.device, smollm2.dtype)
+    runner = ModelRunner(smollm2.model, pool, paged=True, cuda_graphs=False, packed=None, overlap=True)
+    prompts = [smollm2.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:3]]
+    given = [11, 22, 33, 44]  # the tokens each row computes next (row 2: two of them)
+
+    def rows(host: list[bool]) -> list[Sequence]:
+        seqs = []
+        for i, prompt in enumerate(prompts[: len(host)]):
+            seq = Sequence(GenerationRequest(f"r{i}", prompt, greedy(max_tokens=8)), smollm2.tokenizer, smollm2.device)
+            seq.cache = pool.allocate(len(prompt) + 4)
+            runner.run(Plan([ScheduledRow(seq, len(prompt))]))
+            if host[i]:
+                seq.all_ids += given[i:i + 1] if i < 2 else given[2:]
+            seqs.append(seq)
+        return seqs
+
+    def plan(seqs: list[Sequence], host: list[bool]) -> Plan:
+        out = Plan([ScheduledRow(s, s.num_pending if h else 1) for s, h in zip(seqs, host)])
+        for row in out.rows:
+            row.completes = True
+        return out
+
+    swapped = torch.tensor([given[1], given[0]], device=smollm2.device)  # row 0's token at 1, row 1's at 0
+    device = torch.tensor([given[1], -1, given[0]], device=smollm2.device)  # ... at 2 and 0
+    for host, ids, pick in (([False, False], swapped, [1, 0]), ([False, False], device, [2, 0]), ([True, False], device, [None, 0]),
+                            ([False, False, True], device, [2, 0, None])):
+        wanted = [True] * len(host)
+        want = runner.run(plan(rows(wanted), wanted)).logits
+        got = runner.run_ahead(plan(rows(host), host), ids, pick).logits
+        assert torch.equal(got, want), (host, pick)
 
 
 @pytest.mark.anyio
