@@ -94,9 +94,9 @@ class EngineConfig:
 class Ahead:
     """A step launched before the previous one's tokens reached the host (the overlap,
     `Engine._launch_ahead`): its plan and output, and each row's length of `all_ids` once
-    that previous token is appended (any other length: the row stopped or tokens were forced
-    after it, and what the step computed for it is dropped; a row whose tokens were all on
-    the host: its length then)."""
+    that previous token is appended (any other length: the row stopped, or tokens were forced
+    after it, and it leaves the step: `Engine._settle`; a row whose tokens were all on the
+    host: its length then)."""
 
     plan: Plan
     out: StepOutput
