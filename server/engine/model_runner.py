@@ -273,7 +273,8 @@ class ModelRunner:
     def run(self, plan: Plan, ids: torch.Tensor | None = None, pick: list[int | None] | None = None) -> StepOutput:
         """Compute every row's scheduled tokens in one forward pass (`forward`'s logits; a step
         of decode rows alone also gives their argmax on the device). With `ids` (on the device):
-        row i's one token is `ids[pick[i]]` where `pick[i]` is not None (`run_ahead`).
+        row i's one token is `ids[pick[i]]` where `pick[i]` is not None (`run_ahead`;
+        `_device_tokens` puts them in the step).
 
         Side effect: writes their KV into each sequence's cache (its length moves forward, drafted
         tokens included: postprocess crops the rejected ones).
@@ -282,14 +283,15 @@ class ModelRunner:
         for i, row in enumerate(plan.rows):
             drafted = row.draft.tokens if row.draft is not None else []
             rows.append(self._row(row, row.n_tokens + len(drafted)))
-            on_device = pick is not None and pick[i] is not None
-            pending = [0] if on_device else row.seq.pending_ids(row.n_tokens)  # (a token on the device: `_step` puts it there)
+            pending = row.seq.pending_ids(row.n_tokens)
             images = row.seq.request.images
-            if images and self.encoder is not None and not on_device:  # (a token on the device is a generated one)
+            if images and self.encoder is not None:
                 media.append(self.encoder.rows(images, row.seq.n_computed, row.n_tokens))
                 pending = vision.placeholder_ids(pending, self.encoder.placeholder)
             else:
                 media.append([])
+            if pick is not None:  # the step's tokens as `_device_tokens` takes them
+                pending = [pick[i]] if pick[i] is not None else [-1 - t for t in pending]
             token_ids += pending + drafted
             if row.completes:
                 logits_rows.append(i)
@@ -297,7 +299,7 @@ class ModelRunner:
         long_rows = [self.pool.layout.rope_long(len(row.seq.all_ids) + (pick is not None and pick[i] is not None))
                      for i, row in enumerate(plan.rows)] if self.rope else None
         return self._step(rows, token_ids, logits_rows, counts, long_rows, *self._row_inputs(plan), media=media if any(media) else None,
-                          device=None if ids is None else (ids, pick))
+                          device=ids)
 
     def _row(self, row: ScheduledRow, n: int) -> Row:
         """A scheduled row's part of the step: `n` tokens, and what its pictures do to them
@@ -321,7 +323,7 @@ class ModelRunner:
             return self.run(plan, ids, pick)
         self._enable()
         rows = [self._row(row, 1) for row in plan.rows]
-        # a token on the host travels as -1 - token (`_decode`)
+        # a token on the host travels as -1 - token (`_device_tokens`)
         tokens = [p if p is not None else -1 - row.seq.pending_ids(1)[0] for p, row in zip(pick, plan.rows)]
         return self._decode(rows, tokens, *self._row_inputs(plan), ids)
 
@@ -353,10 +355,10 @@ class ModelRunner:
     def _step(self, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None,
               long_rows: list[bool] | None, adapter_rows: list[int] | None, biases: list[dict[int, float]] | None = None,
               media: list[list[tuple[int, torch.Tensor]]] | None = None,
-              device: tuple[torch.Tensor, list[int | None]] | None = None) -> StepOutput:
+              device: torch.Tensor | None = None) -> StepOutput:
         """`forward`, with `biases` (each row's logit bias: a step of decode rows alone takes
         its argmax on the device), `media` (each row's pictures: `run`) and `device` (ids on
-        the device, and per row the index of its one token in them, or None: `run`)."""
+        the device that `token_ids` index, as `_device_tokens` takes them: `run`)."""
         self._enable()
         if sum(r.n for r in rows) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for rows of {sum(r.n for r in rows)}")
@@ -417,12 +419,9 @@ class ModelRunner:
                  "pictured": pictured, "grid": axes[0] + axes[1] + axes[2]}
         for g, (lists, _) in enumerate(inputs):
             named.update({f"{g}.{name}": values for name, values in lists.items()})
-        if device is not None:  # where the tokens still on the device go (a row's one token: at its start)
-            named["from"] = [starts[i] for i, p in enumerate(device[1]) if p is not None]
-            named["pick"] = [p for p in device[1] if p is not None]
         t = _to_device(named, self.device)
-        if device is not None:  # (a row that drew from no distribution, -1, computes token 0's step: `_decode`'s NOTE)
-            t["ids"].index_copy_(0, t["from"], device[0].index_select(0, t["pick"]).clamp_(min=0))
+        if device is not None:
+            _device_tokens(t["ids"], device)
         batches = [build({name: t[f"{g}.{name}"] for name in lists}) for g, (lists, build) in enumerate(inputs)]
         step = self._context([rows[i] for i in others], batches,
                              long_tokens=t["long"].bool() if long_tokens is not None else None,
@@ -464,7 +463,8 @@ class ModelRunner:
         """Decode rows only (one token each, logits and their argmax after each row's logit
         bias `biases[i]`): padded to a bucket, from the persistent buffers; a captured graph
         replays where one fits. With `device_ids` (on the device) row i's token is
-        `device_ids[token_ids[i]]`, or where `token_ids[i]` < 0, -1 - `token_ids[i]`."""
+        `device_ids[token_ids[i]]`, or where `token_ids[i]` < 0, -1 - `token_ids[i]`
+        (`_device_tokens`)."""
         n = len(rows)
         size = bucket(n)
         longest = kv.blocks_for(max(r.kv.length for r in rows) + 1, self.pool.block_size)
@@ -475,11 +475,9 @@ class ModelRunner:
         inputs = self._write(rows, token_ids, size, blocks, adapter_rows, biases if fits else None)
         if device_ids is not None:  # the tokens where the buffer's one host copy put their indices
             ids = inputs.tokens if n == size else inputs.tokens[:n]
-            # NOTE: a row that drew from no distribution (-1: `sampling.draw_ids`) fails when its
-            # token reaches the host; until then it computes token 0's step, which `_settle` drops
             if min(token_ids) < 0:  # rows of tokens from the host beside them
-                ids.copy_(torch.where(ids >= 0, device_ids[ids.clamp(min=0)].clamp(min=0), -1 - ids))
-            else:  # (every row of `device_ids`, in order: no index to take)
+                _device_tokens(ids, device_ids)
+            else:  # (the same with fewer kernels; every row of `device_ids`, in order: no index to take)
                 torch.clamp(device_ids if token_ids == list(range(device_ids.shape[0])) else device_ids[ids], min=0, out=ids)
         graph = self.graphs.get((size, blocks))
         if graph is not None:
@@ -877,6 +875,15 @@ def _biased(logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> to
     new tensor (the logits stay the model's, for logprobs), as `sampling.apply_logit_bias`
     adds it."""
     return logits.scatter_add(1, ids, values)
+
+
+def _device_tokens(ids: torch.Tensor, device_ids: torch.Tensor) -> None:
+    """Tokens still on the device into a step's `ids`, in place: where `ids` holds i >= 0 the
+    token is `device_ids[i]`, and where it holds -1 - t, a token from the host, t.
+
+    NOTE: a row that drew from no distribution (-1: `sampling.draw_ids`) fails when its token
+    reaches the host; until then it computes token 0's step, which the engine drops."""
+    ids.copy_(torch.where(ids >= 0, device_ids[ids.clamp(min=0)].clamp(min=0), -1 - ids))
 
 
 def _finite(logits: torch.Tensor, what: str) -> torch.Tensor:
