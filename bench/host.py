@@ -1,7 +1,7 @@
 """The host's share of a decode step (issue 47): microseconds per engine step outside the
 model's forward, with the graph replay stubbed, at 1 and 64 rows.
 
-    .venv/bin/python -m bench.host [--rows 1 64] [--steps 200] [--rounds 3]
+    .venv/bin/python -m bench.host [--rows 1 64] [--steps 200] [--rounds 3] [--context 3]
 
 The engine runs as the server runs it on a GPU (its own thread, the paged path with its bucket
 padding and persistent buffers, a captured graph for every decode bucket, the next step launched
@@ -33,19 +33,20 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from cache_manager import kv
 from cache_manager.manager import CacheConfig, CacheManager
 from server import memory
 from server.engine import detokenizer, model_runner
 from server.engine.core import Engine, EngineConfig
 from server.engine.sampling import SamplingParams
-from server.engine.sequence import GenerationRequest
+from server.engine.sequence import GenerationRequest, Status
 
 VOCAB = 2048  # the first ids of SmolLM2's vocabulary: the tokenizer detokenizes what the stub picks
 
 
-def build():
+def build(context: int = 4096):
     config = AutoConfig.for_model("qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, eos_token_id=2)
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, eos_token_id=2)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -88,13 +89,18 @@ def stub(runner: model_runner.ModelRunner) -> None:
 WAYS = ("now", "through the sampler", "before")
 
 
-def measure(tokenizer, rows: int, steps: int, way: str) -> tuple[float, float, Engine]:
+def measure(tokenizer, rows: int, steps: int, way: str, prompt: int = 3) -> tuple[float, float, Engine]:
     """The median and the mean seconds of an engine step with `rows` rows decoding (the replay
-    and the forward stubbed), one of WAYS; and the engine, stopped. The mean counts the
-    garbage collector's pauses, which land on a few steps."""
-    model = build()
-    cache = CacheManager(model.config, "cpu", torch.float32, 4096, CacheConfig(budget_bytes=2**28))
-    config = EngineConfig(max_context=4096, max_running=max(rows, 1), paged=True, overlap=way == "now")
+    and the forward stubbed), one of WAYS, each row after a prompt of `prompt` tokens (its
+    block table grows with it); and the engine, stopped. The mean counts the garbage
+    collector's pauses, which land on a few steps."""
+    stagger = rows * -(-prompt // 4096)  # steps that prefill some row while others decode (4096 tokens a step)
+    max_tokens = steps + 8 + stagger
+    context = max(4096, prompt + max_tokens)
+    model = build(context)
+    budget = rows * kv.bytes_for(model.config, context, torch.float32)
+    cache = CacheManager(model.config, "cpu", torch.float32, context, CacheConfig(budget_bytes=max(2**28, 2 * budget)))
+    config = EngineConfig(max_context=context, max_running=max(rows, 1), max_batch_tokens=4096, paged=True, overlap=way == "now")
     engine = Engine(model, tokenizer, config, cache)
     stub(engine.runner)
     if way != "now":
@@ -106,7 +112,7 @@ def measure(tokenizer, rows: int, steps: int, way: str) -> tuple[float, float, E
     def timed() -> None:
         t0 = time.perf_counter()
         step()
-        if len(engine._running) == rows:
+        if len(engine._running) == rows and all(seq.status is Status.DECODE for seq, _ in engine._running):
             times.append(time.perf_counter() - t0)
 
     engine.step = timed
@@ -116,9 +122,9 @@ def measure(tokenizer, rows: int, steps: int, way: str) -> tuple[float, float, E
     if way == "before":  # transformers' decode, twice a token, in TextStream's Python window
         detokenizer._rust = lambda tok: None
     try:
-        params = SamplingParams(max_tokens=steps + 8, temperature=0.0)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         for i in range(rows):
-            engine.submit(GenerationRequest(f"r{i}", [1 + i, 2 + i, 3 + i], params), loop)
+            engine.submit(GenerationRequest(f"r{i}", [1 + (i + j) % 1000 for j in range(prompt)], params), loop)
         while len(times) < steps:
             time.sleep(0.05)
     finally:
@@ -133,6 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--context", type=int, default=3, help="each row's prompt, in tokens: a step's block tables follow it")
     parser.add_argument("--rounds", type=int, default=3, help="each way this many times, alternating; the best median (and "
                         "mean) counts (a shared box's noise only ever adds time)")
     args = parser.parse_args()
@@ -147,7 +154,7 @@ def main() -> None:
         mean = float("inf")
         for _ in range(args.rounds):
             for way in WAYS:
-                median, average, _ = measure(tok, rows, args.steps, way)
+                median, average, _ = measure(tok, rows, args.steps, way, args.context)
                 t[way] = min(t[way], median)
                 if way == "now":
                     mean = min(mean, average)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
@@ -585,16 +586,19 @@ def _put(target: torch.Tensor, index: torch.Tensor | slice, x: torch.Tensor) -> 
 
 # -- one sequence's KV -------------------------------------------------------------------------
 
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
+
 
 class SequenceKV:
     """One sequence's block table into `pool` and the `length` tokens written so far
     (positions 0..length-1). Only this module and server/engine/attention.py read the storage."""
 
-    __slots__ = ("pool", "blocks", "length", "base", "state", "checkpoints")
+    __slots__ = ("pool", "blocks", "table", "length", "base", "state", "checkpoints")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.blocks: list[int] = []
+        self.table = _NO_BLOCKS  # `blocks` as an int64 array: a step's block tables copy it whole (paged_inputs)
         self.length = 0
         self.base: int | None = None  # first slot when the blocks are consecutive, else None
         self.state: int | None = None  # a hybrid's recurrent-state slot: the state after `length` tokens
@@ -602,6 +606,7 @@ class SequenceKV:
 
     def _set_blocks(self, blocks: list[int]) -> None:
         self.blocks = blocks
+        self.table = np.array(blocks, dtype=np.int64)
         consecutive = bool(blocks) and blocks[-1] - blocks[0] == len(blocks) - 1 and blocks == list(range(blocks[0], blocks[-1] + 1))
         self.base = blocks[0] * self.pool.block_size if consecutive else None
 

@@ -529,7 +529,7 @@ class ModelRunner:
         else:
             bias_part = [0] * (2 * size * BIAS_SLOTS)
         inputs = self._inputs(size, blocks)
-        inputs.buffer.copy_(_host_longs(token_ids + [0] * pad + positions + slots + extra + tables + bias_part, self.device), non_blocking=True)
+        inputs.buffer.copy_(_host_longs([token_ids + [0] * pad + positions + slots + extra, tables, bias_part], self.device), non_blocking=True)
         return inputs
 
     def _inputs(self, size: int, blocks: int) -> DecodeInputs:
@@ -836,23 +836,27 @@ def _lora(runner: ModelRunner) -> dict[str, str]:
     return {"lora": f"{len(runner.adapters.slots)} slots of rank {runner.adapters.rank}"}
 
 
-def paged_inputs(pool: kv.Pool, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int, blocks: int) -> tuple[list[int], list[int], list[int]]:
-    """Positions and slots [size * width] and block tables [size, blocks], flat, of `counts[i]`
+def paged_inputs(pool: kv.Pool, caches: list[kv.SequenceKV], counts: list[int], size: int, width: int,
+                 blocks: int) -> tuple[list[int], list[int], np.ndarray]:
+    """Positions and slots [size * width], flat, and block tables [size, blocks] of `counts[i]`
     new tokens for each cache of `pool`, padded to `width` tokens a row and `size` rows. A
     padding token repeats its row's last position and writes the trash block; a padding row is
-    one token at position 0 with a table of trash blocks."""
+    one token at position 0 with a table of trash blocks. The tables are copied from each
+    cache's array (`SequenceKV.table`): their cost is a memory copy, not a Python int each."""
     bs, trash = pool.block_size, pool.trash_block
-    positions, slots, tables = [], [], []
-    for cache, n in zip(caches, counts):
+    positions, slots = [], []
+    tables = np.empty((size, blocks), dtype=np.int64)
+    tables.fill(trash)
+    for i, (cache, n) in enumerate(zip(caches, counts)):
         first = cache.length
         for t in range(width):
             p = first + min(t, n - 1)
             positions.append(p)
             slots.append(cache.blocks[p // bs] * bs + p % bs if t < n else trash * bs)
-        table = cache.blocks[:blocks]
-        tables += table + [trash] * (blocks - len(table))
+        table = cache.table if len(cache.blocks) <= blocks else cache.table[:blocks]
+        tables[i, : len(table)] = table
     pad = size - len(caches)
-    return positions + [0] * (pad * width), slots + [trash * bs] * (pad * width), tables + [trash] * (pad * blocks)
+    return positions + [0] * (pad * width), slots + [trash * bs] * (pad * width), tables
 
 
 def _chunks(values: list[int], width: int) -> list[list[int]]:
@@ -898,22 +902,33 @@ def _width_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _host_longs(values: list[int], device: torch.device) -> torch.Tensor:
-    """`values` as a host long tensor to copy to `device` (pinned for a copy to a GPU that does
-    not wait). numpy reads the list: 3-4x faster than `torch.tensor` of it (a step's inputs
-    are ~80 ints at 1 row, ~2,300 at 64)."""
-    host = torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values)))
+def _host_longs(parts: list[list[int] | np.ndarray], device: torch.device) -> torch.Tensor:
+    """The ints of `parts` (lists, and arrays such as a step's block tables), one after the
+    other, as one host long tensor to copy to `device` (pinned for a copy to a GPU that does
+    not wait). numpy reads the lists: 3-4x faster than `torch.tensor` of them (a step's inputs
+    are ~80 ints at 1 row, ~2,300 at 64 besides the tables)."""
+    sizes = [_count(part) for part in parts]
+    flat, at = np.empty(sum(sizes), dtype=np.int64), 0
+    for part, n in zip(parts, sizes):
+        flat[at : at + n] = part.reshape(-1) if isinstance(part, np.ndarray) else part
+        at += n
+    host = torch.from_numpy(flat)
     return host.pin_memory() if device.type == "cuda" else host
 
 
-def _to_device(named: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
-    """Long tensors of each named list on `device`, with one host-to-device copy."""
-    flat = _host_longs([x for values in named.values() for x in values], device).to(device, non_blocking=True)
+def _to_device(named: dict[str, list[int] | np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Long tensors of each named list (or array, flattened) on `device`, with one
+    host-to-device copy."""
+    flat = _host_longs(list(named.values()), device).to(device, non_blocking=True)
     out, at = {}, 0
     for name, values in named.items():
-        out[name] = flat[at : at + len(values)]
-        at += len(values)
+        out[name] = flat[at : at + _count(values)]
+        at += _count(values)
     return out
+
+
+def _count(part: list[int] | np.ndarray) -> int:
+    return part.size if isinstance(part, np.ndarray) else len(part)
 
 
 def forward_rows(model, rows: list[Row], token_ids: list[int], logits_rows: list[int], logits_counts: list[int] | None = None) -> torch.Tensor:

@@ -134,6 +134,42 @@ def scattered_caches(model, n, capacity):
     return pool, caches
 
 
+def test_a_steps_block_tables_follow_every_change_of_a_caches_blocks():
+    """`paged_inputs` copies each cache's block table from its array (`SequenceKV.table`): the
+    array follows every change of the blocks (grown after the last block, scattered between
+    others' blocks, trimmed, freed), and a step's tables are each row's blocks, cut at the
+    step's width, then the trash block, with padding rows all trash."""
+    config = tiny_config()
+    pool = kv.Pool(config, kv.bytes_for(config, 256, DTYPE) * 3, DEVICE, DTYPE)
+    caches = [kv.SequenceKV(pool) for _ in range(3)]
+
+    def check(blocks: int) -> None:
+        for cache in caches:
+            assert cache.table.tolist() == cache.blocks
+        positions, slots, tables = model_runner.paged_inputs(pool, caches, [1] * 3, 4, 1, blocks)
+        assert tables.shape == (4, blocks)
+        for cache, row in zip(caches, tables.tolist()):
+            held = cache.blocks[:blocks]
+            assert row == held + [pool.trash_block] * (blocks - len(held))
+        assert tables[3].tolist() == [pool.trash_block] * blocks and positions[3] == 0
+        bs = pool.block_size
+        assert slots[:3] == [c.blocks[c.length // bs] * bs + c.length % bs for c in caches]
+
+    for n in (16, 40, 100):  # interleaved: none consecutive past the first
+        for cache in caches:
+            kv.grow(cache, n)
+    for cache, length in zip(caches, (5, 37, 99)):
+        cache.length = length
+    check(8)
+    check(2)  # a row holding more blocks than the step reads
+    kv.crop(caches[1], 3)
+    kv.trim(caches[1])
+    kv.free(caches[2])
+    kv.grow(caches[2], 20)
+    check(8)
+    assert caches[1].blocks and len(caches[1].blocks) == 1 and len(caches[2].blocks) == 2
+
+
 @pytest.mark.parametrize("path", ["rows", "paged"])
 @pytest.mark.parametrize("name", ["smollm2", "mistral-sliding", "gemma2-hybrid"])
 def test_a_batch_of_rows_equals_each_sequence_alone(models, name, path):
