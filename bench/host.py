@@ -42,6 +42,7 @@ from server.engine.sampling import SamplingParams
 from server.engine.sequence import GenerationRequest, Status
 
 VOCAB = 2048  # the first ids of SmolLM2's vocabulary: the tokenizer detokenizes what the stub picks
+STEP_TOKENS = 4096  # a step's tokens (max_batch_tokens): one row's prompt of up to this many a step
 
 
 def build(context: int = 4096):
@@ -94,13 +95,13 @@ def measure(tokenizer, rows: int, steps: int, way: str, prompt: int = 3) -> tupl
     and the forward stubbed), one of WAYS, each row after a prompt of `prompt` tokens (its
     block table grows with it); and the engine, stopped. The mean counts the garbage
     collector's pauses, which land on a few steps."""
-    stagger = rows * -(-prompt // 4096)  # steps that prefill some row while others decode (4096 tokens a step)
+    stagger = rows * -(-prompt // STEP_TOKENS)  # steps that prefill some row while others decode
     max_tokens = steps + 8 + stagger
     context = max(4096, prompt + max_tokens)
     model = build(context)
     budget = rows * kv.bytes_for(model.config, context, torch.float32)
     cache = CacheManager(model.config, "cpu", torch.float32, context, CacheConfig(budget_bytes=max(2**28, 2 * budget)))
-    config = EngineConfig(max_context=context, max_running=max(rows, 1), max_batch_tokens=4096, paged=True, overlap=way == "now")
+    config = EngineConfig(max_context=context, max_running=max(rows, 1), max_batch_tokens=STEP_TOKENS, paged=True, overlap=way == "now")
     engine = Engine(model, tokenizer, config, cache)
     stub(engine.runner)
     if way != "now":

@@ -853,7 +853,7 @@ def paged_inputs(pool: kv.Pool, caches: list[kv.SequenceKV], counts: list[int], 
             p = first + min(t, n - 1)
             positions.append(p)
             slots.append(cache.blocks[p // bs] * bs + p % bs if t < n else trash * bs)
-        table = cache.table if len(cache.blocks) <= blocks else cache.table[:blocks]
+        table = cache.table[:blocks]
         tables[i, : len(table)] = table
     pad = size - len(caches)
     return positions + [0] * (pad * width), slots + [trash * bs] * (pad * width), tables
