@@ -101,27 +101,17 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
     return [[(100 + i * 31 + j * 7) % (vocab - 10) + 5 for j in range(PROMPT_TOKENS)] for i in range(n)]
 
 
-def kvserve_rate(model, device, n: int, tokens: int, eos: int | None, args, grammar=None, overlap: bool | None = None) -> tuple[float, float]:
+def kvserve_rate(model, device, n: int, tokens: int, eos: int | None, args, grammar=None,
+                 overlap: bool | None = None) -> tuple[float, dict[str, int]]:
     """Tokens/s of the engine generating `tokens` for each of n requests at once (`grammar`:
-    each row under it; `overlap`: the engine's, None: its default), and the share of its steps
-    launched ahead (the overlap). On the paged path, on CPU too (the server's way on CUDA)."""
+    each row under it; `overlap`: the engine's, None: its default), and its steps by launch
+    (`Engine.steps`: "ahead", the overlap, or why a step waited). On the paged path, on CPU too
+    (the server's way on CUDA)."""
     config = EngineConfig(max_context=args.max_context, max_running=max(64, n), max_queue=max(64, n),
                           max_batch_tokens=max(512, n * PROMPT_TOKENS), cuda_graphs=args.cuda_graphs, paged=True, overlap=overlap)
     cache = CacheManager(model.config, device, model.dtype, args.max_context, CacheConfig(budget_bytes=args.kv_bytes, reuse=False))
     engine = Engine(model, Tokenizer(eos), config, cache)
     engine.start()
-    steps = {"all": 0, "ahead": 0}
-    observe, launch = engine._observe, engine.runner.run_ahead
-
-    def observed(*a):
-        steps["all"] += 1
-        return observe(*a)
-
-    def launched(*a):
-        steps["ahead"] += 1
-        return launch(*a)
-
-    engine._observe, engine.runner.run_ahead = observed, launched
     bias = {eos: -1000.0} if eos is not None else {}
     params = SamplingParams(max_tokens=tokens, temperature=args.temperature, logit_bias=bias)
 
@@ -137,10 +127,11 @@ def kvserve_rate(model, device, n: int, tokens: int, eos: int | None, args, gram
 
     try:
         asyncio.run(wave())  # warm-up
-        steps.update(all=0, ahead=0)
+        before = dict(engine.steps)
         t = time.perf_counter()
         generated = asyncio.run(wave())
-        return generated / (time.perf_counter() - t), steps["ahead"] / max(1, steps["all"])
+        rate = generated / (time.perf_counter() - t)
+        return rate, {launch: n - before[launch] for launch, n in engine.steps.items()}
     finally:
         engine.stop()
 
@@ -224,12 +215,24 @@ def main() -> None:
     for name, regex in GRAMMARS.items():
         grammar = grammar_for(tokenizer, model.config.vocab_size, eos, regex)
         print(f"\nkvserve's rows under a grammar, {name} (regex {regex}):\n")
-        print("| streams | free tok/s | grammar, overlap | steps launched ahead | grammar, no overlap | overlap / no overlap | grammar (overlap) / free |")
-        print("|---|---|---|---|---|---|---|")
+        print("| streams | free tok/s | grammar, overlap | steps launched ahead | steps waited for | grammar, no overlap "
+              "| overlap / no overlap | grammar (overlap) / free |")
+        print("|---|---|---|---|---|---|---|---|")
         for n in args.streams:
-            on, ahead = kvserve_rate(model, device, n, args.tokens, eos, args, grammar, overlap=True)
+            on, steps = kvserve_rate(model, device, n, args.tokens, eos, args, grammar, overlap=True)
             off = kvserve_rate(model, device, n, args.tokens, eos, args, grammar, overlap=False)[0]
-            print(f"| {n} | {free[n]:.0f} | {on:.0f} | {ahead:.2f} | {off:.0f} | {on / off:.2f} | {on / free[n]:.2f} |", flush=True)
+            print(f"| {n} | {free[n]:.0f} | {on:.0f} | {shares(steps, 'ahead')} | {shares(steps)} | {off:.0f} | {on / off:.2f} "
+                  f"| {on / free[n]:.2f} |", flush=True)
+
+
+def shares(steps: dict[str, int], launch: str | None = None) -> str:
+    """The share of `steps` (by launch: `kvserve_rate`) launched as `launch`; None: those of
+    the reasons steps waited, largest first ("-": none waited)."""
+    total = max(1, sum(steps.values()))
+    if launch is not None:
+        return f"{steps[launch] / total:.2f}"
+    waits = sorted(((n, why) for why, n in steps.items() if why != "ahead" and n), reverse=True)
+    return ", ".join(f"{why} {n / total:.2f}" for n, why in waits) or "-"
 
 if __name__ == "__main__":
     main()

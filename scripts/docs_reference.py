@@ -336,6 +336,7 @@ def _watch_steps(metrics) -> list[tuple[str, typing.Callable[[], None]]]:
         ("always", lambda: metrics.watch_response_store(store)),
         ("once the model is loaded", lambda: metrics.watch_tiers(tiers)),
         ("once the model is loaded", lambda: metrics.watch_grammar_cache(compiler)),
+        ("once the model is loaded", lambda: metrics.watch_engine(_Stub(steps={"ahead": 0}))),
     ]
     if hasattr(metrics, "watch_adapters"):
         steps.append(("with LoRA adapters (`--lora`, `--enable-lora-loading`)", lambda: metrics.watch_adapters(adapters)))

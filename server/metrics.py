@@ -319,6 +319,10 @@ class Metrics:
         """Export bytes, budget and sessions of every KV tier, read at scrape time."""
         self.registry.register(_TierCollector(cache_manager))
 
+    def watch_engine(self, engine) -> None:
+        """Export the engine's count of its steps by how each was launched, read at scrape time."""
+        self.registry.register(_EngineStepsCollector(engine))
+
     def watch_adapters(self, adapters) -> None:
         """Export the LoRA adapters loaded, resident in device slots, the slots, swaps and bytes,
         read at scrape time."""
@@ -358,6 +362,24 @@ class _GrammarCacheCollector:
         yield GaugeMetricFamily(
             "kvserve_grammar_cache_bytes", "Estimated bytes of the cached compiled grammars (--grammar-cache-bytes).", value=c.nbytes
         )
+
+
+class _EngineStepsCollector:
+    def __init__(self, engine) -> None:
+        self.engine = engine  # server.engine.core.Engine: `steps`, counted on its thread
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "kvserve_engine_steps",
+            "Engine steps by launch: ahead (the overlap: launched while the previous step's tokens were postprocessed) "
+            "or why it waited for them: off (no overlap), host (a row's token chosen on the host: penalties, logprobs, "
+            "drafts), prefill, forced (tokens a grammar or a thinking budget forced), admission (requests or calls "
+            "waiting), idle (no row went on from the step before), fault.",
+            labels=["launch"],
+        )
+        for launch, count in dict(self.engine.steps).items():
+            family.add_metric([launch], count)
+        yield family
 
 
 class _ResponseStoreCollector:

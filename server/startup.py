@@ -140,6 +140,7 @@ def build_context(settings: Settings, loaded: LoadedModel, metrics: Metrics, dra
         metrics.rank_memory_bytes.labels(str(shard["rank"]), "weights").set(shard["weights_bytes"])
     engine = Engine(loaded.model, loaded.tokenizer, engine_config(settings, max_context), cache_manager, metrics=metrics,
                     proposer=proposer(settings, loaded, draft, max_context, draft_bytes), adapters=adapters, lockstep=leader)
+    metrics.watch_engine(engine)
     vocab_size = loaded.model.config.get_text_config(decoder=True).vocab_size
     compiler = GrammarCompiler(
         loaded.tokenizer,

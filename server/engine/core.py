@@ -61,6 +61,17 @@ OOM_RELAX_STEPS = 64  # steps without an out-of-memory before the shrunk token b
 # while more than `overlap_forced_max` of the rows taking a token had tokens forced after it
 # (a moving average, `FORCED_WEIGHT` for each step): a schema of short keys, say.
 FORCED_WEIGHT = 0.1
+# How each step was launched (`Engine.steps`; /metrics: kvserve_engine_steps_total{launch}):
+# "ahead", while the previous step was postprocessed (the overlap), or why it waited for it:
+# "off": the overlap is off (`--no-overlap`, CPU's default, or a path that cannot undo a step);
+# "host": a row's token was chosen on the host (penalties, logprobs, a draft to verify);
+# "prefill": a prompt was being prefilled (in the step before, or waiting outside it);
+# "forced": a grammar or a thinking budget forced tokens after a row's token (known only once it
+# reached the host), or does so too often of late (`overlap_forced_max`);
+# "admission": requests were waiting to be admitted, or calls to run between steps;
+# "idle": no row went on from the step before (the first step after the engine idled);
+# "fault": the step before failed or was retried in parts, or launching ahead raised.
+STEP_LAUNCHES = ("ahead", "off", "host", "prefill", "forced", "admission", "idle", "fault")
 
 
 @dataclass(slots=True)
@@ -199,6 +210,8 @@ class Engine:
         self._outbox: list[tuple[RequestHandle, RequestOutput]] = []  # engine thread only: `_flush`
         self._ahead: Ahead | None = None  # a step launched before the previous one was postprocessed
         self._forced = 0.0  # the share of rows with tokens forced after the one they took (FORCED_WEIGHT)
+        self.steps = dict.fromkeys(STEP_LAUNCHES, 0)  # steps run, by how each was launched (read by /metrics)
+        self._waits = "idle"  # why the next step scheduled waits for the one before (STEP_LAUNCHES)
         self._calls: list[tuple[Callable[[], object], Future]] = []  # run on the engine thread between steps (`call`)
         self._faults = faults.Faults.from_env()  # None unless a test switched faults on
         self._fault_hooks = self._faults.install(model) if self._faults is not None else []
@@ -517,14 +530,17 @@ class Engine:
         self.speculator.draft(plan, self.scheduler.max_batch_tokens)  # decode rows may carry drafts (under a shrunk budget too)
         prefill_tokens = sum(r.n_tokens for r in plan.rows if r.seq.status is Status.PREFILL)
         start_masks([r.seq.grammar for r in plan.rows if r.completes and r.seq.grammar is not None])
+        launch = self._waits if self._overlaps else "off"
+        self._waits = "fault"  # (unless its postprocess says why the next waits)
         self._execute(plan)
         self._checkpoint(plan)
         self._relax()
         if prefill_tokens >= max(64, plan.num_tokens // 2):  # a prefill step: its speed weighs restores
             self.cache_manager.observe_prefill(plan.num_tokens, time.perf_counter() - t0)
-        self._observe(plan, t0)
+        self._observe(plan, t0, launch)
 
-    def _observe(self, plan: Plan, t0: float) -> None:
+    def _observe(self, plan: Plan, t0: float, launch: str) -> None:
+        self.steps[launch] += 1
         if self.metrics is not None:
             self.metrics.batch_rows.observe(len(plan.rows))
             self.metrics.batch_tokens.observe(plan.num_tokens)
@@ -538,8 +554,9 @@ class Engine:
         and emits this one. Not `whole`: the step is a part of one retried in parts (`_execute`),
         whose other parts are still to run."""
         chosen = self._chosen(plan, out)
-        launched = self._launch_ahead(plan, chosen) if whole else None
-        if launched is None:
+        launched = self._launch_ahead(plan, chosen) if whole else "fault"
+        if isinstance(launched, str):
+            self._waits = launched
             self._postprocess(plan, out.logits, chosen)
             return
         ahead, tokens = launched
@@ -565,11 +582,17 @@ class Engine:
             log.warning("choosing a step's tokens on the device failed: postprocess chooses them", exc_info=True)
             return None
 
-    def _launch_ahead(self, plan: Plan, chosen: torch.Tensor | None) -> tuple[Ahead, Callable[[], torch.Tensor]] | None:
+    @property
+    def _overlaps(self) -> bool:
+        """Whether a step may be launched before the previous one is postprocessed (injected
+        faults count the steps they fail, so they turn it off)."""
+        return self.runner.overlap and self._faults is None
+
+    def _launch_ahead(self, plan: Plan, chosen: torch.Tensor | None) -> tuple[Ahead, Callable[[], torch.Tensor]] | str:
         """The next step, launched now from this step's tokens on the device (`chosen`:
-        `_chosen`; `ModelRunner.run_ahead`), with the wait for their copy to the host; None
-        where it cannot be: the overlap is off, some row's token is chosen on the host
-        (penalties, logprobs) or drafts, or the next step has work the host must do first:
+        `_chosen`; `ModelRunner.run_ahead`), with the wait for their copy to the host; or why
+        it cannot be (STEP_LAUNCHES): the overlap is off, some row's token is chosen on the
+        host (penalties, logprobs) or drafts, or the next step has work the host must do first:
         requests that may be admitted, calls to run, a prompt to prefill; or rows have had
         tokens forced too often of late (`FORCED_WEIGHT`).
 
@@ -580,12 +603,16 @@ class Engine:
         computed: `_settle`). A row whose next token cannot exist (max_tokens, its cache full)
         is left out; one that stops at this step's token (the end of its turn, a stop string)
         is found out only afterwards (`_settle`)."""
-        if not self.runner.overlap or chosen is None or self._faults is not None or self._forced > self.config.overlap_forced_max:
-            return None
+        if not self._overlaps:
+            return "off"
+        if chosen is None:
+            return "host" if all(row.completes for row in plan.rows) else "prefill"
+        if self._forced > self.config.overlap_forced_max:
+            return "forced"
         with self._cond:
             admitting = self._waiting and len(self._running) < self.config.max_running
             if self._calls or admitting:
-                return None
+                return "admission"
             running = [seq for seq, _ in self._running]
         index = {id(row.seq): i for i, row in enumerate(plan.rows)}
         rows, pick = [], []
@@ -594,7 +621,7 @@ class Engine:
             if i is None and seq.cancelled:
                 continue  # (the next step finishes it first)
             if i is None and (seq.status is not Status.DECODE or seq.num_pending == 0):
-                return None
+                return "prefill"
             if i is None:  # its pending tokens: on the host
                 rows.append(ScheduledRow(seq, seq.num_pending))
                 pick.append(None)
@@ -603,7 +630,7 @@ class Engine:
                 rows[-1].completes = True  # its pending token is the one this step chooses
                 pick.append(i)
         if all(p is None for p in pick):
-            return None
+            return "idle"
         tokens = self.runner.to_host(chosen)  # before the next step overwrites a graph's output
         ahead = Plan(rows)
         try:
@@ -611,7 +638,7 @@ class Engine:
         except Exception:  # noqa: BLE001 - the step runs again, scheduled as usual, with the fault handling
             log.warning("a step launched ahead failed: it runs again after this one", exc_info=True)
             self.runner.release_memory()
-            return None
+            return "fault"
         for row, p in zip(rows, pick):
             # until the step lands (`_land`): a row from the device computed one token more than waiting steps would have
             row.seq.ahead = int(p is not None)
@@ -623,8 +650,10 @@ class Engine:
         token (a grammar's keys, a thinking budget's end marker) keeps the token's KV, and
         leaves the step: what it computed from the token is not its next token. Its forced
         tokens go with the next step launched (`_launch_ahead`: from the host). The others
-        lose what the step computed for them (`_undo_ahead`); a finished row did at `_finish`."""
-        keep = []
+        lose what the step computed for them (`_undo_ahead`); a finished row did at `_finish`.
+        When none is left, the step is not landed and the next waits: "forced" where a row
+        went on with other tokens, "fault" where postprocess did not reach one, else "idle"."""
+        keep, why = [], "idle"
         for i, (row, length) in enumerate(zip(ahead.plan.rows, ahead.lengths)):
             seq = row.seq
             if seq.status is Status.FINISHED:
@@ -633,8 +662,12 @@ class Engine:
                 keep.append(i)
             elif seq.ahead and len(seq.all_ids) > length and seq.n_computed == length:
                 seq.ahead = 0  # its KV is the token taken, where a step that waited would have computed it with the forced ones
+                why = "forced"
             else:
                 _undo_ahead(seq)
+                why = "forced" if len(seq.all_ids) > length else "fault"
+        if not keep:
+            self._waits = why
         return _only(ahead, keep)
 
     def _land(self, t0: float) -> None:
@@ -644,12 +677,13 @@ class Engine:
         ahead, self._ahead = self._ahead, None
         ahead = _only(ahead, [i for i, row in enumerate(ahead.plan.rows) if row.seq.status is not Status.FINISHED])
         if ahead is None:
+            self._waits = "idle"
             return
         for row in ahead.plan.rows:
             row.seq.ahead = 0  # its KV is now what a step that waited would have computed
         self._after(ahead.plan, ahead.out)
         self._relax()
-        self._observe(ahead.plan, t0)
+        self._observe(ahead.plan, t0, "ahead")
 
     def _checkpoint(self, plan: Plan) -> None:
         """A hybrid model: keep the recurrent state of each prompt computed up to one token
@@ -1008,6 +1042,8 @@ class Engine:
         with self._cond:
             if (seq, handle) in self._running:
                 self._running.remove((seq, handle))
+                if not self._running:
+                    self._waits = "idle"  # the next step has no step before it to wait for
             self._update_gauges()
         # NOTE: the gauges are updated before the client hears the end, so a client that reads
         # /metrics right after its response sees its request gone.

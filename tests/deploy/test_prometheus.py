@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 from bench.common import free_port, launch, launch_with_metrics_port
+from server.engine.core import STEP_LAUNCHES
 from server.metrics import Metrics
 from server.api.response_store import ResponseStore
 from tests.conftest import test_cache_dir as cache_dir
@@ -79,6 +80,7 @@ def exposed_names() -> set[str]:
     metrics.watch_grammar_cache(SimpleNamespace(hits=0, misses=0, evictions=0, nbytes=0))  # as build_context does
     metrics.watch_tiers(SimpleNamespace(tier_usage=lambda: {t: (0, 0, 0) for t in ("device", "host", "disk")}))
     metrics.watch_response_store(ResponseStore(0))  # as create_app does
+    metrics.watch_engine(SimpleNamespace(steps=dict.fromkeys(STEP_LAUNCHES, 0)))  # as build_context does
     metrics.watch_adapters(SimpleNamespace(names=[], slots=[], swaps=0, nbytes=0, host_bytes=0))  # with --lora
     suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"], "info": ["_info"]}
     return {family.name + s for family in metrics.registry.collect() for s in suffixes[family.type]}
@@ -128,6 +130,9 @@ def test_dashboard_answers_the_operators_questions() -> None:
     for metric in ("batch_rows", "batch_tokens"):  # mean rows and tokens per step
         assert re.search(rf"rate\(kvserve_{metric}_sum[^)]*\)\) / sum\(rate\(kvserve_{metric}_count", exprs)
     assert "sum(rate(kvserve_engine_step_seconds_count" in exprs  # steps / s
+    # the overlap: steps by launch, and the share launched ahead
+    assert "sum by (launch) (rate(kvserve_engine_steps_total" in exprs
+    assert re.search(r'launch="ahead"\}\[[^]]*\]\)\) / sum\(rate\(kvserve_engine_steps_total', exprs)
     assert re.search(r"rate\(kvserve_prefix_cache_hits_tokens_total[^)]*\)\) / sum\(rate\(kvserve_prefix_cache_queries_tokens_total", exprs)
     assert "sum by (reason) (rate(kvserve_session_evictions_total" in exprs
     # KV capacity and use in tokens (--kv-cache-dtype changes the tokens a budget holds)
@@ -379,6 +384,14 @@ def test_every_dashboard_query_returns_data(kvserve, prometheus) -> None:
     assert {series["metric"]["reason"] for series in evictions if float(series["value"][1])} == {"deleted"}
     assert {series["metric"]["reason"] for series in evictions} == {"deleted", "evicted", "expired"}
     assert float(query(prometheus, "sum(kvserve_kv_cache_grows_total)")[0]["value"][1]) >= 2
+    # Every step is counted once by its launch, and every launch has a series from the start;
+    # with the overlap off (CPU's default) every step waited for that reason.
+    launches = {s["metric"]["launch"]: float(s["value"][1]) for s in query(prometheus, "sum by (launch) (kvserve_engine_steps_total)")}
+    assert set(launches) == set(STEP_LAUNCHES)
+    assert sum(launches.values()) == float(query(prometheus, "sum(kvserve_engine_step_seconds_count)")[0]["value"][1]) > 0
+    (paths,) = query(prometheus, "kvserve_engine_paths_info")
+    if paths["metric"]["overlap"] == "off":
+        assert {launch for launch, n in launches.items() if n} == {"off"}, launches
     # The KV tier panels: the disk tier is on (a budget; host memory is a CUDA-only tier, off
     # here), and a session came back from it.
     budgets = {s["metric"]["tier"]: float(s["value"][1]) for s in query(prometheus, "sum by (tier) (kvserve_kv_tier_budget_bytes)")}

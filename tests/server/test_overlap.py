@@ -49,14 +49,7 @@ class Engines:
         self.forced = 0  # ... with a row of forced tokens from the host
         self.one_forced = 0  # ... of decode rows alone, one of them a forced token from the host
         self.prompted = 0  # ... from the step that computed a prompt's last chunk
-        self.steps = 0  # steps the overlapping engine ran
-        launch, observe = runner.run_ahead, self.engines[True]._observe
-
-        def observed(*args):
-            self.steps += 1
-            return observe(*args)
-
-        self.engines[True]._observe = observed
+        launch = runner.run_ahead
 
         def counted(plan, ids, pick):
             self.launched += 1
@@ -68,6 +61,15 @@ class Engines:
             return launch(plan, ids, pick)
 
         runner.run_ahead = counted
+
+    @property
+    def steps(self) -> int:
+        """Steps the overlapping engine ran (its own count, by launch)."""
+        return sum(self.engines[True].steps.values())
+
+    def launches(self, overlap: bool) -> dict[str, int]:
+        """A copy of the engine's steps by launch (`Engine.steps`)."""
+        return dict(self.engines[overlap].steps)
 
     def prompt(self, text):
         rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
@@ -115,6 +117,51 @@ def greedy(**kw) -> SamplingParams:
 async def test_the_runner_overlaps_on_the_paged_path(engines):
     assert engines.engines[True].runner.paths["overlap"] == "on"
     assert engines.engines[False].runner.paths["overlap"] == "off"
+
+
+@pytest.mark.anyio
+async def test_each_step_is_counted_by_how_it_was_launched(engines, smollm2):
+    """`Engine.steps` (kvserve_engine_steps_total{launch}) counts each step once: "ahead" where
+    it was launched while the step before was postprocessed, else why it waited. One greedy
+    row alone: its first step waits ("idle": nothing ran before it), the others go ahead. A
+    row asking for logprobs has its tokens chosen on the host; a prompt longer than a step's
+    token budget is prefilled in chunks; a schema's keys are forced after the token before
+    them; a request arriving mid-decode waits to be admitted (or, admitted already, to be
+    prefilled). Without the overlap every step waited because it is off."""
+    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.model.config.vocab_size, eos_token_ids=[smollm2.tokenizer.eos_token_id])
+    form = compiler.compile(spec_from_request({"type": "json_schema", "json_schema": {"name": "form", "schema": FORM}}, None))
+    long_prompt = engines.prompt("Summarize: " + " ".join(f"item {i}," for i in range(300)))
+    assert len(long_prompt) > EngineConfig(max_context=2).max_batch_tokens
+    cases = {
+        "greedy": ([GenerationRequest("g", engines.prompt(PROMPTS[0]), greedy(max_tokens=12), use_session=False)], {"idle", "ahead"}),
+        "logprobs": ([GenerationRequest("lp", engines.prompt(PROMPTS[1]), greedy(max_tokens=12, logprobs=True), use_session=False)],
+                     {"idle", "host"}),
+        "chunked": ([GenerationRequest("long", long_prompt, greedy(max_tokens=4), use_session=False)], {"idle", "prefill", "ahead"}),
+        "schema": ([GenerationRequest("form", engines.prompt("Fill in form 1 as JSON."), greedy(max_tokens=40), grammar=form,
+                                      use_session=False)], {"idle", "forced", "ahead"}),
+    }
+    for name, (requests, expected) in cases.items():
+        for overlap in (True, False):
+            before = engines.launches(overlap)
+            await engines.run_all(overlap, requests)
+            delta = {k: n - before[k] for k, n in engines.launches(overlap).items() if n > before[k]}
+            assert set(delta) == (expected if overlap else {"off"}), (name, overlap, delta)
+
+    # an arrival mid-decode: the step after it waits for the host to admit or prefill it
+    engine, loop = engines.engines[True], asyncio.get_running_loop()
+    before = engines.launches(True)
+    first = engine.submit(GenerationRequest("first", engines.prompt(PROMPTS[2]), greedy(max_tokens=30), use_session=False), loop)
+    outputs = aiter(first)
+    await anext(outputs)
+    await anext(outputs)
+    later = engine.submit(GenerationRequest("later", engines.prompt(PROMPTS[3]), greedy(max_tokens=4), use_session=False), loop)
+    async for _ in outputs:
+        pass
+    async for _ in later:
+        pass
+    delta = {k: n - before[k] for k, n in engines.launches(True).items()}
+    assert delta["admission"] + delta["prefill"] > 0 and delta["ahead"] > 0, delta
+    assert delta["host"] == delta["forced"] == delta["fault"] == delta["off"] == 0, delta
 
 
 @pytest.mark.anyio
