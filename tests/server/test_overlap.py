@@ -473,6 +473,38 @@ class Overflows:
         self.hook.remove()
 
 
+@pytest.mark.anyio
+async def test_a_step_retried_in_parts_makes_the_next_one_wait(engines):
+    """A forward pass that raises on one row's token (a hook on the embedding: a prompt ending
+    in RARE) is retried in halves (`Engine._execute`) until that row fails alone; the other row
+    ran in a part, and the step after waits for the whole step's postprocess ("fault"), then
+    the overlap resumes. The row that ran on gives the tokens it gives alone."""
+
+    def refuse(module, args):
+        if (args[0] == RARE).any():
+            raise RuntimeError("a kernel failed on this row's token")
+
+    engine, loop = engines.engines[True], asyncio.get_running_loop()
+    alone = (await engines.run_all(False, [GenerationRequest("alone", engines.prompt(PROMPTS[0]), greedy(max_tokens=24), use_session=False)]))[0]
+    hook = engine.model.get_input_embeddings().register_forward_pre_hook(refuse)
+    try:
+        before = engines.launches(True)
+        ok = engine.submit(GenerationRequest("ok", engines.prompt(PROMPTS[0]), greedy(max_tokens=24), use_session=False), loop)
+        outputs, tokens = aiter(ok), []
+        tokens += [t.token_id for t in (await anext(outputs)).tokens]
+        bad = engine.submit(GenerationRequest("bad", engines.prompt(PROMPTS[1]) + [RARE], greedy(max_tokens=4), use_session=False), loop)
+        async for out in outputs:
+            tokens += [t.token_id for t in out.tokens]
+        async for final in bad:
+            pass
+    finally:
+        hook.remove()
+    delta = {k: n - before[k] for k, n in engines.launches(True).items()}
+    assert final.finish_reason == "error" and engine.dead is None
+    assert tokens == alone[0]
+    assert delta["fault"] >= 1 and delta["ahead"] > 0, delta
+
+
 @pytest.mark.parametrize("chosen_on", ["device", "host"])
 def test_a_row_that_draws_from_nan_logits_fails_alone(smollm2, chosen_on):
     """A drawing row whose logits turn NaN (biased to write RARE, on which the model overflows)
