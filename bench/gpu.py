@@ -234,5 +234,6 @@ def shares(steps: dict[str, int], launch: str | None = None) -> str:
     waits = sorted(((n, why) for why, n in steps.items() if why != "ahead" and n), reverse=True)
     return ", ".join(f"{why} {n / total:.2f}" for n, why in waits) or "-"
 
+
 if __name__ == "__main__":
     main()
